@@ -1,0 +1,6 @@
+"""Backends: a cluster server reachable over HTTP, and how the machine running it was obtained."""
+
+from .base import Backend
+from .local import LocalBackend
+
+__all__ = ["Backend", "LocalBackend"]

@@ -1,0 +1,190 @@
+"""`Backend`: the HTTP client of a cluster server. Every backend (local, SSH host, SkyPilot) is this plus a way
+to get the server running; after that they share this one code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import httpx
+from tqdm.auto import tqdm
+
+import art_sky
+from art_sky.errors import (
+    AuthError,
+    BackendUnavailableError,
+    ConfigError,
+    NotFoundError,
+    ServerError,
+    VersionMismatchError,
+)
+from art_sky.settings import settings
+from art_sky.wire import (
+    CheckpointInfo,
+    DeleteCheckpointsRequest,
+    HealthResponse,
+    LogRequest,
+    ModelConfig,
+    ModelInfo,
+    RegisterRequest,
+    TrainConfig,
+    TrainProgress,
+    TrainRequest,
+)
+
+if TYPE_CHECKING:
+    from art_sky.client import Model, TrainableModel, TrajectoryGroup
+
+_RETRIES = 5  # idempotent requests survive a dropped connection (a reconnecting tunnel) this many times
+
+
+class Backend:
+    """Talks to a cluster server at `base_url` with `api_key`. Subclasses start the server in `_start()`."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None):
+        self.base_url = base_url.rstrip("/") if base_url else None
+        self.api_key = api_key
+        self._http: httpx.AsyncClient | None = None
+        self._started = False
+        self._start_lock = asyncio.Lock()
+
+    @property
+    def inference_base_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    async def _start(self) -> None:
+        """Make the server reachable and set base_url and api_key. A plain Backend is given both."""
+        if self.base_url is None or self.api_key is None:
+            raise ConfigError("Backend(base_url=..., api_key=...) needs both, or use LocalBackend / SSHBackend")
+
+    async def _ensure_started(self) -> None:
+        async with self._start_lock:
+            if not self._started:
+                await self._start()
+                await self.check_server()
+                self._started = True
+
+    async def check_server(self) -> HealthResponse:
+        """Health and version: a client and a server of different art-sky versions refuse to work together."""
+        health = HealthResponse.model_validate(await self._request("GET", "/health"))
+        if health.version != art_sky.__version__:
+            raise VersionMismatchError(
+                f"the cluster server runs art-sky {health.version}, this client {art_sky.__version__}: restart the "
+                f"server with this client's build (e.g. `art-sky up --force-restart`) or install art-sky=="
+                f"{health.version} here")
+        return health
+
+    async def health(self) -> HealthResponse:
+        await self._ensure_started()
+        return HealthResponse.model_validate(await self._request("GET", "/health"))
+
+    async def register(self, model: TrainableModel) -> ModelInfo:
+        await self._ensure_started()
+        request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
+                                  config=model.config or ModelConfig())
+        return ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
+                                                            idempotent=True))
+
+    async def model_info(self, model: Model) -> ModelInfo:
+        await self._ensure_started()
+        return ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
+
+    async def log(self, model: Model, split: str, metrics: dict[str, float]) -> None:
+        await self._ensure_started()
+        await self._request("POST", f"/art/models/{model.name}/log",
+                            json=LogRequest(split=split, metrics=metrics).model_dump())
+
+    async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]:
+        await self._ensure_started()
+        return [CheckpointInfo.model_validate(c) for c in
+                await self._request("GET", f"/art/models/{model.name}/checkpoints")]
+
+    async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]:
+        await self._ensure_started()
+        body = DeleteCheckpointsRequest(best_checkpoint_metric=best_checkpoint_metric).model_dump()
+        return [CheckpointInfo.model_validate(c) for c in
+                await self._request("POST", f"/art/models/{model.name}/checkpoints/delete", json=body,
+                                    idempotent=True)]
+
+    async def train(self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: TrainConfig,
+                    verbose: bool = False) -> dict[str, float]:
+        """One training step; progress streams from the server. Returns the step's metrics."""
+        await self._ensure_started()
+        if not groups:
+            raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
+        body = TrainRequest(groups=[g.to_wire() for g in groups], config=config).model_dump_json()
+        bar = tqdm(desc=f"train {model.name}", unit="batch", disable=not verbose)
+        try:
+            async with self._client().stream("POST", f"/art/models/{model.name}/train", content=body,
+                                             headers={"content-type": "application/json"}) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    self._raise_for(response)
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = TrainProgress.model_validate_json(line)
+                    if event.type == "progress":
+                        bar.total = event.total
+                        bar.n = event.done
+                        bar.refresh()
+                    elif event.type == "error":
+                        raise ServerError(500, event.message or "training failed")
+                    else:
+                        return event.metrics | {"step": float(event.step)}
+        except httpx.TransportError as exc:
+            raise BackendUnavailableError(
+                f"connection to the cluster server lost during training ({exc!r}); the server finishes the step "
+                "on its own: check `await model.get_step()` before training again") from exc
+        finally:
+            bar.close()
+        raise BackendUnavailableError("the training stream ended without a result: see the server log")
+
+    async def close(self) -> None:
+        """Close the connection. Subclasses also stop what they started."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        self._started = False
+
+    async def __aenter__(self) -> Backend:
+        await self._ensure_started()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url, headers={"authorization": f"Bearer {self.api_key}"},
+                timeout=httpx.Timeout(settings().request_timeout, connect=30.0))
+        return self._http
+
+    async def _request(self, method: str, path: str, *, json: object = None, idempotent: bool | None = None):
+        """One JSON request; idempotent ones (GET by default) are retried across dropped connections."""
+        retries = _RETRIES if (method == "GET" if idempotent is None else idempotent) else 0
+        for attempt in range(retries + 1):
+            try:
+                response = await self._client().request(method, path, json=json)
+                break
+            except httpx.TransportError as exc:
+                if attempt == retries:
+                    raise BackendUnavailableError(
+                        f"cannot reach the cluster server at {self.base_url} ({exc!r}): is it running and the "
+                        "tunnel up? `art-sky status` tells") from exc
+                await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
+        if response.status_code >= 400:
+            self._raise_for(response)
+        return response.json()
+
+    @staticmethod
+    def _raise_for(response: httpx.Response) -> None:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        kind = {401: AuthError, 404: NotFoundError}.get(response.status_code, ServerError)
+        raise kind(response.status_code, str(detail))

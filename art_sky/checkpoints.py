@@ -1,0 +1,165 @@
+"""The one checkpoint layout, used by the cluster server, the object store and the CLI.
+
+`<root>/<project>/models/<name>/checkpoints/<step:04d>/` holds a PEFT LoRA and `manifest.json` (sha256 and size
+of every file, step, base model, time, metrics). A step is written in a temp dir and renamed into place, so a
+step directory that exists is complete; the manifest is what makes it trustworthy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from art_sky.errors import ArtSkyError
+
+MANIFEST = "manifest.json"
+HISTORY = "history.jsonl"
+
+
+class FileEntry(BaseModel):
+    sha256: str
+    size: int
+
+
+class Manifest(BaseModel):
+    format: int = 1
+    project: str
+    model: str
+    step: int
+    base_model: str
+    created_at: float
+    files: dict[str, FileEntry]
+    metrics: dict[str, float] = {}
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(entry.size for entry in self.files.values())
+
+
+class CorruptCheckpointError(ArtSkyError):
+    """A checkpoint's files do not match its manifest."""
+
+
+def model_dir(root: Path, project: str, name: str) -> Path:
+    return Path(root) / project / "models" / name
+
+
+def step_name(step: int) -> str:
+    return f"{step:04d}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build_manifest(directory: Path, *, project: str, model: str, step: int, base_model: str,
+                   metrics: dict[str, float] | None = None) -> Manifest:
+    files = {
+        path.relative_to(directory).as_posix(): FileEntry(sha256=sha256_file(path), size=path.stat().st_size)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+    return Manifest(project=project, model=model, step=step, base_model=base_model, created_at=time.time(),
+                    files=files, metrics=metrics or {})
+
+
+def read_manifest(step_dir: Path) -> Manifest | None:
+    try:
+        return Manifest.model_validate_json((Path(step_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def verify(step_dir: Path, manifest: Manifest) -> None:
+    """Raise CorruptCheckpointError naming the first file that is missing or differs from the manifest."""
+    for rel, entry in manifest.files.items():
+        path = Path(step_dir) / rel
+        if not path.is_file() or path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
+            raise CorruptCheckpointError(
+                f"checkpoint {step_dir} is corrupt: {rel} does not match its manifest; delete the step to drop it"
+            )
+
+
+class CheckpointDir:
+    """The checkpoints of one model on one filesystem."""
+
+    def __init__(self, root: Path, project: str, name: str):
+        self.project, self.name = project, name
+        self.model_dir = model_dir(root, project, name)
+        self.path = self.model_dir / "checkpoints"
+
+    def step_dir(self, step: int) -> Path:
+        return self.path / step_name(step)
+
+    def steps(self) -> list[int]:
+        """Steps whose directory holds a readable manifest, oldest first."""
+        if not self.path.is_dir():
+            return []
+        found = []
+        for child in self.path.iterdir():
+            if child.is_dir() and child.name.isdigit() and read_manifest(child) is not None:
+                found.append(int(child.name))
+        return sorted(found)
+
+    def manifest(self, step: int) -> Manifest | None:
+        return read_manifest(self.step_dir(step))
+
+    def save(self, step: int, write: Callable[[Path], None], *, base_model: str,
+             metrics: dict[str, float] | None = None) -> Manifest:
+        """`write(tmp_dir)` writes the adapter; the manifest is added and the directory renamed into place."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{step_name(step)}-", dir=self.path))
+        try:
+            write(tmp)
+            manifest = build_manifest(tmp, project=self.project, model=self.name, step=step,
+                                      base_model=base_model, metrics=metrics)
+            (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
+            target = self.step_dir(step)
+            if target.exists():  # a stale copy of the same step (e.g. an interrupted earlier run)
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+            return manifest
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def delete(self, steps: list[int]) -> None:
+        for step in steps:
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    def append_history(self, entry: dict) -> None:
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.model_dir / HISTORY, "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
+    def history(self) -> list[dict]:
+        try:
+            lines = (self.model_dir / HISTORY).read_text().splitlines()
+        except OSError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def steps_to_keep(steps: list[int], history: list[dict], best_metric: str | None, keep_last: int) -> set[int]:
+    """ART's retention: the newest `keep_last` steps and the step with the highest `best_metric` in the history."""
+    keep = set(sorted(steps)[-keep_last:])
+    if best_metric:
+        scores: dict[int, float] = {}
+        for entry in history:
+            for key, value in entry.get("metrics", {}).items():
+                if f"{entry.get('split')}/{key}" == best_metric and entry.get("step") in steps:
+                    scores[entry["step"]] = value
+        if scores:
+            keep.add(max(scores, key=lambda step: (scores[step], step)))
+    return keep

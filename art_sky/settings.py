@@ -1,0 +1,27 @@
+"""Settings from `ART_SKY_*` environment variables and `.env` (see .env.example). Secrets are never logged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ART_SKY_", env_file=".env", extra="ignore")
+
+    cache_dir: Path = Field(Path.home() / ".cache" / "art-sky", description="built models (the tiny model) live here")
+    api_key: SecretStr | None = Field(None, description="the cluster server's API key; generated when unset")
+    server_start_timeout: float = Field(600.0, description="seconds to wait for a cluster server to become healthy")
+    request_timeout: float = Field(600.0, description="seconds for one HTTP request to the cluster server")
+    max_request_bytes: int = Field(64 * 1024 * 1024, description="the server refuses larger request bodies (413)")
+    max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
+    train_microbatch_tokens: int = Field(4096, description="tokens per forward/backward pass; larger batches accumulate")
+    engine: str = Field("auto", description="inference engine: auto | portable")
+    trainer: str = Field("auto", description="trainer: auto | peft")
+
+
+def settings() -> Settings:
+    """Read the settings now (the environment may change between calls, e.g. in tests)."""
+    return Settings()

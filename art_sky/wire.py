@@ -1,0 +1,183 @@
+"""Every message that crosses the wire between client and cluster server.
+
+Both sides import this one module, so a field added here is added everywhere. OpenAI's own pydantic types
+(`openai.types.chat`) describe the inference responses; these models describe art-sky's control API.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainConfig(_Strict):
+    """Hyper-parameters of one `train()` call (ART's names: `learning_rate`, `beta`)."""
+
+    learning_rate: float = Field(5e-6, gt=0, le=1)
+    beta: float = Field(0.0, ge=0, description="weight of KL(ref || policy) against the base model (k3 estimator)")
+    epsilon: float = Field(0.2, gt=0, le=1, description="lower PPO clip: ratio >= 1 - epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="upper PPO clip: ratio <= 1 + epsilon_high (default epsilon)")
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class ModelConfig(_Strict):
+    """LoRA settings of a trainable model, fixed at registration."""
+
+    lora_rank: int = Field(8, ge=1, le=512)
+    lora_alpha: int = Field(16, ge=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = Field(None, description="default: every attention and MLP projection")
+    max_seq_length: int = Field(8192, ge=16)
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    version: str
+    engine: str
+    trainer: str
+    device: str
+    models: list[str] = []
+
+
+class RegisterRequest(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    project: str = Field(pattern=NAME_PATTERN)
+    base_model: str = Field(min_length=1)
+    config: ModelConfig = ModelConfig()
+
+
+class ModelInfo(BaseModel):
+    name: str
+    project: str
+    base_model: str
+    step: int
+    restored_from: str | None = Field(None, description="where the current step's adapter came from, if restored")
+
+
+class WireMessage(_Strict):
+    """A chat message the model did not produce (system, user, tool, or an assistant turn written by hand)."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class WireChoice(_Strict):
+    """An assistant turn the engine sampled: trained on the exact token ids it sampled."""
+
+    kind: Literal["choice"] = "choice"
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    token_ids: list[int] | None = Field(None, description="sampled ids; None when the choice came without logprobs")
+    logprobs: list[float | None] | None = None
+
+    @model_validator(mode="after")
+    def _lengths_match(self) -> WireChoice:
+        if self.token_ids is not None and self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"choice has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        return self
+
+
+class WireTrajectory(_Strict):
+    items: list[WireChoice | WireMessage] = Field(min_length=1)
+    reward: float
+    metrics: dict[str, float] = {}
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("reward")
+    @classmethod
+    def _finite_reward(cls, reward: float) -> float:
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be a finite number, got {reward}: check the rollout's reward function")
+        return reward
+
+
+class WireGroup(_Strict):
+    trajectories: list[WireTrajectory]
+
+    @field_validator("trajectories")
+    @classmethod
+    def _two_or_more(cls, trajectories: list[WireTrajectory]) -> list[WireTrajectory]:
+        if len(trajectories) < 2:
+            raise ValueError(
+                f"a trajectory group needs at least 2 trajectories to compare rewards, got {len(trajectories)}: "
+                "roll out the same scenario several times per group"
+            )
+        return trajectories
+
+
+class TrainRequest(_Strict):
+    groups: list[WireGroup] = Field(min_length=1)
+    config: TrainConfig = TrainConfig()
+
+
+class TrainProgress(BaseModel):
+    """One line of the streamed training response (newline-delimited JSON)."""
+
+    type: Literal["progress", "result", "error"]
+    step: int | None = None
+    done: int = 0
+    total: int = 0
+    metrics: dict[str, float] = {}
+    message: str | None = None
+
+
+class LogRequest(_Strict):
+    split: str = Field("val", pattern=NAME_PATTERN)
+    metrics: dict[str, float]
+
+
+class CheckpointInfo(BaseModel):
+    step: int
+    size_bytes: int
+    created_at: float
+    metrics: dict[str, float] = {}
+
+
+class DeleteCheckpointsRequest(_Strict):
+    """ART's `delete_checkpoints`: keep the newest step and the best by a metric of the history."""
+
+    best_checkpoint_metric: str | None = "val/reward"
+    keep_last: int = Field(1, ge=1)
+
+
+class ErrorResponse(BaseModel):
+    detail: str
+
+
+class ChatCompletionRequest(BaseModel):
+    """The OpenAI chat completion parameters art-sky's engines honour; unknown OpenAI parameters are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False
+    stream: bool = False
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]

@@ -1,0 +1,10 @@
+"""The ART-style user API: code written for ART runs with `import art_sky as art`."""
+
+from art_sky.wire import ModelConfig, TrainConfig
+
+from .gather import TooManyRolloutErrors, gather_trajectory_groups
+from .model import Model, TrainableModel
+from .trajectories import Trajectory, TrajectoryGroup
+
+__all__ = ["Model", "ModelConfig", "TooManyRolloutErrors", "TrainConfig", "TrainableModel", "Trajectory",
+           "TrajectoryGroup", "gather_trajectory_groups"]

@@ -1,0 +1,120 @@
+"""`Model` and `TrainableModel`, with ART's names: register with a backend, sample through OpenAI, train."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from openai import AsyncOpenAI
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+from art_sky.errors import ConfigError
+from art_sky.wire import CheckpointInfo, ModelConfig, TrainConfig
+
+from .trajectories import TrajectoryGroup, summarize
+
+if TYPE_CHECKING:
+    from art_sky.backends.base import Backend
+
+
+class Model(BaseModel):
+    """A model you sample from (any OpenAI-compatible endpoint). `TrainableModel` is the one you train."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    name: str
+    project: str
+    inference_model_name: str | None = None
+    inference_api_key: str | None = None
+    inference_base_url: str | None = None
+    trainable: bool = False
+    _backend: Backend | None = PrivateAttr(None)
+    _openai: AsyncOpenAI | None = PrivateAttr(None)
+
+    async def register(self, backend: Backend) -> None:
+        self._backend = backend
+        self._openai = None
+
+    def openai_client(self) -> AsyncOpenAI:
+        """An AsyncOpenAI client for this model's endpoint and key (one per model, reused)."""
+        if self.inference_base_url is None:
+            raise ConfigError(f"model {self.name!r} has no endpoint yet: `await model.register(backend)` first")
+        if self._openai is None:
+            transport = _TrainingDefaults(httpx.AsyncHTTPTransport()) if self.trainable else None
+            self._openai = AsyncOpenAI(
+                base_url=self.inference_base_url, api_key=self.inference_api_key or "none", max_retries=3,
+                http_client=httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0, connect=30.0)))
+        return self._openai
+
+    def get_inference_name(self) -> str:
+        return self.inference_model_name or self.name
+
+    async def log(self, trajectories: Iterable[TrajectoryGroup], split: str = "val") -> dict[str, float]:
+        """Record the mean reward and metrics of these groups at the current step (history.jsonl on the server)."""
+        metrics = summarize(trajectories)
+        if metrics:
+            await self._require_backend().log(self, split, metrics)
+        return metrics
+
+    def _require_backend(self) -> Backend:
+        if self._backend is None:
+            raise ConfigError(f"model {self.name!r} is not registered: `await model.register(backend)` first")
+        return self._backend
+
+
+class TrainableModel(Model):
+    """A LoRA on `base_model`, served and trained by the backend it is registered with."""
+
+    base_model: str
+    config: ModelConfig | None = None
+    trainable: bool = True
+
+    async def register(self, backend: Backend) -> None:
+        await super().register(backend)
+        await backend.register(self)
+        self.inference_base_url = backend.inference_base_url
+        self.inference_api_key = backend.api_key
+        self.inference_model_name = self.name
+
+    async def get_step(self) -> int:
+        return (await self._require_backend().model_info(self)).step
+
+    async def train(self, trajectory_groups: Iterable[TrajectoryGroup], config: TrainConfig = TrainConfig(),
+                    *, verbose: bool = False) -> dict[str, float]:
+        """One GRPO step on these groups; returns the step's metrics. Inference waits while it trains."""
+        groups = [g for g in trajectory_groups if len(g) > 0]
+        return await self._require_backend().train(self, groups, config, verbose=verbose)
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[CheckpointInfo]:
+        """Keep the newest step and the best by `best_checkpoint_metric`; delete the rest."""
+        return await self._require_backend().delete_checkpoints(self, best_checkpoint_metric)
+
+    async def list_checkpoints(self) -> list[CheckpointInfo]:
+        return await self._require_backend().list_checkpoints(self)
+
+
+class _TrainingDefaults(httpx.AsyncBaseTransport):
+    """Ask for what the trainer needs on every chat completion: logprobs and the sampled token ids.
+
+    A trajectory trains on the exact tokens the engine sampled; without these it could only retokenize text.
+    Values the caller set explicitly are kept.
+    """
+
+    def __init__(self, inner: httpx.AsyncBaseTransport):
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.path.endswith("/chat/completions"):
+            body: dict[str, Any] = json.loads(await request.aread() or b"{}")
+            body.setdefault("logprobs", True)
+            body.setdefault("return_tokens_as_token_ids", True)
+            content = json.dumps(body).encode()
+            headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
+            request = httpx.Request(request.method, request.url, headers=headers + [("content-length",
+                                    str(len(content)))], content=content, extensions=request.extensions)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -1,0 +1,116 @@
+"""One registered model on the server: base weights, the trainable LoRA, tokenizer, step and checkpoints."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, verify
+from art_sky.errors import ConfigError
+from art_sky.settings import Settings
+from art_sky.wire import ModelInfo, RegisterRequest
+
+from .tiny_model import TINY_MODEL_NAME, tiny_model_path
+
+log = logging.getLogger("art_sky.cluster")
+
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER = "default"
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_base_model(base_model: str, settings: Settings) -> str:
+    """`art-sky/tiny`, a local Hugging Face model directory, or a hub id (needs internet on the node)."""
+    if base_model == TINY_MODEL_NAME:
+        return str(tiny_model_path(settings.cache_dir))
+    return base_model
+
+
+def load_base(base_model: str, settings: Settings) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_base_model(base_model, settings)
+    dtype = torch.bfloat16 if device().type == "cuda" else torch.float32
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot load base model {base_model!r}: {exc}. Use {TINY_MODEL_NAME!r}, a local Hugging Face model "
+            "directory, or a hub id on a node with internet access"
+        ) from exc
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"base model {base_model!r} has no chat template; art-sky trains chat models")
+    return model, tokenizer
+
+
+@dataclass
+class ModelState:
+    request: RegisterRequest
+    model: Any  # peft.PeftModel
+    tokenizer: Any
+    checkpoints: CheckpointDir
+    step: int = 0
+    restored_from: str | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.request.name
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids]
+        return {i for i in ids if i is not None} | {self.tokenizer.eos_token_id}
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(name=self.name, project=self.request.project, base_model=self.request.base_model,
+                         step=self.step, restored_from=self.restored_from)
+
+    def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path:
+        self.checkpoints.save(self.step, lambda tmp: self.model.save_pretrained(tmp),
+                              base_model=self.request.base_model, metrics=metrics)
+        return self.checkpoints.step_dir(self.step)
+
+
+def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings) -> ModelState:
+    """Load the base model with a fresh LoRA, or the newest intact checkpoint of this model if there is one."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base, tokenizer = load_base(request.base_model, settings)
+    checkpoints = CheckpointDir(art_path, request.project, request.name)
+    state = None
+    for step in reversed(checkpoints.steps()):
+        manifest = checkpoints.manifest(step)
+        if manifest.base_model != request.base_model:
+            raise ConfigError(
+                f"model {request.name!r} of project {request.project!r} was trained from {manifest.base_model!r}, "
+                f"not {request.base_model!r}: pick another model name or the same base model"
+            )
+        try:
+            verify(checkpoints.step_dir(step), manifest)
+        except CorruptCheckpointError as exc:
+            log.warning("skipping step %d: %s", step, exc)
+            continue
+        model = PeftModel.from_pretrained(base, checkpoints.step_dir(step), adapter_name=ADAPTER, is_trainable=True)
+        state = ModelState(request, model, tokenizer, checkpoints, step=step,
+                           restored_from=str(checkpoints.step_dir(step)))
+        log.info("model %s restored at step %d", request.name, step)
+        break
+    if state is None:
+        cfg = request.config
+        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, task_type="CAUSAL_LM")
+        state = ModelState(request, get_peft_model(base, lora, adapter_name=ADAPTER), tokenizer, checkpoints)
+        state.save_checkpoint()
+    state.model.eval()
+    return state

@@ -1,0 +1,160 @@
+"""The portable inference engine: transformers + the live PEFT adapter, on any device.
+
+It samples with the trainer's own weights, so a finished training step is served at once. Logprobs are the
+model's raw log-softmax (temperature 1, before top-p), the same quantity the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+from openai.types.chat import ChatCompletion
+
+from art_sky.wire import ChatCompletionRequest
+
+from .model_state import ModelState, device
+from .sequences import prompt_ids
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+    finish_reason: str
+
+
+class PortableEngine:
+    name = "portable"
+
+    def __init__(self, max_new_tokens_limit: int):
+        self.max_new_tokens_limit = max_new_tokens_limit
+
+    def max_new_tokens(self, state: ModelState, request: ChatCompletionRequest, prompt_len: int) -> int:
+        """The completion budget, or ValueError (a 400) when the request asks for more than the server allows."""
+        asked = request.max_completion_tokens or request.max_tokens
+        room = state.request.config.max_seq_length - prompt_len
+        if room <= 0:
+            raise ValueError(f"the prompt is {prompt_len} tokens, the model's context is "
+                             f"{state.request.config.max_seq_length}: shorten the conversation")
+        if asked is not None and asked > self.max_new_tokens_limit:
+            raise ValueError(f"max_tokens {asked} exceeds this server's limit {self.max_new_tokens_limit} "
+                             "(ART_SKY_MAX_NEW_TOKENS_LIMIT)")
+        return min(asked or self.max_new_tokens_limit, room)
+
+    def prompt(self, state: ModelState, request: ChatCompletionRequest) -> list[int]:
+        return prompt_ids(state.tokenizer, request.messages, request.tools)
+
+    def complete(self, state: ModelState, request: ChatCompletionRequest) -> ChatCompletion:
+        """Blocking: run it off the event loop, under the server's model lock."""
+        ids = self.prompt(state, request)
+        budget = self.max_new_tokens(state, request, len(ids))
+        samples = self._sample(state, ids, request, budget)
+        return self._response(state, request, len(ids), samples)
+
+    @torch.inference_mode()
+    def _sample(self, state: ModelState, prompt: list[int], request: ChatCompletionRequest, budget: int) -> list[Sample]:
+        n, dev = request.n, device()
+        generator = torch.Generator(device=dev)
+        generator.manual_seed(request.seed if request.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6]))
+        top_k = request.top_logprobs or 0
+        stops, eos = request.stop_strings, state.eos_token_ids
+        out = state.model(input_ids=torch.tensor([prompt] * n, device=dev), use_cache=True)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
+        finish = [None] * n
+        for _ in range(budget):
+            logits = out.logits[:, -1, :].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = self._choose(logits, request, generator)
+            for row in range(n):
+                if finish[row] is not None:
+                    continue
+                token = int(chosen[row])
+                tokens[row].append(token)
+                logps[row].append(float(logprobs[row, token]))
+                if top_k:
+                    values, indices = logprobs[row].topk(top_k)
+                    tops[row].append(list(zip(indices.tolist(), values.tolist())))
+                if token in eos:
+                    finish[row] = "stop"
+                elif stops and any(s in state.tokenizer.decode(tokens[row]) for s in stops):
+                    finish[row] = "stop"
+            if all(f is not None for f in finish):
+                break
+            out = state.model(input_ids=chosen[:, None], past_key_values=out.past_key_values, use_cache=True)
+        return [Sample(tokens[r], logps[r], tops[r], finish[r] or "length") for r in range(n)]
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, request: ChatCompletionRequest, generator: torch.Generator) -> torch.Tensor:
+        if request.temperature == 0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits / request.temperature, dim=-1)
+        if request.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            outside = sorted_probs.cumsum(dim=-1) - sorted_probs > request.top_p
+            sorted_probs[outside] = 0.0
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    def _response(self, state: ModelState, request: ChatCompletionRequest, prompt_len: int,
+                  samples: list[Sample]) -> ChatCompletion:
+        tokenizer = state.tokenizer
+        choices = []
+        for index, sample in enumerate(samples):
+            text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+            for stop in request.stop_strings:
+                if stop in text:
+                    text = text[: text.index(stop)]
+            message: dict = {"role": "assistant", "content": text}
+            finish = sample.finish_reason
+            calls = _tool_calls(text) if request.tools else []
+            if calls:
+                message["content"] = _TOOL_CALL.sub("", text).strip() or None
+                message["tool_calls"] = calls
+                finish = "tool_calls"
+            choice: dict = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+            if request.logprobs:
+                choice["logprobs"] = {"content": [
+                    self._token_logprob(tokenizer, token, logprob, request.return_tokens_as_token_ids,
+                                        sample.top[i] if sample.top else [])
+                    for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs))
+                ]}
+            choices.append(choice)
+        completion_tokens = sum(len(s.token_ids) for s in samples)
+        return ChatCompletion.model_validate({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": request.model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_len + completion_tokens},
+        })
+
+    @staticmethod
+    def _token_logprob(tokenizer, token: int, logprob: float, as_ids: bool, top: list[tuple[int, float]]) -> dict:
+        def entry(t: int, lp: float) -> dict:
+            text = tokenizer.decode([t], skip_special_tokens=False)
+            return {"token": f"token_id:{t}" if as_ids else text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+
+
+def _tool_calls(text: str) -> list[dict]:
+    """Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, as OpenAI tool calls."""
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            body = json.loads(match.group(1))
+            name, arguments = body["name"], body.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": str(name), "arguments": json.dumps(arguments)}})
+    return calls

@@ -1,0 +1,264 @@
+"""The cluster server: art-sky's control API and an OpenAI-compatible endpoint, one FastAPI app.
+
+Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key.
+One lock serialises the device between inference and training, ART's semantics: while a model trains,
+completions wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from jinja2 import TemplateError
+
+import art_sky
+from art_sky.checkpoints import steps_to_keep
+from art_sky.errors import ConfigError, TokenizationError
+from art_sky.settings import Settings
+from art_sky.wire import (
+    ChatCompletionRequest,
+    CheckpointInfo,
+    DeleteCheckpointsRequest,
+    HealthResponse,
+    LogRequest,
+    ModelInfo,
+    RegisterRequest,
+    TrainProgress,
+    TrainRequest,
+)
+
+from .grpo import group_advantages
+from .model_state import ModelState, create_model_state, device
+from .peft_trainer import PeftTrainer
+from .portable_engine import PortableEngine
+from .sequences import Sequence, tokenize_trajectory
+
+log = logging.getLogger("art_sky.cluster")
+
+
+def select_engine(settings: Settings) -> PortableEngine:
+    if settings.engine not in ("auto", "portable"):
+        raise ConfigError(f"unknown engine {settings.engine!r} (ART_SKY_ENGINE): use auto or portable")
+    return PortableEngine(settings.max_new_tokens_limit)
+
+
+def select_trainer(settings: Settings) -> PeftTrainer:
+    if settings.trainer not in ("auto", "peft"):
+        raise ConfigError(f"unknown trainer {settings.trainer!r} (ART_SKY_TRAINER): use auto or peft")
+    return PeftTrainer(settings.train_microbatch_tokens)
+
+
+class BodySizeLimit:
+    """Refuse request bodies over the limit with 413 before reading them whole."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.limit:
+            return await self._refuse(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send):
+        response = JSONResponse(
+            {"detail": f"request body is larger than the server's limit of {self.limit} bytes "
+                       "(ART_SKY_MAX_REQUEST_BYTES): send fewer trajectory groups per request"},
+            status_code=413)
+        await response({"type": "http"}, None, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    engine, trainer = select_engine(settings), select_trainer(settings)
+    states: dict[str, ModelState] = {}
+    lock = asyncio.Lock()
+    background: set[asyncio.Task] = set()
+    bearer = HTTPBearer(auto_error=False)
+
+    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
+            raise HTTPException(401, "missing or wrong API key: send the server's key as a bearer token "
+                                     "(model.openai_client() and the backends do this for you)")
+
+    app = FastAPI(title="art-sky cluster server", version=art_sky.__version__)
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    guarded = [Depends(authorized)]
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        return JSONResponse({"detail": f"invalid request: {problems}"}, status_code=422)
+
+    def model(name: str) -> ModelState:
+        if name not in states:
+            raise HTTPException(404, f"model {name!r} is not registered on this server (registered: "
+                                     f"{sorted(states) or 'none'}): call `await model.register(backend)` first")
+        return states[name]
+
+    @app.get("/health")
+    async def health() -> HealthResponse:
+        return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
+                              device=str(device()), models=sorted(states))
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def list_models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "art-sky"} for name in sorted(states)]}
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest) -> dict:
+        if body.stream:
+            raise HTTPException(400, "stream=True is not supported by the portable engine: request without "
+                                     "streaming")
+        state = model(body.model)
+        async with lock:
+            try:
+                completion = await asyncio.to_thread(engine.complete, state, body)
+            except (ValueError, TemplateError) as exc:
+                raise HTTPException(400, str(exc)) from exc
+        return completion.model_dump(exclude_none=True)
+
+    @app.post("/art/models", dependencies=guarded)
+    async def register(body: RegisterRequest) -> ModelInfo:
+        async with lock:
+            if body.name in states:
+                existing = states[body.name].request
+                if (existing.project, existing.base_model) != (body.project, body.base_model):
+                    raise HTTPException(409, f"model {body.name!r} is already registered with project "
+                                             f"{existing.project!r} and base model {existing.base_model!r}")
+                return states[body.name].info()
+            try:
+                states[body.name] = await asyncio.to_thread(create_model_state, body, art_path, settings)
+            except ConfigError as exc:
+                raise HTTPException(422, str(exc)) from exc
+        log.info("registered %s (%s) at step %d", body.name, body.base_model, states[body.name].step)
+        return states[body.name].info()
+
+    @app.get("/art/models/{name}", dependencies=guarded)
+    async def model_info(name: str) -> ModelInfo:
+        return model(name).info()
+
+    @app.post("/art/models/{name}/train", dependencies=guarded)
+    async def train(name: str, body: TrainRequest) -> StreamingResponse:
+        state = model(name)
+        try:
+            sequences, skipped, summary = _prepare(state, body)
+        except TokenizationError as exc:
+            raise HTTPException(422, f"invalid trajectory: {exc}") from exc
+        queue: asyncio.Queue[TrainProgress] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def progress(done: int, total: int) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, TrainProgress(type="progress", done=done, total=total))
+
+        def step() -> dict[str, float]:
+            metrics = trainer.train(state, sequences, body.config, progress) if sequences else {}
+            metrics |= summary | {"num_groups_skipped": float(skipped)}
+            state.step += 1
+            state.save_checkpoint(metrics)
+            state.checkpoints.append_history({"step": state.step, "split": "train", "metrics": metrics,
+                                              "time": time.time()})
+            return metrics
+
+        async def run() -> None:
+            async with lock:
+                try:
+                    metrics = await asyncio.to_thread(step)
+                except Exception as exc:  # reported to the client; the server keeps serving
+                    log.exception("training %s failed", name)
+                    await queue.put(TrainProgress(type="error", message=f"training failed: {exc}"))
+                    return
+            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics))
+
+        task = asyncio.create_task(run())  # runs to the end even if the client goes away
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+        async def lines():
+            while True:
+                item = await queue.get()
+                yield item.model_dump_json(exclude_none=True) + "\n"
+                if item.type != "progress":
+                    return
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/art/models/{name}/log", dependencies=guarded)
+    async def log_metrics(name: str, body: LogRequest) -> dict:
+        state = model(name)
+        entry = {"step": state.step, "split": body.split, "metrics": body.metrics, "time": time.time()}
+        state.checkpoints.append_history(entry)
+        return entry
+
+    @app.get("/art/models/{name}/checkpoints", dependencies=guarded)
+    async def checkpoints(name: str) -> list[CheckpointInfo]:
+        store = model(name).checkpoints
+        return [_checkpoint_info(store, step) for step in store.steps()]
+
+    @app.post("/art/models/{name}/checkpoints/delete", dependencies=guarded)
+    async def delete_checkpoints(name: str, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
+        state = model(name)
+        async with lock:
+            steps = state.checkpoints.steps()
+            keep = steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last)
+            keep.add(state.step)  # the adapter being served and trained stays
+            state.checkpoints.delete([s for s in steps if s not in keep])
+        return [_checkpoint_info(state.checkpoints, step) for step in state.checkpoints.steps()]
+
+    return app
+
+
+def _checkpoint_info(store, step: int) -> CheckpointInfo:
+    manifest = store.manifest(step)
+    return CheckpointInfo(step=step, size_bytes=manifest.size_bytes, created_at=manifest.created_at,
+                          metrics=manifest.metrics)
+
+
+def _prepare(state: ModelState, body: TrainRequest) -> tuple[list[Sequence], int, dict[str, float]]:
+    """Tokenize every trajectory (so bad input fails before training), keep those with an advantage."""
+    sequences, skipped, rewards = [], 0, []
+    metric_sums: dict[str, list[float]] = {}
+    for group in body.groups:
+        group_rewards = [t.reward for t in group.trajectories]
+        rewards += group_rewards
+        advantages = group_advantages(group_rewards)
+        skipped += advantages is None
+        for trajectory, advantage in zip(group.trajectories, advantages or [0.0] * len(group_rewards)):
+            for key, value in trajectory.metrics.items():
+                metric_sums.setdefault(key, []).append(value)
+            sequence = tokenize_trajectory(state.tokenizer, trajectory, advantage,
+                                           state.request.config.max_seq_length)
+            if advantage != 0.0:
+                sequences.append(sequence)
+    summary = {"reward": sum(rewards) / len(rewards), "num_groups": float(len(body.groups)),
+               "num_trajectories": float(len(rewards))}
+    summary |= {key: sum(values) / len(values) for key, values in metric_sums.items() if key not in summary}
+    return sequences, skipped, summary
