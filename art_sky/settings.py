@@ -17,6 +17,7 @@ class Settings(BaseSettings):
     request_timeout: float = Field(600.0, description="seconds for one HTTP request to the cluster server")
     max_request_bytes: int = Field(64 * 1024 * 1024, description="the server refuses larger request bodies (413)")
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
+    max_batch_rows: int = Field(64, description="completions the portable engine samples together in one batch")
     train_microbatch_tokens: int = Field(4096, description="tokens per forward/backward pass; larger batches accumulate")
     engine: str = Field("auto", description="inference engine: auto | portable")
     trainer: str = Field("auto", description="trainer: auto | peft")
