@@ -14,6 +14,7 @@ import json
 import shlex
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -52,6 +53,12 @@ class BootstrapOptions(BaseModel):
             if not key.isidentifier() or "\n" in item:
                 raise ConfigError(f"environment variable {key!r}: names must be identifiers and values one line")
         return value
+
+
+class ServerStatus(BaseModel):
+    state: Literal["listening", "starting", "stopped"]
+    port: int | None = None
+    pid: int | None = None
 
 
 class RemoteServer(BaseModel):
@@ -116,14 +123,12 @@ echo $! >run/server.pid
     env = options.env | {"ART_SKY_API_KEY": api_key}
     session.run(script, timeout=60, stdin="".join(f"{k}={v}\n" for k, v in env.items()).encode() + b"\n")
     deadline = time.monotonic() + timeout
-    probe = (f"{_ALIVE}cd {q(remote_dir)} && if [ -f run/port.json ]; then cat run/port.json; "
-             "elif alive \"$(cat run/server.pid)\"; then echo starting; else echo exited; fi")
     while True:
-        state = session.run(probe, timeout=30).stdout.strip()
-        if state.startswith("{"):
-            found = json.loads(state)
-            return RemoteServer(remote_dir=remote_dir, port=found["port"], pid=found["pid"])
-        if state == "exited":
+        status = server_status(session, remote_dir)
+        if status.state == "listening":
+            assert status.port is not None and status.pid is not None
+            return RemoteServer(remote_dir=remote_dir, port=status.port, pid=status.pid)
+        if status.state == "stopped":
             raise BackendUnavailableError(
                 f"the cluster server on {session.target} exited before it was listening. Last lines of "
                 f"{remote_dir}/run/server.log:\n{server_log(session, remote_dir)}")
@@ -134,11 +139,25 @@ echo $! >run/server.pid
         time.sleep(0.5)
 
 
-def not_healthy(session: SSHSession, remote_dir: str, timeout: float, log_tail: str) -> BackendUnavailableError:
+def server_status(session: SSHSession, remote_dir: str) -> ServerStatus:
+    """Is a server started from `remote_dir` running, and on which port?"""
+    probe = (f"{_ALIVE}cd {shlex.quote(remote_dir)} 2>/dev/null || {{ echo stopped; exit 0; }}\n"
+             "pid=$(cat run/server.pid 2>/dev/null) && alive \"$pid\" || { echo stopped; exit 0; }\n"
+             "cat run/port.json 2>/dev/null || echo starting")
+    state = session.run(probe, timeout=30).stdout.strip()
+    if state.startswith("{"):
+        found = json.loads(state)
+        return ServerStatus(state="listening", port=found["port"], pid=found["pid"])
+    return ServerStatus(state="starting" if state == "starting" else "stopped")
+
+
+def not_healthy(session: SSHSession, remote_dir: str, timeout: float, log_tail: str,
+                stopped: bool = True) -> BackendUnavailableError:
     """The error for a server that did not get healthy in time (also raised by a backend's health wait)."""
+    what = "it was stopped" if stopped else "restart it with `art-sky up --force-restart`"
     return BackendUnavailableError(
         f"the cluster server on {session.target} was not healthy within {timeout:.0f}s "
-        f"(ART_SKY_SERVER_START_TIMEOUT); it was stopped. Last lines of {remote_dir}/run/server.log:\n{log_tail}")
+        f"(ART_SKY_SERVER_START_TIMEOUT); {what}. Last lines of {remote_dir}/run/server.log:\n{log_tail}")
 
 
 def stop_server(session: SSHSession, remote_dir: str, grace: float = 15.0) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from art_sky import bootstrap
+from art_sky import bootstrap, clusters
 from art_sky.bootstrap import BootstrapOptions, RemoteServer
 from art_sky.errors import ConfigError
 from art_sky.provisioners import SSHTarget
@@ -25,6 +25,8 @@ from art_sky.tunnel import Tunnel
 from art_sky.wheel import build_wheel
 
 from .base import Backend
+
+_ATTACH_TIMEOUT = 30.0
 
 
 def parse_host(spec: str, key_path: str | Path | None = None) -> SSHTarget:
@@ -57,6 +59,22 @@ class SSHBackend(Backend):
         self.tunnel: Tunnel | None = None
         self._api_key = api_key
 
+    @classmethod
+    def attach(cls, name: str, *, local_port: int = 0) -> SSHBackend:
+        """The server `art-sky up` started as cluster `name`: only a tunnel is opened; close() leaves it running."""
+        record = clusters.load(name)
+        backend = cls(record.target, local_port=local_port, keep_server=True,
+                      api_key=record.api_key.get_secret_value())
+        backend.server = RemoteServer(remote_dir=record.remote_dir, port=record.port, pid=record.pid)
+        return backend
+
+    def record(self, name: str) -> clusters.ClusterRecord:
+        """What `art-sky up` saves about this backend's running server."""
+        if self.target is None or self.server is None or self.api_key is None:
+            raise ConfigError("no server started yet: `await backend.health()` starts it")
+        return clusters.ClusterRecord(name=name, target=self.target, remote_dir=self.server.remote_dir,
+                                      port=self.server.port, pid=self.server.pid, api_key=self.api_key)
+
     async def _provision(self) -> SSHTarget:
         """The machine to bootstrap. Subclasses (SkyPilot) obtain one here."""
         if self.target is None:
@@ -67,16 +85,20 @@ class SSHBackend(Backend):
         self.target = await self._provision()
         self.api_key = self._api_key or (settings().api_key.get_secret_value() if settings().api_key
                                          else secrets.token_urlsafe(32))
-        timeout = settings().server_start_timeout
+        started_here = self.server is None
+        # A server we start may load weights for minutes; one we attach to answers at once or is broken.
+        timeout = settings().server_start_timeout if started_here else _ATTACH_TIMEOUT
         deadline = time.monotonic() + timeout
         try:
-            self.server = await asyncio.to_thread(self._bootstrap, timeout)
+            if started_here:
+                self.server = await asyncio.to_thread(self._bootstrap, timeout)
+            assert self.server is not None
             self.tunnel = Tunnel(self.target, self.server.port, local_port=self.local_port)
             await asyncio.to_thread(self.tunnel.start)
             self.base_url = self.tunnel.base_url
-            await self._wait_healthy(deadline, timeout)
+            await self._wait_healthy(deadline, timeout, started_here)
         except BaseException:
-            await self._shutdown(stop_server=True)  # a half-started server is of no use to anyone
+            await self._shutdown(stop_server=started_here)  # a half-started server is of no use to anyone
             raise
 
     def _bootstrap(self, timeout: float) -> RemoteServer:
@@ -85,7 +107,7 @@ class SSHBackend(Backend):
             remote_dir, python = bootstrap.install(session, build_wheel(Path(tmp)), self.options)
             return bootstrap.start_server(session, remote_dir, python, self.api_key or "", self.options, timeout)
 
-    async def _wait_healthy(self, deadline: float, timeout: float) -> None:
+    async def _wait_healthy(self, deadline: float, timeout: float, stopping: bool) -> None:
         """The port file exists once the socket is bound; /health through the tunnel says it serves."""
         async with httpx.AsyncClient() as probe:
             while time.monotonic() < deadline:
@@ -95,13 +117,13 @@ class SSHBackend(Backend):
                 except httpx.TransportError:
                     pass
                 await asyncio.sleep(0.3)
-        raise await asyncio.to_thread(self._not_healthy, timeout)
+        raise await asyncio.to_thread(self._not_healthy, timeout, stopping)
 
-    def _not_healthy(self, timeout: float) -> Exception:
+    def _not_healthy(self, timeout: float, stopping: bool) -> Exception:
         assert self.target is not None and self.server is not None
         with SSHSession(self.target) as session:
             return bootstrap.not_healthy(session, self.server.remote_dir, timeout,
-                                         bootstrap.server_log(session, self.server.remote_dir))
+                                         bootstrap.server_log(session, self.server.remote_dir), stopping)
 
     def logs(self, lines: int = 30) -> str:
         """The last lines of the remote server's log (blocking: call it from a thread in async code)."""
