@@ -35,7 +35,7 @@ class BootstrapOptions(BaseModel):
                                                  "dependencies; the venv step is skipped")
     venv_python: str = Field("python3", description="interpreter that creates the venv when `python` is unset")
     system_site_packages: bool = Field(False, description="the venv sees the host's packages (a preinstalled torch)")
-    extras: str = Field("cluster", description="art-sky extras installed in the venv: cluster or gpu")
+    extras: Literal["cluster", "gpu"] = Field("cluster", description="art-sky extras installed in the venv")
     port: int = Field(0, description="the server's port on the remote machine; 0 picks a free one")
     art_path: str = Field("art", description="checkpoint root, relative to remote_dir unless absolute")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of the server (ART_SKY_*, "
@@ -91,8 +91,8 @@ def install(session: SSHSession, wheel: Path, options: BootstrapOptions) -> tupl
     if options.python is None:
         site = " --system-site-packages" if options.system_site_packages else ""
         steps += [f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
-                  f"venv/bin/python -m pip install --quiet --disable-pip-version-check "
-                  f"{q(f'{remote_wheel}[{options.extras}]')}"]
+                  (f"venv/bin/python -m pip install --quiet --disable-pip-version-check "
+                   f"{q(f'{remote_wheel}[{options.extras}]')}")]
     steps.append(f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "
                  f"--target lib {q(remote_wheel)}")
     session.run(f"set -e\ncd {q(remote_dir)}\n" + "\n".join(steps), timeout=settings().remote_install_timeout)

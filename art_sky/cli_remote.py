@@ -10,6 +10,7 @@ import asyncio
 import functools
 import os
 import shlex
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -24,6 +25,13 @@ from art_sky.errors import ArtSkyError, ConfigError
 from art_sky.ssh import SSHSession
 
 console = Console()
+
+
+class Extras(str, Enum):
+    cluster = "cluster"
+    gpu = "gpu"
+
+
 NAME = typer.Option("default", "--name", "-n", help="the cluster's name (its record: ~/.art-sky/clusters/NAME.json)")
 
 
@@ -35,7 +43,8 @@ def up(
                                                 "dependencies of art-sky's cluster extra: skips venv and installs"),
     venv_python: str = typer.Option("python3", help="interpreter on the host that creates the venv"),
     system_site_packages: bool = typer.Option(False, help="the venv sees the host's packages (a preinstalled torch)"),
-    extras: str = typer.Option("cluster", help="extras installed in the venv: cluster, or gpu for vLLM + Unsloth"),
+    extras: Extras = typer.Option(Extras.cluster, help="extras installed in the venv: cluster, or gpu for vLLM "
+                                                       "and Unsloth"),
     remote_dir: str = typer.Option(".art-sky/server", help="working directory on the host (relative: under home)"),
     port: int = typer.Option(0, help="the server's port on the host (it binds 127.0.0.1 only); 0 picks a free one"),
     force_restart: bool = typer.Option(False, help="restart the server even if one is up with this version"),
@@ -51,7 +60,7 @@ def up(
             console.print(f"cluster {name!r} is already up (same version); --force-restart restarts it")
             return
     options = BootstrapOptions(remote_dir=remote_dir, python=python, venv_python=venv_python,
-                               system_site_packages=system_site_packages, extras=extras, port=port)
+                               system_site_packages=system_site_packages, extras=extras.value, port=port)
     backend = SSHBackend(target, options=options, keep_server=True)
 
     async def start() -> clusters.ClusterRecord:

@@ -42,7 +42,7 @@ def _build_from_source(source: Path, dest: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
         result = subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir",
-             tmp, str(source)], capture_output=True, text=True, timeout=300)
+             tmp, str(source)], check=False, capture_output=True, text=True, timeout=300)
         wheels = list(Path(tmp).glob("art_sky-*.whl"))
         if result.returncode != 0 or len(wheels) != 1:
             raise ConfigError(f"building the art-sky wheel from {source} failed (the cluster needs this client's "
