@@ -37,38 +37,41 @@ def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClie
     SkyPilot's own ssh config does.
     """
     timeout = settings().ssh_connect_timeout if timeout is None else timeout
-    client = paramiko.SSHClient()
-    client.load_system_host_keys()
-    if target.proxy_command is None:
-        known_hosts = _known_hosts_file()
-        client.load_host_keys(str(known_hosts))  # AutoAddPolicy saves new keys here
-    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-    sock = paramiko.ProxyCommand(_expand_proxy_command(target)) if target.proxy_command else None
     key = str(target.key_path.expanduser()) if target.key_path else None
     if key is not None and not Path(key).is_file():
         raise SSHError(f"SSH key {key} for {target} does not exist: pass the private key file with --key")
+    client = paramiko.SSHClient()
+    client.load_system_host_keys()
+    if target.proxy_command is None:
+        client.load_host_keys(str(_known_hosts_file()))  # AutoAddPolicy saves new keys here
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    sock = paramiko.ProxyCommand(_expand_proxy_command(target)) if target.proxy_command else None
     try:
         client.connect(target.host, port=target.port, username=target.user, key_filename=key, timeout=timeout,
                        banner_timeout=timeout, auth_timeout=timeout, channel_timeout=timeout, sock=sock,
                        allow_agent=key is None, look_for_keys=key is None)
-    except paramiko.BadHostKeyException as exc:
-        client.close()
-        raise SSHError(f"the host key of {target} changed since art-sky first connected: if the host was "
-                       f"reinstalled, delete its line from {_known_hosts_file()} and retry; otherwise someone "
-                       "may be intercepting the connection") from exc
-    except paramiko.AuthenticationException as exc:
-        client.close()
-        raise SSHError(f"{target} refused the login ({exc}): check the user and that the key "
-                       f"{key or '(agent / ~/.ssh defaults)'} is in the host's ~/.ssh/authorized_keys") from exc
     except (OSError, paramiko.SSHException, EOFError) as exc:
         client.close()
-        via = f" via ProxyCommand {target.proxy_command!r}" if target.proxy_command else ""
-        raise SSHError(f"cannot reach {target}{via} within {timeout:.0f}s ({exc!r}): check the host, port and "
-                       "that sshd runs there (ART_SKY_SSH_CONNECT_TIMEOUT sets the wait)") from exc
+        if sock is not None:
+            sock.close()  # ends the proxy process
+        raise _connect_error(target, key, timeout, exc) from exc
     transport = client.get_transport()
     assert transport is not None  # connect() succeeded
     transport.set_keepalive(15)
     return client
+
+
+def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exception) -> SSHError:
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return SSHError(f"the host key of {target} changed since art-sky first connected: if the host was "
+                        f"reinstalled, delete its line from {_known_hosts_file()} and retry; otherwise someone "
+                        "may be intercepting the connection")
+    if isinstance(exc, paramiko.AuthenticationException):
+        return SSHError(f"{target} refused the login ({exc}): check the user and that the key "
+                        f"{key or '(agent / ~/.ssh defaults)'} is in the host's ~/.ssh/authorized_keys")
+    via = f" via ProxyCommand {target.proxy_command!r}" if target.proxy_command else ""
+    return SSHError(f"cannot reach {target}{via} within {timeout:.0f}s ({exc!r}): check the host, port and that "
+                    "sshd runs there (ART_SKY_SSH_CONNECT_TIMEOUT sets the wait)")
 
 
 class SSHSession:

@@ -11,6 +11,7 @@ import logging
 import select
 import socket
 import threading
+import time
 
 import paramiko
 
@@ -25,8 +26,10 @@ class Tunnel:
     """Forward 127.0.0.1:`local_port` (0 picks a free one) to `remote_host`:`remote_port` as seen by `target`."""
 
     def __init__(self, target: SSHTarget, remote_port: int, *, local_port: int = 0,
-                 remote_host: str = "127.0.0.1", reconnect_wait: float = 60.0, max_backoff: float = 30.0):
+                 remote_host: str = "127.0.0.1", keepalive: float = 15.0, reconnect_wait: float = 60.0,
+                 max_backoff: float = 30.0):
         self.target = target
+        self.keepalive = keepalive  # seconds between liveness probes, and the wait for each answer
         self.remote = (remote_host, remote_port)
         self.reconnect_wait = reconnect_wait
         self.max_backoff = max_backoff
@@ -105,9 +108,16 @@ class Tunnel:
         self._up.set()
 
     def _watchdog(self) -> None:
-        """Reconnect with exponential backoff whenever the SSH connection is found dead."""
+        """Reconnect with exponential backoff whenever the SSH connection is found dead or silent."""
         delay = 0.5
+        next_probe = time.monotonic() + self.keepalive
         while not self._closed.wait(0.5):
+            if self.connected and time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + self.keepalive
+                if not self._answers(self.keepalive) and not self._closed.is_set():
+                    log.warning("%s did not answer a keepalive within %.0fs; dropping the connection",
+                                self.target, self.keepalive)
+                    self._client.close()
             if self.connected:
                 continue
             self._up.clear()
@@ -124,6 +134,21 @@ class Tunnel:
                 delay = 0.5
                 log.info("SSH connection to %s re-established", self.target)
                 break
+
+    def _answers(self, timeout: float) -> bool:
+        """Does the server answer a request? A connection whose peer vanished (laptop asleep, network changed)
+        stays open for TCP's many minutes; no answer is how it is found."""
+        transport = self._client.get_transport() if self._client else None
+        answered = threading.Event()
+
+        def ask() -> None:
+            try:
+                transport.global_request("keepalive@openssh.com", wait=True)
+            finally:
+                answered.set()  # an error means a dead transport, which `connected` reports
+
+        threading.Thread(target=ask, daemon=True, name="art-sky-tunnel-keepalive").start()
+        return answered.wait(timeout)
 
     def _accept_loop(self) -> None:
         assert self._listener is not None

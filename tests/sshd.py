@@ -97,6 +97,18 @@ LogLevel ERROR
             os.kill(pid, signal.SIGKILL)
         return len(pids)
 
+    def freeze_connections(self) -> list[int]:
+        """SIGSTOP the processes serving connections: the peer goes silent, TCP stays up (a sleeping laptop's
+        view of a vanished network). SIGKILL the returned pids when done."""
+        pids, todo = [], self.children()
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            todo += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import socketserver
 import threading
@@ -62,6 +64,22 @@ def test_reconnects_after_the_connection_drops(sshd, echo_port, art_sky_home):  
             time.sleep(0.1)
         assert tunnel.reconnects == 1
         assert roundtrip(tunnel.local_port, b"again") == b"AGAIN"
+
+
+def test_reconnects_when_the_server_goes_silent(sshd, echo_port, art_sky_home):  # noqa: F811
+    with Tunnel(sshd.target(), echo_port, keepalive=1.0) as tunnel:
+        assert roundtrip(tunnel.local_port) == b"HELLO"
+        frozen = sshd.freeze_connections()
+        try:
+            assert frozen
+            deadline = time.monotonic() + 15
+            while tunnel.reconnects == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert tunnel.reconnects == 1
+            assert roundtrip(tunnel.local_port, b"awake") == b"AWAKE"
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_through_a_proxy_command(sshd, echo_port, art_sky_home):  # noqa: F811
