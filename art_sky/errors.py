@@ -34,5 +34,9 @@ class BackendUnavailableError(ArtSkyError):
     """The server could not be started or reached (dead process, dead tunnel, timeout)."""
 
 
+class SSHError(BackendUnavailableError):
+    """An SSH connection, login, remote command or file transfer failed."""
+
+
 class TokenizationError(ArtSkyError):
     """A trajectory cannot be turned into training tokens (e.g. a choice without sampled token ids)."""

@@ -18,6 +18,9 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(64 * 1024 * 1024, description="the server refuses larger request bodies (413)")
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
     train_microbatch_tokens: int = Field(4096, description="tokens per forward/backward pass; larger batches accumulate")
+    home: Path = Field(Path.home() / ".art-sky", description="art-sky's own state: cluster records, SSH host keys")
+    ssh_connect_timeout: float = Field(20.0, description="seconds to open an SSH connection (TCP, handshake, login)")
+    remote_install_timeout: float = Field(1800.0, description="seconds for the remote venv and pip install step")
     engine: str = Field("auto", description="inference engine: auto | portable")
     trainer: str = Field("auto", description="trainer: auto | peft")
 
