@@ -33,6 +33,7 @@ class ClusterSpec(BaseModel):
     autostop_minutes: int | None = Field(60, description="tear the cluster down after this many idle minutes; "
                                                          "None keeps it up")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the server (ART_SKY_*)")
+    secrets: dict[str, str] = Field(default_factory=dict, description="environment SkyPilot redacts (store keys)")
     python: str | None = Field(None, description="a Python on the cluster with art-sky installed: skip the install")
     version: str | None = Field(None, description="install art-sky==version from PyPI instead of a shipped wheel")
     wheel: Path | None = Field(None, description="the art-sky wheel to ship and install")
@@ -95,7 +96,7 @@ def render_task(spec: ClusterSpec, api_key: SecretStr) -> dict[str, Any]:
         envs["ART_SKY_WHEEL"] = spec.wheel.name
         config.setdefault("file_mounts", {})[f"{WHEEL_DIR}/{spec.wheel.name}"] = str(spec.wheel)
     envs.update(spec.env)
-    config["secrets"] = (config.get("secrets") or {}) | {"ART_SKY_API_KEY": api_key.get_secret_value()}
+    config["secrets"] = (config.get("secrets") or {}) | spec.secrets | {"ART_SKY_API_KEY": api_key.get_secret_value()}
     return _merge(config, spec.overrides)
 
 
