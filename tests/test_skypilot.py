@@ -4,7 +4,10 @@ machine (tests/slurm_harness.py). One cluster serves the whole module (a launch 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import secrets
+import subprocess
 import sys
 
 import paramiko
@@ -49,6 +52,35 @@ async def server_jobs() -> list[dict]:
     return [j for j in jobs if j["job_name"] == provisioner.SERVER_JOB]
 
 
+def test_the_ssh_entry_skypilot_writes_becomes_a_target():
+    entry = """# Added by sky
+Host c1
+  HostName 127.0.0.1
+  User root
+  IdentityFile ~/.sky/generated/ssh-keys/c1.key
+  IdentitiesOnly yes
+  Port 22
+  SetEnv SKY_CLUSTER_NAME=c1-fcd1e5cf
+  ProxyCommand /venv/bin/python /sky/templates/websocket_proxy.py http://127.0.0.1:46580 c1 slurm-job-ssh-proxy 0
+"""
+    target = provisioner.parse_ssh_config(entry, "c1")
+    assert (target.host, target.port, target.user) == ("127.0.0.1", 22, "root")
+    assert str(target.key_path).endswith("/.sky/generated/ssh-keys/c1.key") and "~" not in str(target.key_path)
+    assert target.proxy_command.endswith("c1 slurm-job-ssh-proxy 0")
+    assert target.env == {"SKY_CLUSTER_NAME": "c1-fcd1e5cf"}
+
+
+def test_an_unreachable_api_server_says_what_to_run():
+    """In a child process: SkyPilot caches its API server's address for the life of a process."""
+    pytest.importorskip("sky", reason="the SkyPilot extra is not installed")
+    probe = "import asyncio; from art_sky.provisioners import sky; asyncio.run(sky.cluster_status('c1'))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env=os.environ | {"SKYPILOT_API_SERVER_ENDPOINT": "http://127.0.0.1:9"})
+    assert result.returncode != 0
+    assert re.search(r"BackendUnavailableError: cannot start or reach the SkyPilot API server .*run `sky api start`",
+                     result.stderr), result.stderr[-2000:]
+
+
 async def test_an_infra_that_is_not_enabled_says_what_to_run(sky_slurm, prepared_python):
     with pytest.raises(ConfigError, match=r"aws is not enabled in SkyPilot .*run `sky check aws`"):
         await initialize(cluster_name="art-sky-test-never", infra="aws")
@@ -76,6 +108,8 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
         assert metrics["step"] == 1.0
         first_pid = backend.server.pid
         (first_job,) = await server_jobs()
+        (row,) = [c for c in await provisioner.status() if c.name == CLUSTER]
+        assert (row.status, row.infra, row.hourly_cost) == ("UP", "Slurm/localcluster", 0.0) and row.uptime_s > 0
     finally:
         await backend.close()
 
