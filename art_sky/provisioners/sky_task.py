@@ -10,7 +10,6 @@ from importlib import resources as package_files
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 import art_sky
@@ -50,6 +49,8 @@ class ClusterSpec(BaseModel):
 
 def load_template(path: Path | None = None) -> dict[str, Any]:
     """The user's template, or the shipped one."""
+    import yaml  # comes with the `sky` extra
+
     try:
         text = path.read_text() if path else (package_files.files("art_sky.templates") / "cluster.yaml").read_text()
         config = yaml.safe_load(text)
