@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     home: Path = Field(Path.home() / ".art-sky", description="art-sky's own state: cluster records, SSH host keys")
     ssh_connect_timeout: float = Field(20.0, description="seconds to open an SSH connection (TCP, handshake, login)")
     remote_install_timeout: float = Field(1800.0, description="seconds for the remote venv and pip install step")
+    remote_python: str | None = Field(None, description="a Python on the cluster that already has art-sky installed: "
+                                                        "SkyPilot clusters skip the install")
     engine: str = Field("auto", description="inference engine: auto | portable")
     trainer: str = Field("auto", description="trainer: auto | peft")
 
