@@ -91,13 +91,15 @@ class SSHSession:
             raise SSHError(f"the SSH connection to {self.target} is closed: retry the command")
         try:
             channel = transport.open_session(timeout=timeout)
+            if self.target.env:  # SkyPilot's Slurm entries set the job's HOME this way (ssh-config SetEnv)
+                channel.update_environment(self.target.env)
             channel.exec_command(f"sh -c {shlex.quote(script)}")
             if stdin:
                 channel.sendall(stdin)
             channel.shutdown_write()
             stdout, stderr = _read_until_exit(channel, time.monotonic() + timeout)
         except TimeoutError as exc:
-            raise SSHError(f"a command on {self.target} did not finish within {timeout:.0f}s: {_first_line(script)}"
+            raise SSHError(f"a command on {self.target} did not finish within {timeout:.0f}s: {first_line(script)}"
                            ) from exc
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise SSHError(f"the SSH connection to {self.target} failed during a command ({exc!r}): "
@@ -105,7 +107,7 @@ class SSHSession:
         result = CommandResult(exit_code=channel.recv_exit_status(), stdout=stdout, stderr=stderr)
         channel.close()
         if check and result.exit_code != 0:
-            raise SSHError(f"`{_first_line(script)}` failed on {self.target} with exit code {result.exit_code}:\n"
+            raise SSHError(f"`{first_line(script)}` failed on {self.target} with exit code {result.exit_code}:\n"
                            f"{(result.stderr or result.stdout).strip()[-2000:]}")
         return result
 
@@ -162,7 +164,7 @@ def _known_hosts_file() -> Path:
     return path
 
 
-def _first_line(script: str) -> str:
+def first_line(script: str) -> str:
     lines = [line.strip() for line in script.strip().splitlines() if line.strip()]
     return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 

@@ -1,21 +1,28 @@
-"""`art-sky up --host / status / logs / tunnel / down` against a real sshd on this machine."""
+"""`art-sky up --host / --local`, `status / logs / tunnel / down` against a real sshd on this machine, with a
+rollout and a training step through each cluster (the SkyPilot path is in test_skypilot.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
+from loop import rollout_and_train
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
 import art_sky
+from art_sky import cli_remote, clusters
 from art_sky.cli import app
+from art_sky.cli_remote import _gpus
+from art_sky.errors import ConfigError
 
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
@@ -48,6 +55,29 @@ class Lines:
         return "".join(self.seen)
 
 
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """Tables and messages on one line each, as in a wide terminal, so the assertions can read them."""
+    monkeypatch.setattr(cli_remote.console, "width", 200)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def attached_round(name: str, project: str) -> None:
+    """What a Python script does after `art-sky up`: attach by name, roll out, train a step; the server stays."""
+    backend = art_sky.attach(name)
+    try:
+        model = await rollout_and_train(backend, project=project)
+        assert await model.get_step() >= 1
+    finally:
+        await backend.close()
+
+
 @pytest.mark.slow
 def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
     runner = CliRunner()
@@ -65,8 +95,10 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
     result = runner.invoke(app, ["up", "--host", f"{sshd.target().user}@localhost:{sshd.port}", "--name", "box"])
     assert result.exit_code == 1 and "runs on" in result.output and "art-sky down --name box" in result.output
 
+    asyncio.run(attached_round("box", "cli-ssh"))
     result = runner.invoke(app, ["status"])
-    assert result.exit_code == 0 and "box" in result.output and "listening" in result.output, result.output
+    assert result.exit_code == 0, result.output
+    assert "box" in result.output and "ok, portable on cpu" in result.output and "agent (1)" in result.output, result.output
     result = runner.invoke(app, ["logs", "--name", "box"])
     assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
 
@@ -85,12 +117,47 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
             tunnel.kill()
             tunnel.wait(10)
 
+    pid = clusters.load(record.stem).pid
     result = runner.invoke(app, ["down", "--name", "box"])
     assert result.exit_code == 0 and "server stopped" in result.output, result.output
+    assert not alive(pid)
     assert not record.exists()
     assert "no clusters" in runner.invoke(app, ["status"]).output
     result = runner.invoke(app, ["down", "--name", "box"])
     assert result.exit_code == 1 and "no cluster named 'box'" in result.output
+
+
+@pytest.mark.slow
+def test_up_local_is_a_detached_server_that_down_stops(art_sky_home):  # noqa: F811
+    runner = CliRunner()
+    result = runner.invoke(app, ["up", "--local", "--name", "here"])
+    assert result.exit_code == 0 and "up on this machine" in result.output, result.output
+    record = art_sky_home / "clusters" / "here.json"
+    pid = clusters.load(record.stem).pid
+    assert alive(pid) and record.stat().st_mode & 0o777 == 0o600
+    assert "already up" in runner.invoke(app, ["up", "--local", "--name", "here"]).output
+    result = runner.invoke(app, ["up", "--host", "someone@example.invalid", "--name", "here"])
+    assert result.exit_code == 1 and "runs on this machine (local)" in result.output, result.output
+
+    asyncio.run(attached_round("here", "cli-local"))
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 0 and "this machine" in result.output and "agent (1)" in result.output, result.output
+    result = runner.invoke(app, ["logs", "--name", "here", "--lines", "200"])
+    assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
+    result = runner.invoke(app, ["ssh", "--name", "here"])
+    assert result.exit_code == 1 and "runs on this machine" in result.output
+
+    result = runner.invoke(app, ["down", "--name", "here"])
+    assert result.exit_code == 0 and "server stopped" in result.output, result.output
+    assert not alive(pid) and not record.exists()
+
+
+def test_gpu_lists():
+    assert _gpus(["H100:1"]) == "H100:1"
+    assert _gpus(["H100:1", "A100-80GB:1,L40S"]) == ["H100:1", "A100-80GB:1", "L40S"]
+    assert _gpus(["none"]) is None
+    with pytest.raises(ConfigError, match="`none` alone"):
+        _gpus(["H100", "none"])
 
 
 @pytest.mark.parametrize("command", ["up", "down", "status", "logs", "tunnel", "ssh"])

@@ -87,6 +87,11 @@ class Backend:
         return ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             idempotent=True))
 
+    async def models(self) -> list[ModelInfo]:
+        """Every model the server has registered, with its step (what `art-sky status` shows)."""
+        health = await self.health()
+        return [ModelInfo.model_validate(await self._request("GET", f"/art/models/{name}")) for name in health.models]
+
     async def model_info(self, model: Model) -> ModelInfo:
         await self._ensure_started()
         return ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
