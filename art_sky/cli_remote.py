@@ -30,6 +30,7 @@ from art_sky.errors import ArtSkyError, ConfigError
 from art_sky.local_session import LocalSession, open_session
 from art_sky.provisioners import sky as provisioner
 from art_sky.settings import settings
+from art_sky.ssh import known_hosts_file
 
 console = Console()
 
@@ -88,7 +89,7 @@ def up(
     target = parse_host(host, key) if host else None
     if name in clusters.all_names():
         existing = clusters.load(name)
-        if existing.kind != kind or existing.target != target:
+        if existing.kind != kind or (kind == "ssh" and existing.target != target):
             raise ConfigError(f"cluster {name!r} runs on {existing.where} ({existing.kind}): `art-sky down --name "
                               f"{name}` first, or pick another --name")
         if kind != "sky" and not force_restart and _healthy(name):
@@ -289,6 +290,8 @@ def _on_machine(record: clusters.ClusterRecord, command: list[str]) -> tuple[str
     if target.proxy_command:  # as art_sky.ssh.connect: a proxied cluster's host key changes with every cluster
         argv += ["-o", f"ProxyCommand={target.proxy_command}", "-o", "StrictHostKeyChecking=no",
                  "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+    else:  # the host key art-sky pinned when it first connected
+        argv += ["-o", f"UserKnownHostsFile={known_hosts_file()}"]
     argv += [arg for k, v in target.env.items() for arg in ("-o", f"SetEnv={k}={v}")]
     argv += [f"{target.user}@{target.host}", *([shlex.join(command)] if command else [])]
     return "ssh", argv

@@ -32,6 +32,8 @@ class ClusterRecord(BaseModel):
 
     @property
     def where(self) -> str:
+        if self.kind == "sky":
+            return f"SkyPilot cluster {self.name}"
         return str(self.target) if self.target else "this machine"
 
     @field_serializer("api_key", when_used="json")

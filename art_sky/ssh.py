@@ -43,7 +43,7 @@ def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClie
     client = paramiko.SSHClient()
     client.load_system_host_keys()
     if target.proxy_command is None:
-        client.load_host_keys(str(_known_hosts_file()))  # AutoAddPolicy saves new keys here
+        client.load_host_keys(str(known_hosts_file()))  # AutoAddPolicy saves new keys here
     client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
     sock = paramiko.ProxyCommand(_expand_proxy_command(target)) if target.proxy_command else None
     try:
@@ -64,7 +64,7 @@ def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClie
 def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exception) -> SSHError:
     if isinstance(exc, paramiko.BadHostKeyException):
         return SSHError(f"the host key of {target} changed since art-sky first connected: if the host was "
-                        f"reinstalled, delete its line from {_known_hosts_file()} and retry; otherwise someone "
+                        f"reinstalled, delete its line from {known_hosts_file()} and retry; otherwise someone "
                         "may be intercepting the connection")
     if isinstance(exc, paramiko.AuthenticationException):
         return SSHError(f"{target} refused the login ({exc}): check the user and that the key "
@@ -157,7 +157,7 @@ def _expand_proxy_command(target: SSHTarget) -> str:
     return re.sub(r"%([hpr%])", lambda m: values[m.group(1)], target.proxy_command or "")
 
 
-def _known_hosts_file() -> Path:
+def known_hosts_file() -> Path:
     path = settings().home / "known_hosts"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600, exist_ok=True)

@@ -4,17 +4,14 @@ rollout and a training step through each cluster (the SkyPilot path is in test_s
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 from loop import rollout_and_train
+from processes import Lines, art_sky_cli, ssh_and_follow
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
@@ -27,38 +24,18 @@ from art_sky.errors import ConfigError
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
 
-class Lines:
-    """A process's output lines, read in a thread so that waiting for one can time out."""
-
-    def __init__(self, process: subprocess.Popen):
-        self.seen: list[str] = []
-        self._queue: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self._queue.put(line) for line in process.stdout], daemon=True).start()
-
-    def until(self, prefix: str, timeout: float) -> dict[str, str]:
-        """KEY=VALUE lines up to the one whose key is `prefix`."""
-        found: dict[str, str] = {}
-        while True:
-            try:
-                line = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                pytest.fail(f"no {prefix} line within {timeout}s; got {self.seen}")
-            self.seen.append(line)
-            key, _, value = line.strip().partition("=")
-            found[key] = value
-            if key == prefix:
-                return found
-
-    def rest(self) -> str:
-        while not self._queue.empty():
-            self.seen.append(self._queue.get())
-        return "".join(self.seen)
-
-
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch):
     """Tables and messages on one line each, as in a wide terminal, so the assertions can read them."""
     monkeypatch.setattr(cli_remote.console, "width", 200)
+
+
+@pytest.fixture
+def home(art_sky_home):  # noqa: F811
+    """A private ART_SKY_HOME; a server a failed test left up is stopped with `art-sky down`."""
+    yield art_sky_home
+    for name in clusters.all_names():
+        CliRunner().invoke(app, ["down", "--name", name])
 
 
 def alive(pid: int) -> bool:
@@ -79,7 +56,7 @@ async def attached_round(name: str, project: str) -> None:
 
 
 @pytest.mark.slow
-def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
+def test_up_status_logs_tunnel_down(sshd, tmp_path, home):  # noqa: F811
     runner = CliRunner()
     host = f"{sshd.target().user}@127.0.0.1:{sshd.port}"
     up = ["up", "--host", host, "--key", str(sshd.client_key), "--name", "box", "--python", BASE_PYTHON,
@@ -87,7 +64,7 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
     result = runner.invoke(app, up)
     assert result.exit_code == 0, result.output
     assert "cluster 'box' up" in result.output
-    record = art_sky_home / "clusters" / "box.json"
+    record = home / "clusters" / "box.json"
     assert record.stat().st_mode & 0o777 == 0o600
 
     result = runner.invoke(app, up)
@@ -101,9 +78,9 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
     assert "box" in result.output and "ok, portable on cpu" in result.output and "agent (1)" in result.output, result.output
     result = runner.invoke(app, ["logs", "--name", "box"])
     assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
+    assert "done" in ssh_and_follow("box")
 
-    tunnel = subprocess.Popen([sys.executable, "-m", "art_sky.cli", "tunnel", "--name", "box"], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
+    tunnel = art_sky_cli("tunnel", "--name", "box")
     try:
         output = Lines(tunnel)
         printed = output.until("ART_SKY_API_KEY", timeout=60)
@@ -128,11 +105,11 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_up_local_is_a_detached_server_that_down_stops(art_sky_home):  # noqa: F811
+def test_up_local_is_a_detached_server_that_down_stops(home):
     runner = CliRunner()
     result = runner.invoke(app, ["up", "--local", "--name", "here"])
     assert result.exit_code == 0 and "up on this machine" in result.output, result.output
-    record = art_sky_home / "clusters" / "here.json"
+    record = home / "clusters" / "here.json"
     pid = clusters.load(record.stem).pid
     assert alive(pid) and record.stat().st_mode & 0o777 == 0o600
     assert "already up" in runner.invoke(app, ["up", "--local", "--name", "here"]).output

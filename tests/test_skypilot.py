@@ -10,11 +10,13 @@ import re
 import secrets
 import subprocess
 import sys
+import time
 
 import paramiko
 import pytest
 import slurm_harness
 from loop import rollout_and_train
+from processes import ssh_and_follow
 from typer.testing import CliRunner
 
 import art_sky
@@ -164,7 +166,11 @@ def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
     runner = CliRunner()
     up = ["up", "--name", CLI_CLUSTER, "--infra", slurm_harness.INFRA, "--gpu", "none", "--cpus", "1",
           "--memory", "1", "--autostop", "0"]
-    result = runner.invoke(app, up)
+    for _ in range(6):  # the one local node may be full of other test runs' clusters for a while
+        result = runner.invoke(app, up)
+        if "found no resources" not in result.output:
+            break
+        time.sleep(20)
     assert result.exit_code == 0, result.output
     assert f"cluster '{CLI_CLUSTER}' up" in result.output
     (slurm_job,) = slurm_harness.slurm_jobs(CLI_CLUSTER)
@@ -188,6 +194,7 @@ def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
                                          "agent (1)")), result.output
     result = runner.invoke(app, ["logs", "--name", CLI_CLUSTER, "--lines", "200"])
     assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
+    assert "/.sky_clusters/" in ssh_and_follow(CLI_CLUSTER)  # into the Slurm job, its HOME set
 
     result = runner.invoke(app, ["down", "--name", CLI_CLUSTER])
     assert result.exit_code == 0 and "torn down" in result.output, result.output
