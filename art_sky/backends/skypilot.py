@@ -70,8 +70,8 @@ class SkyPilotBackend(SSHBackend):
             gpu=gpu, infra=infra, resources=resources or {}, spot=spot, autostop_minutes=autostop_minutes,
             secrets=_read_env_file(env_path), python=settings().remote_python, version=version,
             template=Path(template) if template else None, overrides=overrides or {})
-        known_key = api_key or (settings().api_key.get_secret_value() if settings().api_key else None) \
-            or _recorded_key(cluster_name)
+        recorded_key = _recorded_key(cluster_name)
+        known_key = api_key or (settings().api_key.get_secret_value() if settings().api_key else None) or recorded_key
         backend = cls(cluster_name, spec, force_restart=force_restart or known_key is None, api_key=known_key)
         backend.source = source
         await backend._ensure_started()
