@@ -12,7 +12,7 @@ from art_sky import LocalBackend, TrainableModel, TrainConfig, Trajectory, Traje
 from art_sky.errors import CheckpointStoreError, ServerError
 from art_sky.store import CheckpointStore
 
-pytest_plugins = ["tests.fixtures_s3"]
+pytest_plugins = ["fixtures_s3"]
 pytestmark = pytest.mark.slow
 
 PROMPT = [{"role": "user", "content": "Say something."}]

@@ -15,7 +15,7 @@ from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError
 from art_sky.errors import CheckpointStoreError, ConfigError
 from art_sky.store import CHUNK, CheckpointStore
 
-pytest_plugins = ["tests.fixtures_s3"]
+pytest_plugins = ["fixtures_s3"]
 
 PROJECT, MODEL = "proj", "agent"
 
