@@ -9,12 +9,14 @@ Keys are `<prefix>/<project>/models/<name>/checkpoints/<step:04d>/<file>`, as on
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
@@ -23,14 +25,14 @@ import obstore
 from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import GCSStore, LocalStore, S3Store
 
-from art_sky.checkpoints import HISTORY, MANIFEST, CheckpointDir, CorruptCheckpointError, Manifest, sha256_file, step_name
+from art_sky.checkpoints import HISTORY, MANIFEST, CheckpointDir, CorruptCheckpointError, Manifest, step_name
 from art_sky.errors import CheckpointStoreError, ConfigError
 from art_sky.settings import Settings
 
 log = logging.getLogger("art_sky.store")
 
-CHUNK = 16 * 1024 * 1024  # multipart part size and download range size
-CONCURRENCY = 16  # requests in flight per transfer
+CHUNK = 8 * 1024 * 1024  # multipart part size and download range size (awscli's and boto3's default too)
+CONCURRENCY = 10  # requests in flight per file
 Progress = Callable[[int], None]  # told the bytes just transferred
 T = TypeVar("T")
 
@@ -120,10 +122,10 @@ class CheckpointStore:
         tmp = Path(tempfile.mkdtemp(prefix=f".download-{step_name(step)}-", dir=dest.parent))
         try:
             report = progress or (lambda n: None)
-            await asyncio.gather(*(self._get_file(f"{key}/{rel}", tmp / rel, entry.size, where, report)
-                                   for rel, entry in manifest.files.items()))
-            for rel, entry in manifest.files.items():
-                if await asyncio.to_thread(sha256_file, tmp / rel) != entry.sha256:
+            digests = await asyncio.gather(*(self._get_file(f"{key}/{rel}", tmp / rel, entry.size, where, report)
+                                             for rel, entry in manifest.files.items()))
+            for (rel, entry), digest in zip(manifest.files.items(), digests):
+                if digest != entry.sha256:
                     raise CorruptCheckpointError(f"{where}/{rel} does not match its manifest (sha256 differs): the "
                                                  "stored step is corrupt; `art-sky checkpoints rm` deletes it")
             (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
@@ -175,12 +177,15 @@ class CheckpointStore:
                 await self._call("delete a step", obstore.delete_async(self._store, paths))
 
     async def _put_file(self, key: str, path: Path, progress: Progress) -> None:
-        with open(path, "rb") as handle:
-            await self._call("upload", obstore.put_async(self._store, key, _Counting(handle, progress),
-                                                         chunk_size=CHUNK, max_concurrency=CONCURRENCY))
+        await self._call("upload", obstore.put_async(self._store, key, _blocks(path, progress), chunk_size=CHUNK,
+                                                     max_concurrency=CONCURRENCY))
 
-    async def _get_file(self, key: str, path: Path, size: int, where: str, progress: Progress) -> None:
-        """Ranged GETs in parallel, each written at its offset; a missing or resized object is corruption."""
+    async def _get_file(self, key: str, path: Path, size: int, where: str, progress: Progress) -> str:
+        """Ranged GETs in parallel, each written at its offset and hashed in order; returns the sha256.
+
+        A missing or resized object is corruption. At most CONCURRENCY ranges are in flight or waiting to be
+        hashed, so memory stays bounded whatever the file size.
+        """
         try:
             meta = await obstore.head_async(self._store, key)
         except FileNotFoundError as exc:
@@ -194,18 +199,33 @@ class CheckpointStore:
             raise CorruptCheckpointError(f"{where}: {key.rsplit('/', 1)[-1]} has {meta['size']} bytes in the store, "
                                          f"its manifest says {size}; `art-sky checkpoints rm` deletes the step")
         path.parent.mkdir(parents=True, exist_ok=True)
-        slots = asyncio.Semaphore(CONCURRENCY)
+        digest = hashlib.sha256()
+        window: deque[asyncio.Future] = deque()
         with open(path, "wb") as handle:
             handle.truncate(size)
 
-            async def part(start: int) -> None:
-                async with slots:
-                    data = await self._call("download", obstore.get_range_async(
-                        self._store, key, start=start, end=min(start + CHUNK, size)))
-                    await asyncio.to_thread(os.pwrite, handle.fileno(), memoryview(data), start)
+            async def fetch(start: int):
+                data = await self._call("download", obstore.get_range_async(
+                    self._store, key, start=start, end=min(start + CHUNK, size)))
+                await asyncio.to_thread(os.pwrite, handle.fileno(), memoryview(data), start)
+                return data
+
+            async def take_oldest() -> None:
+                data = await window.popleft()
+                await asyncio.to_thread(digest.update, memoryview(data))
                 progress(len(data))
 
-            await asyncio.gather(*(part(start) for start in range(0, size, CHUNK)))
+            try:
+                for start in range(0, size, CHUNK):
+                    window.append(asyncio.ensure_future(fetch(start)))
+                    if len(window) >= CONCURRENCY:
+                        await take_oldest()
+                while window:
+                    await take_oldest()
+            finally:
+                for task in window:
+                    task.cancel()
+        return digest.hexdigest()
 
     async def _get_optional(self, key: str, action: str) -> bytes | None:
         try:
@@ -252,22 +272,15 @@ class CheckpointStore:
         return CheckpointStoreError(f"checkpoint store {self.uri}: cannot {action}: {hint}")
 
 
-class _Counting:
-    """A read-only file that reports each block read, for progress bars (obstore reads it in chunks)."""
+def _blocks(path: Path, progress: Progress) -> Iterator[bytes]:
+    """A file as CHUNK-sized blocks for obstore's multipart upload, reporting each block as it is handed over.
 
-    def __init__(self, handle, progress: Progress):
-        self.handle, self.progress = handle, progress
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.handle.read(size)
-        self.progress(len(data))
-        return data
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.handle.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self.handle.tell()
+    (Measured on SeaweedFS: as fast as handing obstore the path, and faster than a file object.)
+    """
+    with open(path, "rb") as handle:
+        while block := handle.read(CHUNK):
+            progress(len(block))
+            yield block
 
 
 def _absent(exc: FileNotFoundError) -> bool:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,10 +67,10 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory) -> S3Server:
-    root = tmp_path_factory.mktemp("seaweedfs")
-    (root / "data").mkdir()
+@contextmanager
+def seaweedfs(root: Path) -> Iterator[S3Server]:
+    """Run SeaweedFS with its data under `root` until the block exits (also used by bench/bench_store.py)."""
+    (root / "data").mkdir(parents=True, exist_ok=True)
     identities = [{"name": name, "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}], "actions": actions}
                   for name, keys, actions in [("admin", ADMIN, ["Admin", "Read", "List", "Tagging", "Write"]),
                                               ("reader", READER, ["Read", "List"])]]
@@ -81,20 +83,25 @@ def s3_server(tmp_path_factory) -> S3Server:
                "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
                "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={root / 's3.json'}",
                "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
-    log = open(root / "weed.log", "wb")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
-    server = S3Server(endpoint=f"http://127.0.0.1:{s3}")
-    try:
-        _wait_ready(server, process, root / "weed.log")
-        yield server
-    finally:
-        process.terminate()
+    with open(root / "weed.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
+        server = S3Server(endpoint=f"http://127.0.0.1:{s3}")
         try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+            _wait_ready(server, process, root / "weed.log")
+            yield server
+        finally:
+            process.terminate()
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[S3Server]:
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
 
 
 def _wait_ready(server: S3Server, process: subprocess.Popen, log: Path) -> None:
