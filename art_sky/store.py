@@ -181,7 +181,7 @@ class CheckpointStore:
                                                      max_concurrency=CONCURRENCY))
 
     async def _get_file(self, key: str, path: Path, size: int, where: str, progress: Progress) -> str:
-        """Ranged GETs in parallel, each written at its offset and hashed in order; returns the sha256.
+        """Ranged GETs in parallel, written and hashed in order as they arrive; returns the sha256.
 
         A missing or resized object is corruption. At most CONCURRENCY ranges are in flight or waiting to be
         hashed, so memory stays bounded whatever the file size.
@@ -202,17 +202,18 @@ class CheckpointStore:
         digest = hashlib.sha256()
         window: deque[asyncio.Future] = deque()
         with open(path, "wb") as handle:
-            handle.truncate(size)
+
+            def keep(data) -> None:  # in a worker thread: file writes and hashing release the GIL
+                handle.write(memoryview(data))
+                digest.update(memoryview(data))
 
             async def fetch(start: int):
-                data = await self._call("download", obstore.get_range_async(
+                return await self._call("download", obstore.get_range_async(
                     self._store, key, start=start, end=min(start + CHUNK, size)))
-                await asyncio.to_thread(os.pwrite, handle.fileno(), memoryview(data), start)
-                return data
 
             async def take_oldest() -> None:
                 data = await window.popleft()
-                await asyncio.to_thread(digest.update, memoryview(data))
+                await asyncio.to_thread(keep, data)
                 progress(len(data))
 
             try:
