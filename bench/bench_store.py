@@ -2,8 +2,9 @@
 
 Starts SeaweedFS on 127.0.0.1 (tests/setup/20-seaweedfs.sh installs it, awscli and boto3), writes a checkpoint
 step shaped like a PEFT LoRA (adapter_config.json + adapter_model.safetensors of random bytes) under /tmp, and
-times upload, download and an unchanged re-sync for each contender, best of `--runs`. art-sky's download includes
-checking every file's sha256 against the manifest; the baselines check nothing. Everything is deleted after.
+times upload, download and an unchanged re-sync for each contender, taking turns, best of `--runs`. art-sky's
+download includes checking every file's sha256 against the manifest; the baselines check nothing. Everything is
+deleted after.
 
     python bench/bench_store.py --size-mb 300 --size-mb 1024
 """
@@ -46,13 +47,10 @@ def make_step(root: Path, size: int) -> CheckpointDir:
     return checkpoints
 
 
-def best_of(runs: int, action: Callable[[int], None]) -> float:
-    times = []
-    for run in range(runs):
-        start = time.perf_counter()
-        action(run)
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed(action: Callable[[int], None], run: int) -> float:
+    start = time.perf_counter()
+    action(run)
+    return time.perf_counter() - start
 
 
 class Contenders:
@@ -113,13 +111,18 @@ def bench(server: S3Server, size_mb: int, runs: int, work: Path) -> list[tuple[s
     checkpoints = make_step(work / "src", size_mb * 1024 * 1024)
     c = Contenders(server, bucket, checkpoints, work)
     c.boto_up(-1)  # warm-up: SeaweedFS grows its volumes on the first large write; no contender should pay for it
-    rows = []
-    for name, up, down, resync in [("art-sky (obstore)", c.artsky_up, c.artsky_down, c.artsky_resync),
-                                   ("aws s3 sync", c.aws_up, c.aws_down, c.aws_resync),
-                                   ("boto3 defaults", c.boto_up, c.boto_down, None)]:
-        rows.append((name, best_of(runs, up), best_of(runs, down), best_of(runs, resync) if resync else None))
-        print(f"  {name}: done", file=sys.stderr)
-    return rows
+    contenders = [("art-sky (obstore)", c.artsky_up, c.artsky_down, c.artsky_resync),
+                  ("aws s3 sync", c.aws_up, c.aws_down, c.aws_resync),
+                  ("boto3 defaults", c.boto_up, c.boto_down, None)]
+    times: dict[tuple[str, int], list[float]] = {}
+    for column in (1, 2, 3):  # upload, download, re-sync; contenders take turns so noise hits them alike
+        for run in range(runs):
+            for contender in contenders:
+                if contender[column] is not None:
+                    times.setdefault((contender[0], column), []).append(timed(contender[column], run))
+        print(f"  {['', 'upload', 'download', 're-sync'][column]}: done", file=sys.stderr)
+    return [(name, min(times[name, 1]), min(times[name, 2]), min(times[name, 3]) if (name, 3) in times else None)
+            for name, *_ in contenders]
 
 
 def table(size_mb: int, rows: list[tuple[str, float, float, float | None]]) -> str:

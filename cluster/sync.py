@@ -76,8 +76,8 @@ class CheckpointSync:
     def blocking_error(self) -> str | None:
         """In strict mode, why training must not go on (a step failed to upload); None otherwise."""
         if self.strict and self._failed:
-            return ("; ".join(message for _, message in self._failed.values()) +
-                    " (strict mode, ART_SKY_CHECKPOINT_STRICT): fix the store, then `await backend.flush_checkpoints()`")
+            return ("; ".join(message for _, message in self._failed.values()) + " (strict mode, "
+                    "ART_SKY_CHECKPOINT_STRICT): fix the store, then `await backend.flush_checkpoints()`")
         return None
 
     def status(self) -> SyncStatus:
