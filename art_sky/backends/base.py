@@ -15,6 +15,7 @@ import art_sky
 from art_sky.errors import (
     AuthError,
     BackendUnavailableError,
+    CheckpointStoreError,
     ConfigError,
     NotFoundError,
     ServerError,
@@ -29,6 +30,7 @@ from art_sky.wire import (
     ModelConfig,
     ModelInfo,
     RegisterRequest,
+    SyncStatus,
     TrainConfig,
     TrainProgress,
     TrainRequest,
@@ -112,6 +114,18 @@ class Backend:
         return [CheckpointInfo.model_validate(c) for c in
                 await self._request("POST", f"/art/models/{model.name}/checkpoints/delete", json=body,
                                     idempotent=True)]
+
+    async def flush_checkpoints(self) -> SyncStatus:
+        """Wait until every checkpoint so far is in the object store (training never waits for uploads itself).
+
+        Raises CheckpointStoreError naming the steps that could not be uploaded; they stay on the cluster.
+        """
+        await self._ensure_started()
+        status = SyncStatus.model_validate(await self._request("POST", "/art/checkpoints/flush", idempotent=True))
+        if status.errors:
+            raise CheckpointStoreError(f"{len(status.errors)} checkpoint(s) are not in the store: "
+                                       + "; ".join(status.errors))
+        return status
 
     async def train(self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: TrainConfig,
                     verbose: bool = False) -> dict[str, float]:
