@@ -34,5 +34,9 @@ class BackendUnavailableError(ArtSkyError):
     """The server could not be started or reached (dead process, dead tunnel, timeout)."""
 
 
+class EngineError(ArtSkyError):
+    """The inference engine failed (vLLM did not start, refused an adapter); the message points at its log."""
+
+
 class TokenizationError(ArtSkyError):
     """A trajectory cannot be turned into training tokens (e.g. a choice without sampled token ids)."""

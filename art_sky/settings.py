@@ -18,8 +18,13 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(64 * 1024 * 1024, description="the server refuses larger request bodies (413)")
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
     train_microbatch_tokens: int = Field(4096, description="tokens per forward/backward pass; larger batches accumulate")
-    engine: str = Field("auto", description="inference engine: auto | portable")
-    trainer: str = Field("auto", description="trainer: auto | peft")
+    engine: str = Field("auto", description="inference engine: auto (vllm when importable) | vllm | portable")
+    trainer: str = Field("auto", description="trainer: auto (unsloth when importable on CUDA) | unsloth | peft")
+    engine_gpu_memory: float = Field(0.5, gt=0, lt=1, description="share of GPU memory vLLM may take; the "
+                                     "trainer uses the rest (vLLM sleeps while training)")
+    vllm_start_timeout: float = Field(600.0, description="seconds to wait for the vLLM child server to be ready")
+    vllm_max_loras: int = Field(4, ge=1, description="adapters vLLM keeps on the device at once (name, name@step)")
+    vllm_tool_call_parser: str = Field("hermes", description="vLLM's --tool-call-parser for tool calls; empty: none")
 
 
 def settings() -> Settings:

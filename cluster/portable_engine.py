@@ -33,9 +33,23 @@ class Sample:
 
 class PortableEngine:
     name = "portable"
+    inference_port = None  # served by the control server's own /v1 route
 
     def __init__(self, max_new_tokens_limit: int):
         self.max_new_tokens_limit = max_new_tokens_limit
+
+    # The server's engine hooks: nothing to do, the engine samples with the trainer's live model.
+    def attach(self, state: ModelState) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self, state: ModelState, trained: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def max_new_tokens(self, state: ModelState, request: ChatCompletionRequest, prompt_len: int) -> int:
         """The completion budget, or ValueError (a 400) when the request asks for more than the server allows."""

