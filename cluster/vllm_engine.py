@@ -99,7 +99,7 @@ class VllmEngine:
             return
         _signal_group(process, signal.SIGTERM)
         try:
-            process.wait(20)
+            process.wait(10)  # within the 15 s LocalBackend gives the server to stop
         except subprocess.TimeoutExpired:
             _signal_group(process, signal.SIGKILL)
             process.wait()
