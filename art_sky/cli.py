@@ -1,0 +1,48 @@
+"""`art-sky`: the command line. Each command wraps the async Python API."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+import art_sky
+
+app = typer.Typer(help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
+                  no_args_is_help=True, add_completion=False)
+console = Console()
+
+
+@app.command()
+def demo(
+    steps: int = typer.Option(15, min=1, help="training steps"),
+    groups: int = typer.Option(8, min=1, help="trajectory groups per step"),
+    group_size: int = typer.Option(8, min=2, help="rollouts per group"),
+    learning_rate: float = typer.Option(5e-3, min=0.0, help="LoRA learning rate"),
+    seed: int = typer.Option(0, help="seed for prompts and sampling"),
+    path: Path = typer.Option(Path(".art"), help="checkpoint root (ART's .art)"),
+    plot: Path = typer.Option(Path("demo-reward.png"), help="where to draw the reward curve"),
+) -> None:
+    """Run the whole loop on this machine's CPU with the embedded tiny model and watch the reward climb."""
+    from art_sky.demo import run_demo
+
+    rewards = asyncio.run(run_demo(steps=steps, groups=groups, group_size=group_size, learning_rate=learning_rate,
+                                   seed=seed, path=path, plot=plot, echo=_plain))
+    console.print(f"mean reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")
+
+
+def _plain(text: str) -> None:
+    """Print model output as is: no rich markup, no wrapping."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def version() -> None:
+    """Print art-sky's version."""
+    console.print(art_sky.__version__)
+
+
+if __name__ == "__main__":
+    app()

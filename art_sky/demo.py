@@ -1,0 +1,85 @@
+"""`art-sky demo`: the whole loop on this machine's CPU with the embedded tiny model, in about a minute.
+
+The task: answer with digits. A randomly initialised model writes mostly noise bytes; each reply earns the share
+of its characters that are digits, and GRPO turns that into a model that answers in numbers. The mean reward per
+step is printed and drawn to a PNG.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import art_sky as art
+from art_sky.client.model import TrainableModel
+
+PROMPTS = ["How many legs does a spider have?", "What year is it?", "Give me a number.", "Count to five.",
+           "What is 12 times 12?", "How old is the universe?", "Pick a lottery number.", "What is your PIN?"]
+
+
+def digit_share(text: str | None) -> float:
+    """The reward: the fraction of the reply's characters that are digits (0 for an empty reply)."""
+    text = (text or "").strip()
+    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+async def rollout(model: TrainableModel, prompt: str, seed: int) -> art.Trajectory:
+    messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": prompt}]
+    completion = await model.openai_client().chat.completions.create(
+        model=model.inference_model_name, messages=messages, max_tokens=8, temperature=1.0, seed=seed)
+    choice = completion.choices[0]
+    return art.Trajectory(messages_and_choices=[*messages, choice], reward=digit_share(choice.message.content),
+                          metrics={"length": len(choice.message.content or "")})
+
+
+async def run_demo(*, steps: int = 15, groups: int = 8, group_size: int = 8, learning_rate: float = 5e-3,
+                   seed: int = 0, path: Path = Path(".art"), plot: Path | None = Path("demo-reward.png"),
+                   echo=print) -> list[float]:
+    """Train for `steps` steps and return the mean reward of each step's rollouts (before that step's update)."""
+    rng = random.Random(seed)
+    backend = art.LocalBackend(path=path)
+    model = art.TrainableModel(name=f"digits-{seed}", project="art-sky-demo", base_model="art-sky/tiny")
+    rewards: list[float] = []
+    try:
+        echo("starting the local cluster server (builds the tiny model on first use)...")
+        await model.register(backend)
+        start = await model.get_step()
+        echo(f"model {model.name} on {(await backend.health()).device}, step {start}")
+        for step in range(start, start + steps):
+            batch = await art.gather_trajectory_groups(
+                (art.TrajectoryGroup(rollout(model, rng.choice(PROMPTS), rng.randrange(2**31))
+                                     for _ in range(group_size)) for _ in range(groups)),
+                pbar_desc=None)
+            mean = sum(t.reward for g in batch for t in g) / sum(len(g) for g in batch)
+            rewards.append(mean)
+            metrics = await model.train(batch, config=art.TrainConfig(learning_rate=learning_rate))
+            sample = batch[0].trajectories[0].messages_and_choices[-1].message.content
+            echo(f"step {step + 1:3d}  reward {mean:.3f} {_bar(mean)}  skipped {int(metrics['num_groups_skipped'])}"
+                 f"/{groups}  e.g. {sample!r}")
+    finally:
+        await backend.close()
+    if plot is not None and rewards:
+        _plot(rewards, plot)
+        echo(f"reward curve: {plot}")
+    return rewards
+
+
+def _bar(value: float, width: int = 20) -> str:
+    filled = round(max(0.0, min(1.0, value)) * width)
+    return "#" * filled + "." * (width - filled)
+
+
+def _plot(rewards: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(rewards) + 1), rewards, marker="o")
+    ax.set(xlabel="training step", ylabel="mean reward", ylim=(0, 1.05),
+           title="art-sky demo: tiny model learns to answer with digits")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,35 @@
+"""Shared fixtures: an in-process cluster server app (the real FastAPI app, tiny model) and its HTTP client."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+API_KEY = "test-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+async def server(tmp_path_factory):
+    """The real server app in this process, reached through httpx's ASGI transport; one tiny model registered."""
+    from art_sky.cluster.server import create_app
+    from art_sky.settings import Settings
+
+    art_path = tmp_path_factory.mktemp("art")
+    app = create_app(art_path, API_KEY, Settings(max_request_bytes=2_000_000, max_new_tokens_limit=64))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
+                                 headers={"authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        response = await client.post("/art/models", json={"name": "tiny", "project": "tests",
+                                                          "base_model": "art-sky/tiny"})
+        assert response.status_code == 200, response.text
+        client.art_path = art_path
+        yield client
+
+
+async def train_lines(client: httpx.AsyncClient, name: str, body: dict) -> tuple[int, list[dict]]:
+    """POST a train request and parse its newline-delimited JSON stream."""
+    import json
+
+    response = await client.post(f"/art/models/{name}/train", json=body)
+    if response.status_code != 200:
+        return response.status_code, [response.json()]
+    return 200, [json.loads(line) for line in response.text.splitlines() if line.strip()]
