@@ -90,7 +90,8 @@ def openai_sender(model: art.TrainableModel):
 
 
 async def throughput_table(targets: dict, body: dict, levels: list[int], requests: int) -> None:
-    await asyncio.gather(*(send(body) for send in targets.values()))  # warm every path once
+    for send in targets.values():  # warm every path (connections, vLLM's first batches) before timing
+        await run_level(send, body, 8, 16)
     print(f"\n{'concurrency':>11} {'target':>9} {'compl/s':>9} {'tokens/s':>10} {'vs engine':>10}")
     for level in levels:
         base = None
