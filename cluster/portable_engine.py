@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from openai.types.chat import ChatCompletion
 
-from art_sky.wire import ChatCompletionRequest
+from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 from .model_state import ModelState, device
 from .sequences import prompt_ids
@@ -39,6 +39,9 @@ class PortableEngine:
         self.max_new_tokens_limit = max_new_tokens_limit
 
     # The server's engine hooks: nothing to do, the engine samples with the trainer's live model.
+    def check(self, request: RegisterRequest) -> None:
+        pass
+
     def attach(self, state: ModelState) -> None:
         pass
 

@@ -152,6 +152,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                                              f"{existing.project!r} and base model {existing.base_model!r}")
                 return states[body.name].info()
             try:
+                engine.check(body)  # before loading anything (or writing a step 0 checkpoint)
                 state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model)
                 await asyncio.to_thread(engine.attach, state)
             except ConfigError as exc:

@@ -26,7 +26,7 @@ from art_sky.backends.local import tail
 from art_sky.checkpoints import step_name
 from art_sky.errors import ConfigError, EngineError
 from art_sky.settings import Settings
-from art_sky.wire import ChatCompletionRequest
+from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 from .model_state import ModelState, device, resolve_base_model
 
@@ -52,17 +52,22 @@ class VllmEngine:
 
     # -- the server's hooks ------------------------------------------------------------------------------------
 
+    def check(self, request: RegisterRequest) -> None:
+        """Before a model is loaded: can the running vLLM serve it? (One base model, its LoRA rank limit.)"""
+        if self._process is None:
+            return
+        if request.base_model != self.base_model:
+            raise ConfigError(f"this server's vLLM serves {self.base_model!r}; model {request.name!r} is on "
+                              f"{request.base_model!r}: use one base model per cluster server")
+        if request.config.lora_rank > self.max_lora_rank:
+            raise ConfigError(f"model {request.name!r} has LoRA rank {request.config.lora_rank} but this server's "
+                              f"vLLM was started with --max-lora-rank {self.max_lora_rank}: register it on a "
+                              "fresh server")
+
     def attach(self, state: ModelState) -> None:
         """Serve a newly registered model: start vLLM on its base model if needed, load its current step."""
-        rank = state.request.config.lora_rank
         if self._process is None:
             self._start(state)
-        elif state.request.base_model != self.base_model:
-            raise ConfigError(f"this server's vLLM serves {self.base_model!r}; model {state.name!r} is on "
-                              f"{state.request.base_model!r}: use one base model per cluster server")
-        elif rank > self.max_lora_rank:
-            raise ConfigError(f"model {state.name!r} has LoRA rank {rank} but this server's vLLM was started with "
-                              f"--max-lora-rank {self.max_lora_rank}: register it on a fresh server")
         self._publish(state)
 
     def pause(self) -> None:

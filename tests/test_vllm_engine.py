@@ -6,6 +6,7 @@ step 0 and equal what the portable engine's model (transformers + PEFT) computes
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from art_sky.checkpoints import CheckpointDir
 from art_sky.cluster.model_state import load_peft, resolve_base_model
 from art_sky.cluster.peft_trainer import _token_logprobs
 from art_sky.cluster.sequences import prompt_ids
+from art_sky.errors import ServerError
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest
 
@@ -123,6 +125,21 @@ async def test_training_swaps_the_served_adapter(served):
     assert await served_logprobs(backend, model, "vt@1") == pytest.approx(
         reference_logprobs(backend, model, 1), abs=TOLERANCE)
     assert await served_logprobs(backend, model, "vt@0") == pytest.approx(before, abs=TOLERANCE)
+
+
+async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
+    backend, model = served
+    second = art.TrainableModel(name="vt2", project="p", base_model="art-sky/tiny",
+                                config=art.ModelConfig(lora_rank=4, max_seq_length=512))
+    await second.register(backend)
+    assert second.inference_base_url == model.inference_base_url
+    assert await served_logprobs(backend, second, "vt2") == pytest.approx(
+        reference_logprobs(backend, second, 0), abs=TOLERANCE)
+    other_base = shutil.copytree(resolve_base_model("art-sky/tiny", Settings()), tmp_path / "other-base")
+    stranger = art.TrainableModel(name="vt3", project="p", base_model=str(other_base))
+    with pytest.raises(ServerError, match="one base model per cluster server"):
+        await stranger.register(backend)
+    assert not CheckpointDir(backend.path, "p", "vt3").steps(), "refused before anything was written"
 
 
 async def test_control_route_forwards_to_vllm(served):
