@@ -53,13 +53,15 @@ def continuation_ids(tokenizer) -> tuple[list[int], list[int]]:
     return prompt, tokenizer(CONTINUATION, add_special_tokens=False)["input_ids"]
 
 
-def reference_logprobs(backend, model, step: int) -> list[float]:
-    """The continuation's logprobs under checkpoint `step`, computed like the portable engine and the trainer."""
+def reference_logprobs(backend, model, step: int, sampled: list[int] | None = None) -> list[float]:
+    """Logprobs of the continuation (or of `sampled` ids) after PROMPT under checkpoint `step`, computed like the
+    portable engine and the trainer."""
     request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
                               config=model.config)
     checkpoint = CheckpointDir(backend.path, model.project, model.name).step_dir(step)
     peft_model, tokenizer = load_peft(request, Settings(), checkpoint)
     prompt, continuation = continuation_ids(tokenizer)
+    continuation = continuation if sampled is None else sampled
     ids = torch.tensor([prompt + continuation])
     with torch.no_grad():
         logprobs = _token_logprobs(peft_model.eval()(input_ids=ids).logits, ids)[0]
@@ -109,6 +111,15 @@ async def test_step_zero_is_served_exactly(served):
     backend, model = served
     served0 = await served_logprobs(backend, model, "vt")
     assert served0 == pytest.approx(reference_logprobs(backend, model, 0), abs=TOLERANCE)
+
+
+async def test_sampled_logprobs_are_the_trainers(served):
+    """On-policy: the logprobs vLLM reports with each sampled token are the trainer's (the PPO ratio starts at 1)."""
+    backend, model = served
+    choice = (await rollout_groups(model))[0].trajectories[0].messages_and_choices[-1]
+    sampled = [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+    reported = [t.logprob for t in choice.logprobs.content]
+    assert reported == pytest.approx(reference_logprobs(backend, model, 0, sampled), abs=TOLERANCE)
 
 
 async def test_training_swaps_the_served_adapter(served):
