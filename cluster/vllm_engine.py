@@ -123,7 +123,8 @@ class VllmEngine:
             link = self.links / f"{state.name}@{step}"
             if not link.is_symlink():
                 link.symlink_to(state.checkpoints.step_dir(step).resolve(), target_is_directory=True)
-        # A fresh path per step: vLLM caches adapters by name and path, so the swap is an unload and a load.
+        # An unload and a load, not vLLM's load_inplace: the request an in-place load stores keeps that flag, and
+        # vLLM's worker re-reads such an adapter from disk whenever it activates it.
         path = state.checkpoints.step_dir(state.step).resolve()
         self._unload(state.name)
         self._post("/v1/load_lora_adapter", json={"lora_name": state.name, "lora_path": str(path)})
