@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 import art_sky
+from art_sky import cli_remote
 
 app = typer.Typer(help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
                   no_args_is_help=True, add_completion=False)
@@ -43,6 +44,8 @@ def version() -> None:
     """Print art-sky's version."""
     console.print(art_sky.__version__)
 
+
+cli_remote.register(app)
 
 if __name__ == "__main__":
     app()

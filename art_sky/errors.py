@@ -38,5 +38,9 @@ class EngineError(ArtSkyError):
     """The inference engine failed (vLLM did not start, refused an adapter); the message points at its log."""
 
 
+class SSHError(BackendUnavailableError):
+    """An SSH connection, login, remote command or file transfer failed."""
+
+
 class TokenizationError(ArtSkyError):
     """A trajectory cannot be turned into training tokens (e.g. a choice without sampled token ids)."""

@@ -17,7 +17,13 @@ class Settings(BaseSettings):
     request_timeout: float = Field(600.0, description="seconds for one HTTP request to the cluster server")
     max_request_bytes: int = Field(64 * 1024 * 1024, description="the server refuses larger request bodies (413)")
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
+    max_batch_rows: int = Field(64, description="completions the portable engine samples together in one batch")
     train_microbatch_tokens: int = Field(4096, description="tokens per forward/backward pass; larger batches accumulate")
+    home: Path = Field(Path.home() / ".art-sky", description="art-sky's own state: cluster records, SSH host keys")
+    ssh_connect_timeout: float = Field(20.0, description="seconds to open an SSH connection (TCP, handshake, login)")
+    remote_install_timeout: float = Field(1800.0, description="seconds for the remote venv and pip install step")
+    remote_python: str | None = Field(None, description="a Python on the cluster that already has art-sky installed: "
+                                                        "SkyPilot clusters skip the install")
     engine: str = Field("auto", description="inference engine: auto (vllm when importable) | vllm | portable")
     trainer: str = Field("auto", description="trainer: auto (unsloth when importable on CUDA) | unsloth | peft")
     engine_gpu_memory: float = Field(0.5, gt=0, lt=1, description="share of GPU memory vLLM may take; the "

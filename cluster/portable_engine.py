@@ -31,7 +31,20 @@ class Sample:
     finish_reason: str
 
 
+@dataclass
+class Job:
+    """One validated chat completion request: its prompt ids and its completion budget."""
+
+    state: ModelState
+    request: ChatCompletionRequest
+    prompt: list[int]
+    budget: int
+
+
 class PortableEngine:
+    """Concurrent requests for the same model are sampled together as one batch (left-padded), one forward pass
+    per token for all of them: on a CPU that is most of the speed there is to have."""
+
     name = "portable"
     inference_port = None  # served by the control server's own /v1 route
 
@@ -54,61 +67,78 @@ class PortableEngine:
     def close(self) -> None:
         pass
 
-    def max_new_tokens(self, state: ModelState, request: ChatCompletionRequest, prompt_len: int) -> int:
-        """The completion budget, or ValueError (a 400) when the request asks for more than the server allows."""
+    def prepare(self, state: ModelState, request: ChatCompletionRequest) -> Job:
+        """Render the prompt and check the budget; ValueError (a 400) when the request asks too much."""
+        prompt = prompt_ids(state.tokenizer, request.messages, request.tools)
         asked = request.max_completion_tokens or request.max_tokens
-        room = state.request.config.max_seq_length - prompt_len
+        room = state.request.config.max_seq_length - len(prompt)
         if room <= 0:
-            raise ValueError(f"the prompt is {prompt_len} tokens, the model's context is "
+            raise ValueError(f"the prompt is {len(prompt)} tokens, the model's context is "
                              f"{state.request.config.max_seq_length}: shorten the conversation")
         if asked is not None and asked > self.max_new_tokens_limit:
             raise ValueError(f"max_tokens {asked} exceeds this server's limit {self.max_new_tokens_limit} "
                              "(ART_SKY_MAX_NEW_TOKENS_LIMIT)")
-        return min(asked or self.max_new_tokens_limit, room)
-
-    def prompt(self, state: ModelState, request: ChatCompletionRequest) -> list[int]:
-        return prompt_ids(state.tokenizer, request.messages, request.tools)
+        return Job(state, request, prompt, min(asked or self.max_new_tokens_limit, room))
 
     def complete(self, state: ModelState, request: ChatCompletionRequest) -> ChatCompletion:
-        """Blocking: run it off the event loop, under the server's model lock."""
-        ids = self.prompt(state, request)
-        budget = self.max_new_tokens(state, request, len(ids))
-        samples = self._sample(state, ids, request, budget)
-        return self._response(state, request, len(ids), samples)
+        return self.run([self.prepare(state, request)])[0]
+
+    def run(self, jobs: list[Job]) -> list[ChatCompletion]:
+        """Blocking: sample every job (all for one model) in one batch. Run it off the event loop, under the lock."""
+        samples = self._sample(jobs)
+        return [self._response(job, rows) for job, rows in zip(jobs, samples)]
 
     @torch.inference_mode()
-    def _sample(self, state: ModelState, prompt: list[int], request: ChatCompletionRequest, budget: int) -> list[Sample]:
-        n, dev = request.n, device()
-        generator = torch.Generator(device=dev)
-        generator.manual_seed(request.seed if request.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6]))
-        top_k = request.top_logprobs or 0
-        stops, eos = request.stop_strings, state.eos_token_ids
-        out = state.model(input_ids=torch.tensor([prompt] * n, device=dev), use_cache=True)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
-        finish = [None] * n
-        for _ in range(budget):
+    def _sample(self, jobs: list[Job]) -> list[list[Sample]]:
+        state, dev = jobs[0].state, device()
+        rows = [(job, copy) for job in jobs for copy in range(job.request.n)]
+        width = max(len(job.prompt) for job in jobs)
+        pad = state.tokenizer.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - len(job.prompt)) + job.prompt for job, _ in rows], device=dev)
+        mask = torch.tensor([[0] * (width - len(job.prompt)) + [1] * len(job.prompt) for job, _ in rows],
+                            device=dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [torch.Generator(device=dev) for _ in jobs]
+        for job, generator in zip(jobs, generators):
+            seed = job.request.seed
+            generator.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:6]))
+        spans, start = [], 0
+        for job in jobs:
+            spans.append((start, start + job.request.n))
+            start += job.request.n
+        out = state.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        tokens: list[list[int]] = [[] for _ in rows]
+        logps: list[list[float]] = [[] for _ in rows]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in rows]
+        finish: list[str | None] = [None] * len(rows)
+        eos = state.eos_token_ids
+        for step in range(max(job.budget for job in jobs)):
             logits = out.logits[:, -1, :].float()
             logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = self._choose(logits, request, generator)
-            for row in range(n):
+            chosen = torch.cat([self._choose(logits[a:b], job.request, generator)
+                                for job, generator, (a, b) in zip(jobs, generators, spans)])
+            for row, (job, _) in enumerate(rows):
                 if finish[row] is not None:
                     continue
                 token = int(chosen[row])
                 tokens[row].append(token)
                 logps[row].append(float(logprobs[row, token]))
-                if top_k:
-                    values, indices = logprobs[row].topk(top_k)
+                if job.request.top_logprobs:
+                    values, indices = logprobs[row].topk(job.request.top_logprobs)
                     tops[row].append(list(zip(indices.tolist(), values.tolist())))
-                if token in eos:
+                stops = job.request.stop_strings
+                if token in eos or (stops and any(s in state.tokenizer.decode(tokens[row]) for s in stops)):
                     finish[row] = "stop"
-                elif stops and any(s in state.tokenizer.decode(tokens[row]) for s in stops):
-                    finish[row] = "stop"
+                elif step + 1 >= job.budget:
+                    finish[row] = "length"
             if all(f is not None for f in finish):
                 break
-            out = state.model(input_ids=chosen[:, None], past_key_values=out.past_key_values, use_cache=True)
-        return [Sample(tokens[r], logps[r], tops[r], finish[r] or "length") for r in range(n)]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+            out = state.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
+                              past_key_values=out.past_key_values, use_cache=True)
+        samples = [Sample(tokens[r], logps[r], tops[r], finish[r] or "length") for r in range(len(rows))]
+        return [samples[a:b] for a, b in spans]
 
     @staticmethod
     def _choose(logits: torch.Tensor, request: ChatCompletionRequest, generator: torch.Generator) -> torch.Tensor:
@@ -122,9 +152,8 @@ class PortableEngine:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
-    def _response(self, state: ModelState, request: ChatCompletionRequest, prompt_len: int,
-                  samples: list[Sample]) -> ChatCompletion:
-        tokenizer = state.tokenizer
+    def _response(self, job: Job, samples: list[Sample]) -> ChatCompletion:
+        request, tokenizer, prompt_len = job.request, job.state.tokenizer, len(job.prompt)
         choices = []
         for index, sample in enumerate(samples):
             text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)

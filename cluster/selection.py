@@ -17,6 +17,7 @@ from .peft_trainer import PeftTrainer
 from .portable_engine import PortableEngine
 from .vllm_engine import VllmEngine
 
+Engine = PortableEngine | VllmEngine
 ENGINES = ("auto", "vllm", "portable")
 TRAINERS = ("auto", "unsloth", "peft")
 
@@ -25,7 +26,7 @@ def importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def select_engine(settings: Settings, art_path: Path, api_key: str) -> PortableEngine | VllmEngine:
+def select_engine(settings: Settings, art_path: Path, api_key: str) -> Engine:
     choice = settings.engine
     if choice not in ENGINES:
         raise ConfigError(f"unknown engine {choice!r} (ART_SKY_ENGINE): use one of {', '.join(ENGINES)}")

@@ -38,10 +38,64 @@ from art_sky.wire import (
 
 from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device
-from .selection import select_engine, select_trainer
+from .portable_engine import Job
+from .selection import Engine, select_engine, select_trainer
 from .sequences import Sequence, tokenize_trajectory
 
 log = logging.getLogger("art_sky.cluster")
+
+
+class InferenceQueue:
+    """Collects completion requests that arrive together so the engine samples them as one batch.
+
+    Requests wait while a model trains (the device lock); when training ends they go out in one batch.
+    """
+
+    def __init__(self, engine: Engine, lock: asyncio.Lock, max_rows: int):
+        self.engine, self.lock, self.max_rows = engine, lock, max_rows
+        self.pending: list[tuple[Job, asyncio.Future]] = []
+        self.wake = asyncio.Event()
+        self.worker: asyncio.Task | None = None
+
+    async def submit(self, job: Job):
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((job, future))
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.create_task(self._work())
+        self.wake.set()
+        return await future
+
+    async def _work(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while self.pending:
+                async with self.lock:
+                    await asyncio.sleep(0.005)  # let requests sent together join this batch
+                    batch = self._take()
+                    try:
+                        results = await asyncio.to_thread(self.engine.run, [job for job, _ in batch])
+                    except Exception as exc:  # one bad batch fails its requests, not the server
+                        log.exception("inference failed")
+                        results = [exc] * len(batch)
+                for (_, future), result in zip(batch, results):
+                    if not future.done():
+                        (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
+
+    def _take(self) -> list[tuple[Job, asyncio.Future]]:
+        """The oldest request and those after it for the same model, up to max_rows sampled rows."""
+        state = self.pending[0][0].state
+        batch, rest, rows = [], [], 0
+        for job, future in self.pending:
+            if future.done():
+                continue
+            if job.state is state and (not batch or rows + job.request.n <= self.max_rows):
+                batch.append((job, future))
+                rows += job.request.n
+            else:
+                rest.append((job, future))
+        self.pending = rest
+        return batch
 
 
 class BodySizeLimit:
@@ -88,6 +142,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     engine, trainer = select_engine(settings, art_path, api_key), select_trainer(settings)
     states: dict[str, ModelState] = {}
     lock = asyncio.Lock()
+    inference = InferenceQueue(engine, lock, settings.max_batch_rows)
     background: set[asyncio.Task] = set()
     bearer = HTTPBearer(auto_error=False)
 
@@ -134,13 +189,11 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         if body.stream:
             raise HTTPException(400, "stream=True is not supported by the portable engine: request without "
                                      "streaming")
-        state = model(body.model)
-        async with lock:
-            try:
-                completion = await asyncio.to_thread(engine.complete, state, body)
-            except (ValueError, TemplateError) as exc:
-                raise HTTPException(400, str(exc)) from exc
-        return completion.model_dump(exclude_none=True)
+        try:
+            job = engine.prepare(model(body.model), body)
+        except (ValueError, TemplateError) as exc:
+            raise HTTPException(400, str(exc)) from exc
+        return (await inference.submit(job)).model_dump(exclude_none=True)
 
     @app.post("/art/models", dependencies=guarded)
     async def register(body: RegisterRequest) -> ModelInfo:

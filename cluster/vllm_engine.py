@@ -17,9 +17,11 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from fastapi import HTTPException
 from openai.types.chat import ChatCompletion
 
 from art_sky.backends.local import tail
@@ -29,6 +31,7 @@ from art_sky.settings import Settings
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 from .model_state import ModelState, device, resolve_base_model
+from .portable_engine import Job
 
 log = logging.getLogger("art_sky.cluster")
 
@@ -87,11 +90,19 @@ class VllmEngine:
         finally:
             self._post("/resume")
 
-    def complete(self, state: ModelState, request: ChatCompletionRequest) -> ChatCompletion:
-        """The control server's own /v1 route, forwarded to vLLM (users get vLLM's port and skip this hop)."""
-        response = self._client().post("/v1/chat/completions", json=request.model_dump(exclude_unset=True))
+    # The control server's own /v1 route forwards to vLLM (users get vLLM's port and skip this hop).
+    def prepare(self, state: ModelState, request: ChatCompletionRequest) -> Job:
+        return Job(state, request, prompt=[], budget=0)  # vLLM renders the prompt and checks the budget itself
+
+    def run(self, jobs: list[Job]) -> list[ChatCompletion | HTTPException]:
+        """Blocking: forward a batch concurrently; a request vLLM refuses gets vLLM's status and message."""
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            return list(pool.map(self._forward, jobs))
+
+    def _forward(self, job: Job) -> ChatCompletion | HTTPException:
+        response = self._client().post("/v1/chat/completions", json=job.request.model_dump(exclude_unset=True))
         if response.status_code >= 400:
-            raise ValueError(_detail(response))
+            return HTTPException(response.status_code, f"vLLM: {_detail(response)}")
         return ChatCompletion.model_validate(response.json())
 
     def close(self) -> None:

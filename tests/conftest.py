@@ -33,3 +33,18 @@ async def train_lines(client: httpx.AsyncClient, name: str, body: dict) -> tuple
     if response.status_code != 200:
         return response.status_code, [response.json()]
     return 200, [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def sky_slurm():
+    """A real local Slurm with SkyPilot's API server running and `slurm/<alias>` enabled (tests/slurm_harness.py);
+    yields the infra string. Skips, saying what to run, where the packages are not installed."""
+    pytest.importorskip("sky", reason="the SkyPilot extra is not installed: bash tests/setup/30-slurm-skypilot.sh")
+    import slurm_harness
+
+    reason = slurm_harness.missing()
+    if reason:
+        pytest.skip(reason)
+    slurm_harness.start()
+    slurm_harness.enable_sky()
+    return slurm_harness.INFRA

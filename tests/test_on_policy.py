@@ -33,3 +33,22 @@ def test_sampled_logprobs_match_the_trainer(tmp_path):
         assert len(trained) == len(reported)
         assert max(abs(a - b) for a, b in zip(trained, reported)) < 1e-4
         assert all(not math.isnan(lp) for lp in reported)
+
+
+def test_batched_requests_sample_as_they_would_alone(tmp_path):
+    """Left-padded batching must not change what a request gets: same seed, same tokens and logprobs."""
+    state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path,
+                               Settings())
+    engine = PortableEngine(64)
+    short = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
+                                  logprobs=True, return_tokens_as_token_ids=True, seed=5)
+    long = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a much longer question " * 3}],
+                                 n=1, max_tokens=9, logprobs=True, return_tokens_as_token_ids=True, seed=6,
+                                 temperature=0.7, top_p=0.9)
+    alone = [engine.complete(state, short), engine.complete(state, long)]
+    together = engine.run([engine.prepare(state, short), engine.prepare(state, long)])
+    for a, b in zip(alone, together):
+        for ca, cb in zip(a.choices, b.choices):
+            assert [t.token for t in ca.logprobs.content] == [t.token for t in cb.logprobs.content]
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(ca.logprobs.content, cb.logprobs.content)) < 1e-4
+            assert ca.finish_reason == cb.finish_reason

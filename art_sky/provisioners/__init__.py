@@ -19,6 +19,7 @@ class SSHTarget(BaseModel):
     user: str
     key_path: Path | None = None
     proxy_command: str | None = None
+    env: dict[str, str] = {}  # sent with every command (ssh-config SetEnv): SkyPilot's Slurm sessions need it
 
     def __str__(self) -> str:  # never includes key material
         return f"{self.user}@{self.host}:{self.port}"

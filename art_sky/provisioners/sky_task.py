@@ -1,0 +1,134 @@
+"""Render the cluster server's SkyPilot task (templates/cluster.yaml) from what the user asked for, and check it
+with SkyPilot's own schema. Configuration stays data: the template is a plain SkyPilot task YAML that
+`sky launch` accepts as it is; rendering only sets fields on it.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources as package_files
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+import art_sky
+from art_sky.errors import ConfigError
+
+WHEEL_DIR = "~/art-sky/dist"  # where the shipped wheel lands on the cluster (the template's setup reads it)
+
+
+class ClusterSpec(BaseModel):
+    """What the user asks of the cluster; every field maps onto the task YAML."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu: str | list[str] | None = Field("H100:1", description="an accelerator, or an ordered fallback list; "
+                                                              "None runs the portable engine on CPUs")
+    infra: str | None = Field(None, description="SkyPilot's infra: aws, gcp/us-central1, k8s/<context>, slurm/<name>")
+    resources: dict[str, Any] = Field(default_factory=dict, description="more SkyPilot resource fields "
+                                                                        "(cpus, memory, disk_size, region, ...)")
+    spot: bool = False
+    autostop_minutes: int | None = Field(60, description="tear the cluster down after this many idle minutes; "
+                                                         "None keeps it up")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the server (ART_SKY_*)")
+    secrets: dict[str, str] = Field(default_factory=dict, description="environment SkyPilot redacts (store keys)")
+    python: str | None = Field(None, description="a Python on the cluster with art-sky installed: skip the install")
+    version: str | None = Field(None, description="install art-sky==version from PyPI instead of a shipped wheel")
+    wheel: Path | None = Field(None, description="the art-sky wheel to ship and install")
+    template: Path | None = Field(None, description="your own task YAML instead of templates/cluster.yaml")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="merged into the task last; None deletes")
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu_not_empty(cls, gpu):
+        if isinstance(gpu, list) and not gpu:
+            raise ValueError("an empty GPU list: give one accelerator, a list to try in order, or None for CPUs")
+        return gpu
+
+
+def load_template(path: Path | None = None) -> dict[str, Any]:
+    """The user's template, or the shipped one."""
+    import yaml  # comes with the `sky` extra
+
+    try:
+        text = path.read_text() if path else (package_files.files("art_sky.templates") / "cluster.yaml").read_text()
+        config = yaml.safe_load(text)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read the task template {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"the task template {path} is not a YAML mapping: start from templates/cluster.yaml")
+    return config
+
+
+def render_task(spec: ClusterSpec, api_key: SecretStr) -> dict[str, Any]:
+    """The task config dict for `sky.Task.from_yaml_config`. The API key is a secret: never print the result."""
+    config = load_template(spec.template)
+    resources = config.setdefault("resources", {}) or {}
+    config["resources"] = resources
+    for key in ("accelerators", "ordered", "any_of"):
+        resources.pop(key, None)
+    if isinstance(spec.gpu, list):
+        resources["ordered"] = [{"accelerators": _with_count(g)} for g in spec.gpu]
+    elif spec.gpu is not None:
+        resources["accelerators"] = _with_count(spec.gpu)
+    else:
+        resources.pop("disk_size", None)  # a CPU server needs no room for vLLM and big models
+    if spec.infra is not None:
+        resources["infra"] = spec.infra
+    if spec.spot:
+        resources["use_spot"] = True
+    if spec.autostop_minutes is None:
+        resources.pop("autostop", None)
+    else:
+        resources["autostop"] = {"idle_minutes": spec.autostop_minutes, "down": True}
+    resources.update(spec.resources)
+
+    envs = config.setdefault("envs", {}) or {}
+    config["envs"] = envs
+    envs["ART_SKY_EXTRA"] = "gpu" if spec.gpu is not None else "cluster"
+    envs["ART_SKY_PYTHON"] = spec.python or ""
+    envs["ART_SKY_VERSION"] = spec.version or ""
+    envs["ART_SKY_WHEEL"] = ""
+    if spec.python is None and spec.version is None:
+        if spec.wheel is None:
+            raise ConfigError("nothing to install on the cluster: give a wheel, an art-sky version, or a prepared "
+                              "Python (ART_SKY_REMOTE_PYTHON)")
+        envs["ART_SKY_WHEEL"] = spec.wheel.name
+        config.setdefault("file_mounts", {})[f"{WHEEL_DIR}/{spec.wheel.name}"] = str(spec.wheel)
+    envs.update(spec.env)
+    config["secrets"] = (config.get("secrets") or {}) | spec.secrets | {"ART_SKY_API_KEY": api_key.get_secret_value()}
+    return _merge(config, spec.overrides)
+
+
+def validate_task(config: dict[str, Any]) -> Any:
+    """Check the config with SkyPilot's task schema and load it as a `sky.Task` (returned)."""
+    import sky
+    from sky.utils import common_utils, schemas
+
+    try:
+        common_utils.validate_schema(copy.deepcopy(config), schemas.get_task_schema(), "invalid task: ")
+        return sky.Task.from_yaml_config(copy.deepcopy(config))
+    except ValueError as exc:  # SkyPilot raises ValueError subclasses for schema and field errors
+        message = str(exc)
+        for secret in (config.get("secrets") or {}).values():
+            if secret:
+                message = message.replace(str(secret), "***")
+        raise ConfigError(f"SkyPilot refuses the cluster task: {message}. Fix the template, resources or "
+                          f"overrides (art-sky {art_sky.__version__})") from None
+
+
+def _with_count(gpu: str) -> str:
+    return gpu if ":" in gpu else f"{gpu}:1"
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `overrides` into `base`: mappings merge, other values replace, None deletes."""
+    for key, value in overrides.items():
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base

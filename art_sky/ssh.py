@@ -1,0 +1,168 @@
+"""SSH sessions over paramiko: connect to an `SSHTarget`, run a command with a deadline, upload a file.
+
+Bootstrap and the tunnel both connect through `connect()`, so a host key, a key file or a ProxyCommand
+(what SkyPilot records for a cluster) is handled one way, with one set of error messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+import time
+from pathlib import Path
+
+import paramiko
+from pydantic import BaseModel
+
+from art_sky.errors import SSHError
+from art_sky.provisioners import SSHTarget
+from art_sky.settings import settings
+
+log = logging.getLogger("art_sky.ssh")
+
+
+class CommandResult(BaseModel):
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClient:
+    """An authenticated SSH connection, or an `SSHError` that says which step failed and what to check.
+
+    Host keys: a direct host is trusted on first use and remembered in `<ART_SKY_HOME>/known_hosts` (a changed
+    key is refused). A target behind a ProxyCommand (a SkyPilot cluster) is reached through a path the proxy
+    already authenticated and whose host key changes with every cluster, so its key is not pinned, as
+    SkyPilot's own ssh config does.
+    """
+    timeout = settings().ssh_connect_timeout if timeout is None else timeout
+    key = str(target.key_path.expanduser()) if target.key_path else None
+    if key is not None and not Path(key).is_file():
+        raise SSHError(f"SSH key {key} for {target} does not exist: pass the private key file with --key")
+    client = paramiko.SSHClient()
+    client.load_system_host_keys()
+    if target.proxy_command is None:
+        client.load_host_keys(str(_known_hosts_file()))  # AutoAddPolicy saves new keys here
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    sock = paramiko.ProxyCommand(_expand_proxy_command(target)) if target.proxy_command else None
+    try:
+        client.connect(target.host, port=target.port, username=target.user, key_filename=key, timeout=timeout,
+                       banner_timeout=timeout, auth_timeout=timeout, channel_timeout=timeout, sock=sock,
+                       allow_agent=key is None, look_for_keys=key is None)
+    except (OSError, paramiko.SSHException, EOFError) as exc:
+        client.close()
+        if sock is not None:
+            sock.close()  # ends the proxy process
+        raise _connect_error(target, key, timeout, exc) from exc
+    transport = client.get_transport()
+    assert transport is not None  # connect() succeeded
+    transport.set_keepalive(15)
+    return client
+
+
+def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exception) -> SSHError:
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return SSHError(f"the host key of {target} changed since art-sky first connected: if the host was "
+                        f"reinstalled, delete its line from {_known_hosts_file()} and retry; otherwise someone "
+                        "may be intercepting the connection")
+    if isinstance(exc, paramiko.AuthenticationException):
+        return SSHError(f"{target} refused the login ({exc}): check the user and that the key "
+                        f"{key or '(agent / ~/.ssh defaults)'} is in the host's ~/.ssh/authorized_keys")
+    via = f" via ProxyCommand {target.proxy_command!r}" if target.proxy_command else ""
+    return SSHError(f"cannot reach {target}{via} within {timeout:.0f}s ({exc!r}): check the host, port and that "
+                    "sshd runs there (ART_SKY_SSH_CONNECT_TIMEOUT sets the wait)")
+
+
+class SSHSession:
+    """One SSH connection used for a series of commands and uploads (the bootstrap)."""
+
+    def __init__(self, target: SSHTarget, timeout: float | None = None):
+        self.target = target
+        self.client = connect(target, timeout)
+
+    def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
+        """Run a POSIX sh script (whatever the login shell is) and wait at most `timeout` seconds.
+
+        Secrets go in through `stdin`, never in `script`: the script is visible in the remote process list.
+        """
+        transport = self.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise SSHError(f"the SSH connection to {self.target} is closed: retry the command")
+        try:
+            channel = transport.open_session(timeout=timeout)
+            channel.exec_command(f"sh -c {shlex.quote(script)}")
+            if stdin:
+                channel.sendall(stdin)
+            channel.shutdown_write()
+            stdout, stderr = _read_until_exit(channel, time.monotonic() + timeout)
+        except TimeoutError as exc:
+            raise SSHError(f"a command on {self.target} did not finish within {timeout:.0f}s: {_first_line(script)}"
+                           ) from exc
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise SSHError(f"the SSH connection to {self.target} failed during a command ({exc!r}): "
+                           "check the host and retry") from exc
+        result = CommandResult(exit_code=channel.recv_exit_status(), stdout=stdout, stderr=stderr)
+        channel.close()
+        if check and result.exit_code != 0:
+            raise SSHError(f"`{_first_line(script)}` failed on {self.target} with exit code {result.exit_code}:\n"
+                           f"{(result.stderr or result.stdout).strip()[-2000:]}")
+        return result
+
+    def upload(self, local: Path, remote: str) -> None:
+        """Copy a file to `remote` (relative paths are relative to the login directory)."""
+        try:
+            with self.client.open_sftp() as sftp:
+                sftp.put(str(local), remote)
+        except (OSError, paramiko.SSHException) as exc:
+            raise SSHError(f"uploading {local} to {self.target}:{remote} failed ({exc!r}): check the remote "
+                           "directory is writable and the disk not full") from exc
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> SSHSession:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _read_until_exit(channel: paramiko.Channel, deadline: float) -> tuple[str, str]:
+    stdout, stderr = bytearray(), bytearray()
+    while True:
+        busy = False
+        if channel.recv_ready():
+            stdout += channel.recv(65536)
+            busy = True
+        if channel.recv_stderr_ready():
+            stderr += channel.recv_stderr(65536)
+            busy = True
+        if not busy and channel.exit_status_ready() and channel.eof_received:
+            return stdout.decode(errors="replace"), stderr.decode(errors="replace")
+        if channel.closed and not busy:
+            raise EOFError("the channel closed before the command exited")
+        if time.monotonic() > deadline:
+            channel.close()
+            raise TimeoutError
+        if not busy:
+            time.sleep(0.02)
+
+
+def _expand_proxy_command(target: SSHTarget) -> str:
+    """OpenSSH's tokens in a ProxyCommand: %h host, %p port, %r user, %% a percent sign."""
+    values = {"h": target.host, "p": str(target.port), "r": target.user, "%": "%"}
+    return re.sub(r"%([hpr%])", lambda m: values[m.group(1)], target.proxy_command or "")
+
+
+def _known_hosts_file() -> Path:
+    path = settings().home / "known_hosts"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600, exist_ok=True)
+    return path
+
+
+def _first_line(script: str) -> str:
+    lines = [line.strip() for line in script.strip().splitlines() if line.strip()]
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+

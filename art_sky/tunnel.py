@@ -1,0 +1,199 @@
+"""`Tunnel`: a local port on 127.0.0.1 forwarded over one SSH connection to a port on the cluster's head node.
+
+Nothing on the cluster listens beyond its own 127.0.0.1. When the SSH connection drops, a watchdog reconnects
+with exponential backoff; connections accepted meanwhile wait for it, and requests cut mid-flight fail with
+a connection error that the HTTP client retries (idempotent ones), so a drop costs a pause, not a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+
+import paramiko
+
+from art_sky.errors import ConfigError, SSHError
+from art_sky.provisioners import SSHTarget
+from art_sky.ssh import connect
+
+log = logging.getLogger("art_sky.tunnel")
+
+
+class Tunnel:
+    """Forward 127.0.0.1:`local_port` (0 picks a free one) to `remote_host`:`remote_port` as seen by `target`."""
+
+    def __init__(self, target: SSHTarget, remote_port: int, *, local_port: int = 0,
+                 remote_host: str = "127.0.0.1", keepalive: float = 15.0, reconnect_wait: float = 60.0,
+                 max_backoff: float = 30.0):
+        self.target = target
+        self.keepalive = keepalive  # seconds between liveness probes, and the wait for each answer
+        self.remote = (remote_host, remote_port)
+        self.reconnect_wait = reconnect_wait
+        self.max_backoff = max_backoff
+        self.reconnects = 0  # how many times the SSH connection was re-established
+        self._requested_port = local_port
+        self._client: paramiko.SSHClient | None = None
+        self._listener: socket.socket | None = None
+        self._up = threading.Event()
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def local_port(self) -> int:
+        if self._listener is None:
+            raise ConfigError("the tunnel is not started: call start() first")
+        return self._listener.getsockname()[1]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.local_port}"
+
+    @property
+    def connected(self) -> bool:
+        transport = self._client.get_transport() if self._client else None
+        return transport is not None and transport.is_active()
+
+    def start(self) -> int:
+        """Connect (raises `SSHError` if it cannot), listen, and return the local port."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind(("127.0.0.1", self._requested_port))
+        except OSError as exc:
+            listener.close()
+            raise ConfigError(f"cannot listen on 127.0.0.1:{self._requested_port} for the tunnel ({exc.strerror}): "
+                              "pick another local port, or 0 for a free one") from exc
+        listener.listen(64)
+        try:
+            self._connect()
+        except SSHError:
+            listener.close()
+            raise
+        self._listener = listener
+        for target in (self._accept_loop, self._watchdog):
+            thread = threading.Thread(target=target, name=f"art-sky-tunnel-{target.__name__}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("tunnel 127.0.0.1:%d -> %s -> %s:%d", self.local_port, self.target, *self.remote)
+        return self.local_port
+
+    def close(self) -> None:
+        """Stop listening, drop forwarded connections and the SSH connection."""
+        self._closed.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        if self._client is not None:
+            self._client.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> Tunnel:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _connect(self) -> None:
+        client = connect(self.target)
+        old, self._client = self._client, client
+        if old is not None:
+            old.close()
+        self._up.set()
+
+    def _watchdog(self) -> None:
+        """Reconnect with exponential backoff whenever the SSH connection is found dead or silent."""
+        delay = 0.5
+        next_probe = time.monotonic() + self.keepalive
+        while not self._closed.wait(0.5):
+            if self.connected and time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + self.keepalive
+                if not self._answers(self.keepalive) and not self._closed.is_set():
+                    log.warning("%s did not answer a keepalive within %.0fs; dropping the connection",
+                                self.target, self.keepalive)
+                    self._client.close()
+            if self.connected:
+                continue
+            self._up.clear()
+            log.warning("SSH connection to %s lost; reconnecting", self.target)
+            while not self._closed.is_set():
+                try:
+                    self._connect()
+                except SSHError as exc:
+                    log.warning("reconnect to %s failed (%s); next try in %.1fs", self.target, exc, delay)
+                    self._closed.wait(delay)
+                    delay = min(delay * 2, self.max_backoff)
+                    continue
+                self.reconnects += 1
+                delay = 0.5
+                log.info("SSH connection to %s re-established", self.target)
+                break
+
+    def _answers(self, timeout: float) -> bool:
+        """Does the server answer a request? A connection whose peer vanished (laptop asleep, network changed)
+        stays open for TCP's many minutes; no answer is how it is found."""
+        transport = self._client.get_transport() if self._client else None
+        answered = threading.Event()
+
+        def ask() -> None:
+            try:
+                transport.global_request("keepalive@openssh.com", wait=True)
+            finally:
+                answered.set()  # an error means a dead transport, which `connected` reports
+
+        threading.Thread(target=ask, daemon=True, name="art-sky-tunnel-keepalive").start()
+        return answered.wait(timeout)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            thread = threading.Thread(target=self._forward, args=(conn, peer), daemon=True,
+                                      name="art-sky-tunnel-forward")
+            thread.start()
+
+    def _open_channel(self, peer: tuple[str, int]) -> paramiko.Channel | None:
+        """A channel to the remote port, waiting up to `reconnect_wait` for a dropped connection to come back."""
+        if not self._up.wait(self.reconnect_wait) or self._closed.is_set():
+            return None
+        transport = self._client.get_transport() if self._client else None
+        if transport is None:
+            return None
+        try:
+            return transport.open_channel("direct-tcpip", self.remote, peer, timeout=30)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            log.warning("cannot open a channel to %s:%d on %s: %r", *self.remote, self.target, exc)
+            return None
+
+    def _forward(self, conn: socket.socket, peer: tuple[str, int]) -> None:
+        channel = self._open_channel(peer)
+        try:
+            if channel is None:
+                return  # closing the socket tells the client to retry
+            while not self._closed.is_set():
+                readable, _, _ = select.select([conn, channel], [], [], 1.0)
+                if conn in readable:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    channel.sendall(data)
+                if channel in readable:
+                    data = channel.recv(65536)
+                    if not data:
+                        return
+                    conn.sendall(data)
+        except (OSError, paramiko.SSHException, EOFError):
+            return
+        finally:
+            if channel is not None:
+                channel.close()
+            conn.close()

@@ -1,0 +1,137 @@
+"""SSHBackend against a real sshd on this machine: bootstrap "remotely", chat and train through the tunnel,
+survive a dropped SSH connection, and fail clearly on bad input."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from sshd import art_sky_home, free_port, sshd  # noqa: F401 (fixtures)
+
+import art_sky
+from art_sky.bootstrap import BootstrapOptions
+from art_sky.errors import BackendUnavailableError, SSHError
+from art_sky.ssh import SSHSession
+
+# The interpreter with torch & co. (the test's own, or the one its venv was made from).
+BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
+PROMPT = [{"role": "user", "content": "say hi"}]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def rollout(model: art_sky.TrainableModel, reward: float) -> art_sky.Trajectory:
+    completion = await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=8, temperature=1.0)
+    assert completion.choices[0].logprobs is not None
+    return art_sky.Trajectory(messages_and_choices=[*PROMPT, completion.choices[0]], reward=reward)
+
+
+@pytest.mark.slow
+async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_path, art_sky_home):  # noqa: F811
+    remote_dir = tmp_path / "remote"
+    options = BootstrapOptions(remote_dir=str(remote_dir), venv_python=BASE_PYTHON, system_site_packages=True)
+    backend = art_sky.SSHBackend(f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key,
+                                 options=options)
+    model = art_sky.TrainableModel(name="agent", project="ssh", base_model="art-sky/tiny")
+    try:
+        await model.register(backend)
+        assert backend.base_url == f"http://127.0.0.1:{backend.tunnel.local_port}"
+        assert (await backend.health()).version == art_sky.__version__
+        # The server runs the shipped wheel, installed in the venv's lib/, and got its key by environment only.
+        assert (remote_dir / "venv" / "bin" / "python").exists()
+        assert (remote_dir / "lib" / "art_sky" / "cluster" / "server.py").exists()
+        pid = backend.server.pid
+        assert backend.api_key not in Path(f"/proc/{pid}/cmdline").read_text()
+        assert f"ART_SKY_API_KEY={backend.api_key}" in Path(f"/proc/{pid}/environ").read_text().split("\0")
+
+        group = art_sky.TrajectoryGroup([await rollout(model, 0.0), await rollout(model, 1.0)])
+        metrics = await model.train([group])
+        assert metrics["step"] == 1.0
+
+        assert sshd.drop_connections() >= 1  # the tunnel's SSH connection dies mid-run
+        assert await model.get_step() == 1  # retried until the tunnel is back
+        assert backend.tunnel.reconnects >= 1
+        await rollout(model, 0.5)  # chat completions go through the new connection too
+        assert backend.server.pid == pid and alive(pid)  # the detached server never noticed
+    finally:
+        await backend.close()
+    assert not alive(pid)
+    assert not (remote_dir / "run" / "server.pid").exists()
+
+
+@pytest.fixture
+def prepared(tmp_path) -> BootstrapOptions:
+    """A host with a prepared Python environment: only the wheel is installed, --no-deps."""
+    return BootstrapOptions(remote_dir=str(tmp_path / "remote"), python=BASE_PYTHON)
+
+
+async def test_unreachable_host(sshd, prepared, art_sky_home):  # noqa: F811
+    backend = art_sky.SSHBackend(sshd.target().model_copy(update={"port": free_port()}), options=prepared)
+    with pytest.raises(SSHError, match="cannot reach"):
+        await backend.health()
+
+
+async def test_wrong_key(sshd, prepared, art_sky_home):  # noqa: F811
+    backend = art_sky.SSHBackend(sshd.target(key=sshd.other_key), options=prepared)
+    with pytest.raises(SSHError, match="refused the login"):
+        await backend.health()
+
+
+@pytest.mark.parametrize("field", ["python", "venv_python"])
+async def test_host_without_python(sshd, prepared, art_sky_home, field):  # noqa: F811
+    options = prepared.model_copy(update={"python": None, field: "/nonexistent/bin/python3"})
+    backend = art_sky.SSHBackend(sshd.target(), options=options)
+    with pytest.raises(SSHError, match="no Python >= 3.11 at '/nonexistent/bin/python3'"):
+        await backend.health()
+
+
+@pytest.mark.slow
+async def test_remote_port_already_in_use(sshd, prepared, art_sky_home):  # noqa: F811
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        backend = art_sky.SSHBackend(sshd.target(), options=prepared.model_copy(update={"port": port}))
+        with pytest.raises(BackendUnavailableError, match=rf"exited before it was listening(.|\n)*cannot bind "
+                                                          rf"127.0.0.1:{port}"):
+            await backend.health()
+
+
+async def test_server_that_never_gets_healthy(sshd, prepared, tmp_path, art_sky_home, monkeypatch):  # noqa: F811
+    """The error names the timeout and carries the server log's last lines; the stuck server is stopped."""
+    pid_file = tmp_path / "stuck.pid"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+case "$*" in
+  *art_sky.cluster*) echo "loading weights, slowly"; echo $$ > {pid_file}; exec sleep 600;;
+esac
+exec {BASE_PYTHON} "$@"
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("ART_SKY_SERVER_START_TIMEOUT", "3")
+    backend = art_sky.SSHBackend(sshd.target(), options=prepared.model_copy(update={"python": str(fake)}))
+    with pytest.raises(BackendUnavailableError, match=r"not healthy within 3s(.|\n)*loading weights, slowly"):
+        await backend.health()
+    assert not alive(int(pid_file.read_text()))
+
+
+async def test_logs_and_stop_reach_the_remote_server(sshd, prepared, art_sky_home):  # noqa: F811
+    """keep_server leaves the server running after close(); stop_server() ends it."""
+    backend = art_sky.SSHBackend(sshd.target(), options=prepared, keep_server=True)
+    await backend.health()
+    pid = backend.server.pid
+    assert "listening on 127.0.0.1" in backend.logs()
+    await backend.close()
+    assert alive(pid)
+    assert await backend.stop_server()
+    assert not alive(pid)
+    with SSHSession(sshd.target()) as session:
+        assert session.run(f"test -e {prepared.remote_dir}/run/server.pid", timeout=10, check=False).exit_code == 1

@@ -1,0 +1,138 @@
+"""Every task the code can render is valid for the real SkyPilot: its schema accepts it and it loads as a sky.Task."""
+
+from __future__ import annotations
+
+from importlib import resources as package_files
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import SecretStr, ValidationError
+
+pytest.importorskip("sky", reason="the SkyPilot extra is not installed: pip install -e '.[sky]'")
+
+from art_sky.errors import ConfigError  # noqa: E402
+from art_sky.provisioners.sky_task import ClusterSpec, load_template, render_task, validate_task  # noqa: E402
+
+KEY = SecretStr("test-api-key-never-printed")
+WHEEL = Path("/tmp/dist/art_sky-0.1.0-py3-none-any.whl")
+
+VARIANTS = {
+    "default GPU, shipped wheel": ClusterSpec(wheel=WHEEL),
+    "fallback list, spot, region": ClusterSpec(gpu=["H100", "A100-80GB:1"], spot=True, infra="gcp/us-central1",
+                                               version="0.1.0"),
+    "multi-GPU on kubernetes": ClusterSpec(gpu="A100:8", infra="k8s/my-context", wheel=WHEEL,
+                                           resources={"disk_size": 512}),
+    "CPU on slurm, prepared python": ClusterSpec(gpu=None, infra="slurm/localcluster", python="/opt/venv/bin/python",
+                                                 resources={"cpus": 1, "memory": 1}, autostop_minutes=None),
+    "user env and overrides": ClusterSpec(wheel=WHEEL, env={"ART_SKY_ENGINE": "portable"},
+                                          overrides={"resources": {"region": "us-east-1"}, "num_nodes": 1}),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_is_a_valid_skypilot_task(name):
+    task = validate_task(render_task(VARIANTS[name], KEY))
+    assert task.name == "art-sky-server"
+    assert task.run and task.setup
+
+
+def test_shipped_templates_validate_as_they_are():
+    """`sky launch templates/<x>.yaml` must work too: each shipped YAML is a valid task once its secrets are set."""
+    names = [f.name for f in package_files.files("art_sky.templates").iterdir() if f.name.endswith((".yaml", ".yml"))]
+    assert "cluster.yaml" in names
+    for name in names:
+        config = yaml.safe_load((package_files.files("art_sky.templates") / name).read_text())
+        config["secrets"] = {k: "x" for k in config.get("secrets") or {}}
+        validate_task(config)
+
+
+def test_gpu_fallback_list_keeps_its_order_and_spot_applies_to_each():
+    task = validate_task(render_task(VARIANTS["fallback list, spot, region"], KEY))
+    assert isinstance(task.resources, list)  # `ordered`: tried first to last
+    assert [list(r.accelerators) for r in task.resources] == [["H100"], ["A100-80GB"]]
+    assert all(r.use_spot and str(r.cloud) == "GCP" and r.region == "us-central1" for r in task.resources)
+
+
+def test_one_gpu_gets_a_count_and_the_gpu_extra():
+    config = render_task(ClusterSpec(gpu="L4", wheel=WHEEL), KEY)
+    task = validate_task(config)
+    (resources,) = task.resources
+    assert resources.accelerators == {"L4": 1}
+    assert task.envs["ART_SKY_EXTRA"] == "gpu"
+    assert config["resources"]["disk_size"] == 256
+
+
+def test_cpu_only_installs_the_cluster_extra_and_skips_install_with_a_prepared_python():
+    config = render_task(VARIANTS["CPU on slurm, prepared python"], KEY)
+    task = validate_task(config)
+    (resources,) = task.resources
+    assert resources.accelerators is None and resources.cpus == "1" and resources.memory == "1"
+    assert task.envs["ART_SKY_EXTRA"] == "cluster"
+    assert task.envs["ART_SKY_PYTHON"] == "/opt/venv/bin/python"
+    assert "autostop" not in config["resources"] and not task.file_mounts
+
+
+def test_autostop_tears_down():
+    config = render_task(ClusterSpec(wheel=WHEEL, autostop_minutes=15), KEY)
+    (resources,) = validate_task(config).resources
+    assert resources.autostop_config.enabled and resources.autostop_config.idle_minutes == 15
+    assert resources.autostop_config.down
+
+
+def test_the_shipped_wheel_is_mounted_where_setup_installs_it():
+    config = render_task(ClusterSpec(wheel=WHEEL), KEY)
+    task = validate_task(config)
+    assert task.file_mounts == {f"~/art-sky/dist/{WHEEL.name}": str(WHEEL)}
+    assert task.envs["ART_SKY_WHEEL"] == WHEEL.name
+    assert "$HOME/art-sky/dist/$ART_SKY_WHEEL" in task.setup
+
+
+def test_the_api_key_travels_as_a_secret_not_an_env():
+    config = render_task(ClusterSpec(wheel=WHEEL), KEY)
+    task = validate_task(config)
+    assert KEY.get_secret_value() not in str(task.envs)
+    assert task.secrets["ART_SKY_API_KEY"].get_secret_value() == KEY.get_secret_value()
+    assert KEY.get_secret_value() not in repr(task)
+    stored = yaml.safe_dump(task.to_yaml_config(use_user_specified_yaml=True))  # what SkyPilot records
+    assert KEY.get_secret_value() not in stored and "ART_SKY_API_KEY" in stored
+
+
+def test_overrides_merge_replace_and_delete():
+    spec = ClusterSpec(wheel=WHEEL, overrides={"resources": {"disk_size": 100, "autostop": None},
+                                               "envs": {"HF_HOME": "/data/hf"}, "workdir": None})
+    config = render_task(spec, KEY)
+    assert config["resources"]["disk_size"] == 100 and "autostop" not in config["resources"]
+    assert config["resources"]["accelerators"] == "H100:1"
+    assert config["envs"]["HF_HOME"] == "/data/hf" and config["envs"]["ART_SKY_EXTRA"] == "gpu"
+    validate_task(config)
+
+
+def test_a_user_template_is_rendered_the_same_way(tmp_path):
+    template = tmp_path / "mine.yaml"
+    template.write_text("name: my-server\nresources:\n  cpus: 4+\nrun: echo mine\n")
+    config = render_task(ClusterSpec(template=template, gpu=None, version="0.1.0"), KEY)
+    task = validate_task(config)
+    assert task.name == "my-server" and task.run == "echo mine"
+    assert task.envs["ART_SKY_VERSION"] == "0.1.0" and task.secrets["ART_SKY_API_KEY"]
+
+
+def test_an_invalid_override_names_the_field_and_hides_the_key():
+    with pytest.raises(ConfigError, match="disk_sise") as error:
+        validate_task(render_task(ClusterSpec(wheel=WHEEL, resources={"disk_sise": 10}), KEY))
+    assert KEY.get_secret_value() not in str(error.value)
+
+
+def test_nothing_to_install_is_refused_with_what_to_give():
+    with pytest.raises(ConfigError, match="wheel, an art-sky version, or a prepared Python"):
+        render_task(ClusterSpec(), KEY)
+
+
+def test_an_empty_fallback_list_is_refused():
+    with pytest.raises(ValidationError, match="empty GPU list"):
+        ClusterSpec(gpu=[])
+
+
+def test_a_missing_template_says_which(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_template(tmp_path / "nope.yaml")
