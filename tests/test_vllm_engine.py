@@ -13,9 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from transformers import AutoTokenizer
 
 import art_sky as art
+from art_sky.bootstrap import BootstrapOptions
 from art_sky.checkpoints import CheckpointDir
 from art_sky.cluster.model_state import load_peft, resolve_base_model
 from art_sky.cluster.peft_trainer import _token_logprobs
@@ -53,12 +55,12 @@ def continuation_ids(tokenizer) -> tuple[list[int], list[int]]:
     return prompt, tokenizer(CONTINUATION, add_special_tokens=False)["input_ids"]
 
 
-def reference_logprobs(backend, model, step: int, sampled: list[int] | None = None) -> list[float]:
+def reference_logprobs(art_path: Path, model, step: int, sampled: list[int] | None = None) -> list[float]:
     """Logprobs of the continuation (or of `sampled` ids) after PROMPT under checkpoint `step`, computed like the
     portable engine and the trainer."""
     request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
                               config=model.config)
-    checkpoint = CheckpointDir(backend.path, model.project, model.name).step_dir(step)
+    checkpoint = CheckpointDir(art_path, model.project, model.name).step_dir(step)
     peft_model, tokenizer = load_peft(request, Settings(), checkpoint)
     prompt, continuation = continuation_ids(tokenizer)
     continuation = continuation if sampled is None else sampled
@@ -110,7 +112,7 @@ async def test_health_reports_vllm_and_its_port(served):
 async def test_step_zero_is_served_exactly(served):
     backend, model = served
     served0 = await served_logprobs(backend, model, "vt")
-    assert served0 == pytest.approx(reference_logprobs(backend, model, 0), abs=TOLERANCE)
+    assert served0 == pytest.approx(reference_logprobs(backend.path, model, 0), abs=TOLERANCE)
 
 
 async def test_sampled_logprobs_are_the_trainers(served):
@@ -119,7 +121,7 @@ async def test_sampled_logprobs_are_the_trainers(served):
     choice = (await rollout_groups(model))[0].trajectories[0].messages_and_choices[-1]
     sampled = [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
     reported = [t.logprob for t in choice.logprobs.content]
-    assert reported == pytest.approx(reference_logprobs(backend, model, 0, sampled), abs=TOLERANCE)
+    assert reported == pytest.approx(reference_logprobs(backend.path, model, 0, sampled), abs=TOLERANCE)
 
 
 async def test_training_swaps_the_served_adapter(served):
@@ -131,10 +133,10 @@ async def test_training_swaps_the_served_adapter(served):
     assert await model.get_step() == 2
     after = await served_logprobs(backend, model, "vt")
     assert max(abs(a - b) for a, b in zip(after, before)) > 10 * TOLERANCE, "the served adapter did not change"
-    assert after == pytest.approx(reference_logprobs(backend, model, 2), abs=TOLERANCE)
+    assert after == pytest.approx(reference_logprobs(backend.path, model, 2), abs=TOLERANCE)
     # every step stays addressable as name@step
     assert await served_logprobs(backend, model, "vt@1") == pytest.approx(
-        reference_logprobs(backend, model, 1), abs=TOLERANCE)
+        reference_logprobs(backend.path, model, 1), abs=TOLERANCE)
     assert await served_logprobs(backend, model, "vt@0") == pytest.approx(before, abs=TOLERANCE)
 
 
@@ -145,7 +147,7 @@ async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
     await second.register(backend)
     assert second.inference_base_url == model.inference_base_url
     assert await served_logprobs(backend, second, "vt2") == pytest.approx(
-        reference_logprobs(backend, second, 0), abs=TOLERANCE)
+        reference_logprobs(backend.path, second, 0), abs=TOLERANCE)
     other_base = shutil.copytree(resolve_base_model("art-sky/tiny", Settings()), tmp_path / "other-base")
     stranger = art.TrainableModel(name="vt3", project="p", base_model=str(other_base))
     with pytest.raises(ServerError, match="one base model per cluster server"):
@@ -170,3 +172,27 @@ async def test_vllm_stops_with_the_server(served):
     await backend.close()
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "vLLM still listens after the server stopped"
+
+
+async def test_over_ssh_inference_takes_its_own_tunnel_to_vllm(sshd, tmp_path, art_sky_home):  # noqa: F811
+    """An SSH host running the vLLM engine: the backend forwards vLLM's port too, and rollouts and training work."""
+    options = BootstrapOptions(remote_dir=str(tmp_path / "remote"), python=str(VLLM_PYTHON),
+                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3"})
+    backend = art.SSHBackend(f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key,
+                             options=options)
+    model = art.TrainableModel(name="remote", project="p", base_model="art-sky/tiny",
+                               config=art.ModelConfig(max_seq_length=512))
+    try:
+        await model.register(backend)
+        health = await backend.health()
+        assert health.engine == "vllm"
+        assert backend.engine_tunnel is not None and backend.engine_tunnel.remote[1] == health.inference_port
+        assert model.inference_base_url == f"{backend.engine_tunnel.base_url}/v1" != f"{backend.base_url}/v1"
+        metrics = await model.train(await rollout_groups(model), art.TrainConfig(learning_rate=5e-2))
+        assert metrics["step"] == 1.0
+        assert await served_logprobs(backend, model, "remote") == pytest.approx(
+            reference_logprobs(tmp_path / "remote" / "art", model, 1), abs=TOLERANCE)
+    finally:
+        await backend.close()
+    assert backend.engine_tunnel is None
+
