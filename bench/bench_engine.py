@@ -2,13 +2,15 @@
 
     python bench/bench_engine.py                      # vLLM (from .venv-vllm) on the tiny model, this machine
     python bench/bench_engine.py --engine portable    # the portable engine in this Python
+    python bench/bench_engine.py --tunnel             # the same through SSH tunnels to a throwaway local sshd
     python bench/bench_engine.py --base-model /models/Qwen2.5-0.5B-Instruct --python /opt/venv/bin/python
 
-One run starts a LocalBackend, registers a model and, at each concurrency, sends the same chat completions
-(logprobs and token ids on, as training rollouts ask) to:
+One run starts a LocalBackend (or, with --tunnel, an SSHBackend to this machine's own sshd), registers a model
+and, at each concurrency, sends the same chat completions (logprobs and token ids on, as rollouts ask) to:
   engine     the engine's own port, plain HTTP (for the portable engine that is the server's /v1)
-  endpoint   model.openai_client(): what users sample from (vLLM's port; a tunnel adds itself here)
-  control    the control server's /v1 route (forwards to vLLM under the server's lock)
+  tunnel     the same through the SSH tunnel the backend opened to the engine's port (--tunnel only)
+  endpoint   model.openai_client(): what users sample from (vLLM's port, tunnelled with --tunnel)
+  control    the control server's /v1 route (forwards to vLLM under the server's lock; tunnelled with --tunnel)
 and prints completions/s, tokens/s and each target's ratio to the engine. Then one GRPO step, and the time from
 train() returning to the first completion served by the new adapter.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -39,10 +43,36 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="completions per level and target")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--gpu-memory", default="0.3", help="ART_SKY_ENGINE_GPU_MEMORY for vLLM")
+    parser.add_argument("--tunnel", action="store_true", help="go through SSH tunnels to a throwaway local sshd "
+                                                              "(OpenSSH: tests/setup/10-openssh.sh)")
     args = parser.parse_args()
     python = args.python or (str(ROOT / ".venv-vllm" / "bin" / "python") if args.engine == "vllm" else sys.executable)
-    backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art-sky-bench-"), python=python,
-                               env={"ART_SKY_ENGINE": args.engine, "ART_SKY_ENGINE_GPU_MEMORY": args.gpu_memory})
+    env = {"ART_SKY_ENGINE": args.engine, "ART_SKY_ENGINE_GPU_MEMORY": args.gpu_memory}
+    with contextlib.ExitStack() as stack:
+        if args.tunnel:
+            backend = ssh_backend(stack, python, env)
+        else:
+            backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art-sky-bench-"), python=python, env=env)
+        await bench(backend, args)
+
+
+def ssh_backend(stack: contextlib.ExitStack, python: str, env: dict[str, str]) -> art.Backend:
+    """An SSHBackend to a throwaway sshd on 127.0.0.1 (the tests' own), running the server with `python`."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from sshd import Sshd
+
+    from art_sky.bootstrap import BootstrapOptions
+
+    root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="art-sky-bench-sshd-")))
+    os.environ["ART_SKY_HOME"] = str(root / "home")  # its throwaway host key stays out of ~/.art-sky/known_hosts
+    sshd = Sshd(root)
+    sshd.start()
+    stack.callback(sshd.stop)
+    options = BootstrapOptions(remote_dir=str(root / "remote"), python=python, env=env)
+    return art.SSHBackend(sshd.target(), options=options)
+
+
+async def bench(backend: art.Backend, args: argparse.Namespace) -> None:
     model = art.TrainableModel(name="bench", project="bench", base_model=args.base_model,
                                config=art.ModelConfig(max_seq_length=1024))
     try:
@@ -53,10 +83,12 @@ async def main() -> None:
               f"{time.perf_counter() - started:.1f}s")
         engine_url = (f"http://127.0.0.1:{health.inference_port}/v1" if health.inference_port
                       else f"{backend.base_url}/v1")
-        targets = {"engine": raw_sender(engine_url, backend.api_key), "endpoint": openai_sender(model),
-                   "control": raw_sender(f"{backend.base_url}/v1", backend.api_key)}
-        if health.inference_port is None:
-            del targets["control"]  # the portable engine is the control server's /v1 already
+        targets = {"engine": raw_sender(engine_url, backend.api_key)}
+        if args.tunnel and health.inference_port:
+            targets["tunnel"] = raw_sender(model.inference_base_url, backend.api_key)
+        targets["endpoint"] = openai_sender(model)
+        if health.inference_port:  # (the portable engine is the control server's /v1 already)
+            targets["control"] = raw_sender(f"{backend.base_url}/v1", backend.api_key)
         # ignore_eos (vLLM's; the portable engine ignores it): every completion is max_tokens long
         body = {"model": model.name, "messages": PROMPT, "max_tokens": args.max_tokens, "temperature": 1.0,
                 "logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
