@@ -156,7 +156,7 @@ async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
 
 
 async def test_control_route_forwards_to_vllm(served):
-    backend, model = served
+    backend, _ = served
     async with httpx.AsyncClient(base_url=backend.base_url, timeout=120,
                                  headers={"authorization": f"Bearer {backend.api_key}"}) as http:
         response = await http.post("/v1/chat/completions", json={
