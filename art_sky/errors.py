@@ -34,6 +34,10 @@ class BackendUnavailableError(ArtSkyError):
     """The server could not be started or reached (dead process, dead tunnel, timeout)."""
 
 
+class EngineError(ArtSkyError):
+    """The inference engine failed (vLLM did not start, refused an adapter); the message points at its log."""
+
+
 class SSHError(BackendUnavailableError):
     """An SSH connection, login, remote command or file transfer failed."""
 

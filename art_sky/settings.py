@@ -24,8 +24,13 @@ class Settings(BaseSettings):
     remote_install_timeout: float = Field(1800.0, description="seconds for the remote venv and pip install step")
     remote_python: str | None = Field(None, description="a Python on the cluster that already has art-sky installed: "
                                                         "SkyPilot clusters skip the install")
-    engine: str = Field("auto", description="inference engine: auto | portable")
-    trainer: str = Field("auto", description="trainer: auto | peft")
+    engine: str = Field("auto", description="inference engine: auto (vllm when importable) | vllm | portable")
+    trainer: str = Field("auto", description="trainer: auto (unsloth when importable on CUDA) | unsloth | peft")
+    engine_gpu_memory: float = Field(0.5, gt=0, lt=1, description="share of GPU memory vLLM may take; the "
+                                     "trainer uses the rest (vLLM sleeps while training)")
+    vllm_start_timeout: float = Field(600.0, description="seconds to wait for the vLLM child server to be ready")
+    vllm_max_loras: int = Field(4, ge=1, description="adapters vLLM keeps on the device at once (name, name@step)")
+    vllm_tool_call_parser: str = Field("hermes", description="vLLM's --tool-call-parser for tool calls; empty: none")
     checkpoint_uri: str | None = Field(
         None, description="object store the cluster mirrors checkpoints to: s3://bucket/prefix, gs://bucket/prefix "
                           "or file:///path; unset keeps them on the cluster only")

@@ -45,6 +45,9 @@ class HealthResponse(BaseModel):
     trainer: str
     device: str
     models: list[str] = []
+    inference_port: int | None = Field(
+        None, description="the engine's own OpenAI port on the server's host (vLLM), once a model is registered; "
+                          "None: inference is the server's own /v1")
 
 
 class RegisterRequest(_Strict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,16 +85,31 @@ class ModelState:
         return self.checkpoints.step_dir(self.step)
 
 
-def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings,
-                       store: CheckpointStore | None = None) -> ModelState:
-    """Load the base model with a fresh LoRA, or the newest intact checkpoint of this model if there is one:
-    local, or else (a fresh cluster) downloaded from the checkpoint store."""
+Loader = Callable[[RegisterRequest, Settings, Path | None], tuple[Any, Any]]
+
+
+def load_peft(request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
+    """The base model with the LoRA saved at `checkpoint`, or a fresh LoRA: (peft model, tokenizer)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     base, tokenizer = load_base(request.base_model, settings)
+    if checkpoint is not None:
+        return PeftModel.from_pretrained(base, checkpoint, adapter_name=ADAPTER, is_trainable=True), tokenizer
+    cfg = request.config
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, task_type="CAUSAL_LM")
+    return get_peft_model(base, lora, adapter_name=ADAPTER), tokenizer
+
+
+def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings,
+                       store: CheckpointStore | None = None, load: Loader = load_peft) -> ModelState:
+    """The newest intact checkpoint of this model if there is one (local, or else, on a fresh cluster,
+    downloaded from the checkpoint store), else a fresh LoRA (saved as step 0).
+
+    `load` is the trainer's: it builds the model the trainer can train (PEFT, or Unsloth's patched model).
+    """
     checkpoints = CheckpointDir(art_path, request.project, request.name)
     from_store = restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
-    state = None
     for step in reversed(checkpoints.steps()):
         manifest = checkpoints.manifest(step)
         if manifest.base_model != request.base_model:
@@ -106,16 +122,14 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
         except CorruptCheckpointError as exc:
             log.warning("skipping step %d: %s", step, exc)
             continue
-        model = PeftModel.from_pretrained(base, checkpoints.step_dir(step), adapter_name=ADAPTER, is_trainable=True)
+        model, tokenizer = load(request, settings, checkpoints.step_dir(step))
         origin = store.where(request.project, request.name, step) if step == from_store else checkpoints.step_dir(step)
         state = ModelState(request, model, tokenizer, checkpoints, step=step, restored_from=str(origin))
         log.info("model %s restored at step %d", request.name, step)
         break
-    if state is None:
-        cfg = request.config
-        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, task_type="CAUSAL_LM")
-        state = ModelState(request, get_peft_model(base, lora, adapter_name=ADAPTER), tokenizer, checkpoints)
+    else:
+        model, tokenizer = load(request, settings, None)
+        state = ModelState(request, model, tokenizer, checkpoints)
         state.save_checkpoint()
     state.model.eval()
     return state

@@ -7,14 +7,17 @@ many micro-batches it takes to fit in memory.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from art_sky.wire import TrainConfig
+from art_sky.settings import Settings
+from art_sky.wire import RegisterRequest, TrainConfig
 
 from .grpo import grpo_loss_sums
-from .model_state import ModelState, device
+from .model_state import ModelState, device, load_peft
 from .sequences import Sequence
 
 Progress = Callable[[int, int], None]
@@ -25,6 +28,10 @@ class PeftTrainer:
 
     def __init__(self, microbatch_tokens: int):
         self.microbatch_tokens = microbatch_tokens
+
+    def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
+        """The model this trainer trains, (peft model, tokenizer): transformers plus a PEFT LoRA."""
+        return load_peft(request, settings, checkpoint)
 
     def train(self, state: ModelState, sequences: list[Sequence], config: TrainConfig,
               progress: Progress = lambda done, total: None) -> dict[str, float]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from openai.types.chat import ChatCompletion
 
-from art_sky.wire import ChatCompletionRequest
+from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 from .model_state import ModelState, device
 from .sequences import prompt_ids
@@ -46,9 +46,26 @@ class PortableEngine:
     per token for all of them: on a CPU that is most of the speed there is to have."""
 
     name = "portable"
+    inference_port = None  # served by the control server's own /v1 route
 
     def __init__(self, max_new_tokens_limit: int):
         self.max_new_tokens_limit = max_new_tokens_limit
+
+    # The server's engine hooks: nothing to do, the engine samples with the trainer's live model.
+    def check(self, request: RegisterRequest) -> None:
+        pass
+
+    def attach(self, state: ModelState) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self, state: ModelState, trained: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def prepare(self, state: ModelState, request: ChatCompletionRequest) -> Job:
         """Render the prompt and check the budget; ValueError (a 400) when the request asks too much."""

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import secrets
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -21,7 +22,7 @@ from jinja2 import TemplateError
 
 import art_sky
 from art_sky.checkpoints import steps_to_keep
-from art_sky.errors import CheckpointStoreError, ConfigError, TokenizationError
+from art_sky.errors import CheckpointStoreError, ConfigError, EngineError, TokenizationError
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
@@ -39,24 +40,12 @@ from art_sky.wire import (
 
 from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device
-from .peft_trainer import PeftTrainer
-from .portable_engine import Job, PortableEngine
+from .portable_engine import Job
+from .selection import Engine, select_engine, select_trainer
 from .sequences import Sequence, tokenize_trajectory
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
-
-
-def select_engine(settings: Settings) -> PortableEngine:
-    if settings.engine not in ("auto", "portable"):
-        raise ConfigError(f"unknown engine {settings.engine!r} (ART_SKY_ENGINE): use auto or portable")
-    return PortableEngine(settings.max_new_tokens_limit)
-
-
-def select_trainer(settings: Settings) -> PeftTrainer:
-    if settings.trainer not in ("auto", "peft"):
-        raise ConfigError(f"unknown trainer {settings.trainer!r} (ART_SKY_TRAINER): use auto or peft")
-    return PeftTrainer(settings.train_microbatch_tokens)
 
 
 class InferenceQueue:
@@ -65,7 +54,7 @@ class InferenceQueue:
     Requests wait while a model trains (the device lock); when training ends they go out in one batch.
     """
 
-    def __init__(self, engine: PortableEngine, lock: asyncio.Lock, max_rows: int):
+    def __init__(self, engine: Engine, lock: asyncio.Lock, max_rows: int):
         self.engine, self.lock, self.max_rows = engine, lock, max_rows
         self.pending: list[tuple[Job, asyncio.Future]] = []
         self.wake = asyncio.Event()
@@ -153,7 +142,7 @@ class _TooLarge(Exception):
 
 def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    engine, trainer = select_engine(settings), select_trainer(settings)
+    engine, trainer = select_engine(settings, art_path, api_key), select_trainer(settings)
     store = CheckpointStore.from_settings(settings)
     sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
     states: dict[str, ModelState] = {}
@@ -167,7 +156,14 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             raise HTTPException(401, "missing or wrong API key: send the server's key as a bearer token "
                                      "(model.openai_client() and the backends do this for you)")
 
-    app = FastAPI(title="art-sky cluster server", version=art_sky.__version__)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.close)  # a child engine (vLLM) stops with the server
+
+    app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     guarded = [Depends(authorized)]
 
@@ -185,7 +181,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     @app.get("/health")
     async def health() -> HealthResponse:
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
-                              device=str(device()), models=sorted(states))
+                              device=str(device()), models=sorted(states),
+                              inference_port=engine.inference_port)
 
     @app.get("/v1/models", dependencies=guarded)
     async def list_models() -> dict:
@@ -213,11 +210,17 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                                              f"{existing.project!r} and base model {existing.base_model!r}")
                 return states[body.name].info()
             try:
-                states[body.name] = await asyncio.to_thread(create_model_state, body, art_path, settings, store)
+                engine.check(body)  # before loading anything (or writing a step 0 checkpoint)
+                state = await asyncio.to_thread(create_model_state, body, art_path, settings, store,
+                                                trainer.load_model)
+                await asyncio.to_thread(engine.attach, state)
             except ConfigError as exc:
                 raise HTTPException(422, str(exc)) from exc
             except CheckpointStoreError as exc:
                 raise HTTPException(502, str(exc)) from exc
+            except EngineError as exc:
+                raise HTTPException(503, str(exc)) from exc
+            states[body.name] = state
         if sync:
             sync.submit(states[body.name].checkpoints, states[body.name].step)
         log.info("registered %s (%s) at step %d", body.name, body.base_model, states[body.name].step)
@@ -243,10 +246,16 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             loop.call_soon_threadsafe(queue.put_nowait, TrainProgress(type="progress", done=done, total=total))
 
         def step() -> dict[str, float]:
-            metrics = trainer.train(state, sequences, body.config, progress) if sequences else {}
-            metrics |= summary | {"num_groups_skipped": float(skipped)}
-            state.step += 1
-            state.save_checkpoint(metrics)
+            engine.pause()  # inference waits while training (a vLLM engine also frees its GPU memory)
+            trained = False
+            try:
+                metrics = trainer.train(state, sequences, body.config, progress) if sequences else {}
+                metrics |= summary | {"num_groups_skipped": float(skipped)}
+                state.step += 1
+                state.save_checkpoint(metrics)
+                trained = True
+            finally:
+                engine.resume(state, trained)  # serves the new step before inference resumes
             state.checkpoints.append_history({"step": state.step, "split": "train", "metrics": metrics,
                                               "time": time.time()})
             return metrics

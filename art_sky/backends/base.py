@@ -49,12 +49,18 @@ class Backend:
         self.base_url = base_url.rstrip("/") if base_url else None
         self.api_key = api_key
         self._http: httpx.AsyncClient | None = None
+        self._engine_url: str | None = None
         self._started = False
         self._start_lock = asyncio.Lock()
 
     @property
     def inference_base_url(self) -> str:
-        return f"{self.base_url}/v1"
+        """The OpenAI endpoint models sample from: the engine's own port (vLLM) once the server reports one."""
+        return self._engine_url or f"{self.base_url}/v1"
+
+    async def _reach_engine(self, port: int) -> str:
+        """The URL of the engine's port on the server's host. Tunnelling backends forward the port first."""
+        return str(httpx.URL(self.base_url).copy_with(port=port, path="/v1"))
 
     async def _start(self) -> None:
         """Make the server reachable and set base_url and api_key. A plain Backend is given both."""
@@ -86,8 +92,11 @@ class Backend:
         await self._ensure_started()
         request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
                                   config=model.config or ModelConfig())
-        return ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
+        info = ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             idempotent=True))
+        port = HealthResponse.model_validate(await self._request("GET", "/health")).inference_port
+        self._engine_url = await self._reach_engine(port) if port is not None else None
+        return info
 
     async def models(self) -> list[ModelInfo]:
         """Every model the server has registered, with its step (what `art-sky status` shows)."""
@@ -166,6 +175,7 @@ class Backend:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        self._engine_url = None
         self._started = False
 
     async def __aenter__(self) -> Backend:

@@ -59,6 +59,7 @@ class SSHBackend(Backend):
         self.keep_server = keep_server
         self.server: RemoteServer | None = None
         self.tunnel: Tunnel | None = None
+        self.engine_tunnel: Tunnel | None = None  # to the engine's own port (vLLM), once the server reports one
         self._api_key = api_key
 
     @classmethod
@@ -149,8 +150,24 @@ class SSHBackend(Backend):
     async def close(self) -> None:
         await self._shutdown(stop_server=not self.keep_server)
 
+    async def _reach_engine(self, port: int) -> str:
+        """A second tunnel, to vLLM's port: inference goes straight to the engine, not through the server."""
+        if self.engine_tunnel is None or self.engine_tunnel.remote[1] != port:
+            await self._close_engine_tunnel()
+            assert self.target is not None
+            tunnel = Tunnel(self.target, port)
+            await asyncio.to_thread(tunnel.start)
+            self.engine_tunnel = tunnel
+        return f"{self.engine_tunnel.base_url}/v1"
+
+    async def _close_engine_tunnel(self) -> None:
+        tunnel, self.engine_tunnel = self.engine_tunnel, None
+        if tunnel is not None:
+            await asyncio.to_thread(tunnel.close)
+
     async def _shutdown(self, stop_server: bool) -> None:
         await super().close()
+        await self._close_engine_tunnel()
         tunnel, self.tunnel = self.tunnel, None
         if tunnel is not None:
             await asyncio.to_thread(tunnel.close)

@@ -1,0 +1,51 @@
+"""The CUDA trainer: Unsloth's FastLanguageModel (fused LoRA kernels, its gradient checkpointing) under the same
+GRPO step as the PEFT trainer.
+
+Only the model differs: the micro-batching, the loss (cluster/grpo.py) and the optimizer step are PeftTrainer's,
+inherited, so both trainers compute one loss. Checkpoints are the PEFT layout vLLM loads (save_pretrained of the
+PeftModel Unsloth returns).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from art_sky.errors import ConfigError
+from art_sky.settings import Settings
+from art_sky.wire import RegisterRequest
+
+from .model_state import ADAPTER, DEFAULT_TARGET_MODULES, resolve_base_model
+from .peft_trainer import PeftTrainer
+
+
+class UnslothTrainer(PeftTrainer):
+    name = "unsloth"
+
+    def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+        from unsloth import FastLanguageModel
+
+        cfg = request.config
+        try:
+            base, tokenizer = FastLanguageModel.from_pretrained(
+                model_name=resolve_base_model(request.base_model, settings), max_seq_length=cfg.max_seq_length,
+                dtype=None, load_in_4bit=False)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"Unsloth cannot load base model {request.base_model!r}: {exc}. Use a local Hugging "
+                              "Face model directory or a hub id on a node with internet access") from exc
+        if tokenizer.chat_template is None:
+            raise ConfigError(f"base model {request.base_model!r} has no chat template; art-sky trains chat models")
+        model = FastLanguageModel.get_peft_model(
+            base, r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
+            target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, use_gradient_checkpointing="unsloth",
+            random_state=0)
+        if checkpoint is not None:
+            weights = load_file(str(checkpoint / "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
+            if result.unexpected_keys:
+                raise ConfigError(f"checkpoint {checkpoint} does not fit this model's LoRA (unexpected keys "
+                                  f"{result.unexpected_keys[:3]}): register with the LoRA settings it was trained "
+                                  "with")
+        return model, tokenizer
