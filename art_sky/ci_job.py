@@ -10,6 +10,7 @@ its own session, killed with `timeout` on the host as the net).
 from __future__ import annotations
 
 import asyncio
+import re
 import shlex
 import signal
 import tempfile
@@ -31,6 +32,8 @@ from art_sky.ssh import SSHSession
 
 START_MARKER = "::art-sky-ci::start"  # printed by the job right before the command (templates/ci-job.yaml too)
 EXIT_MARKER = "::art-sky-ci::exit "  # followed by the exit code of the command (or of a failed setup)
+_MARKER = re.compile(re.escape(START_MARKER[:-len("start")]) + r"(start|exit (\d+))\s*$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXIT_TIMEOUT, EXIT_SIGINT, EXIT_SIGTERM, EXIT_ERROR = 124, 130, 143, 2
 TEARDOWN_LIMIT = 300.0  # seconds; past this the autodown / host timeout net is what is left
 
@@ -86,16 +89,17 @@ class Output:
             self._emit(f"art-sky ci: {text}")
 
     def _line(self, line: str) -> None:
-        marker = line.strip()
-        if marker == START_MARKER:
+        # SkyPilot prefixes job lines ("(task, pid=N) ", colours): a marker is what a line ends with.
+        marker = _MARKER.search(_ANSI.sub("", line))
+        if marker is None:
+            self._emit(line)
+        elif marker.group(1) == "start":
             self.started_at = time.monotonic()
             self._emit("art-sky ci: command started")
-        elif marker.startswith(EXIT_MARKER) and marker[len(EXIT_MARKER):].isdigit():
-            self.ended_at = time.monotonic()
-            self.exit_code = int(marker[len(EXIT_MARKER):])
-            self._emit(f"art-sky ci: command exited with {self.exit_code}")
         else:
-            self._emit(line)
+            self.ended_at = time.monotonic()
+            self.exit_code = int(marker.group(2))
+            self._emit(f"art-sky ci: command exited with {self.exit_code}")
 
     def _emit(self, line: str) -> None:
         self._write(f"[{time.strftime('%H:%M:%S')}] {line}")
@@ -127,7 +131,8 @@ def run_job(runner: Runner, timeout_s: float, keep: bool, write: Callable[[str],
     try:
         out.note(f"job {runner.name} on {runner.where}")
         _in_thread(runner.launch, out, deadline=deadline)
-        fallback = _in_thread(runner.follow, out, deadline=deadline)
+        # The exit marker is the command's last line: stop waiting there, not when SkyPilot's log epilogue ends.
+        fallback = _in_thread(runner.follow, out, deadline=deadline, done=lambda: out.exit_code is not None)
         out.flush()
         code = out.exit_code if out.exit_code is not None else fallback
     except Stopped as stop:
@@ -178,9 +183,9 @@ def _raise_stopped(signum: int, _frame) -> None:
     raise Stopped(EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM, f"{name} received")
 
 
-def _in_thread(fn: Callable[..., Any], *args, deadline: float) -> Any:
-    """Run `fn` in a daemon thread; the main thread stays free to take signals and to give up at `deadline`
-    (the thread is abandoned: teardown ends what it was doing)."""
+def _in_thread(fn: Callable[..., Any], *args, deadline: float, done: Callable[[], bool] = lambda: False) -> Any:
+    """Run `fn` in a daemon thread; the main thread stays free to take signals and to give up at `deadline`, or
+    to move on once `done()` (the thread is abandoned: teardown ends what it was doing)."""
     result: dict[str, Any] = {}
 
     def target():
@@ -191,7 +196,7 @@ def _in_thread(fn: Callable[..., Any], *args, deadline: float) -> Any:
 
     thread = threading.Thread(target=target, daemon=True, name=f"art-sky-ci-{fn.__name__}")
     thread.start()
-    while thread.is_alive():
+    while thread.is_alive() and not done():
         if time.monotonic() > deadline:
             raise Stopped(EXIT_TIMEOUT, "timeout reached")
         thread.join(0.2)
@@ -228,6 +233,9 @@ class SkyPilotRunner:
     def follow(self, out: Output) -> int:
         assert self._job_id is not None
         asyncio.run(provisioner.follow_job(self.name, self._job_id, out))
+        out.flush()
+        if out.exit_code is not None:
+            return out.exit_code
         state = asyncio.run(provisioner.job_state(self.name, self._job_id))
         return 0 if state == "SUCCEEDED" else 1
 

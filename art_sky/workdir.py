@@ -1,6 +1,6 @@
 """The files of a work dir that a CI job ships, chosen the way SkyPilot's workdir sync chooses them, so a job on
 an SSH host sees the same tree as one on a SkyPilot cluster: `.skyignore` when there is one, else `.gitignore`
-(`git ls-files`), else everything.
+(`git ls-files`, so `.git` itself stays home), else everything.
 """
 
 from __future__ import annotations
