@@ -275,14 +275,13 @@ def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix
                        f"echo first-{code}; sleep 4; echo second-{code}; exit {code}"], project) for code in (0, 5)}
     try:
         for code, job in jobs.items():
-            job.wait_for(f"first-{code}")
-            assert job.process.poll() is None
             assert job.finish() == code, job.text
     finally:
         for job in jobs.values():
             job.kill()
     for code, job in jobs.items():
-        assert job.wait_for(f"second-{code}") - job.wait_for(f"first-{code}") > 3  # streamed as it ran
+        first, second = job.wait_for(f"first-{code}"), job.wait_for(f"second-{code}")
+        assert second - first > 3 and job.wait_for("torn down") - first > 3  # streamed as it ran, not at the end
         assert f"exit code    {code}" in job.text and "accelerator  none (1 CPUs)" in job.text
         assert re.search(r"setup \d+s, run \d+s", job.text) and "$0.00 (estimated)" in job.text
         assert "ignored.bin" not in job.text
