@@ -165,7 +165,7 @@ def run_job(runner: Runner, timeout_s: float, keep: bool, write: Callable[[str],
 
 
 def format_summary(summary: Summary) -> str:
-    cost = "unknown (your own machine)" if summary.cost is None else f"${summary.cost:.2f} (estimated)"
+    cost = "unknown (no price for this machine)" if summary.cost is None else f"${summary.cost:.2f} (estimated)"
     setup = _duration(summary.setup_s) if summary.setup_s is not None else "-"
     ran = _duration(summary.run_s) if summary.run_s is not None else "- (did not start)"
     return (f"art-sky ci summary\n  job          {summary.name} on {summary.where}\n"

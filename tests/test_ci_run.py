@@ -269,8 +269,20 @@ def assert_cluster_gone(name: str) -> None:
     assert not sdk.get(sdk.status([name])), f"SkyPilot still lists {name}"
 
 
+def wait_for_idle_cpus(count: int, timeout: float = 300) -> None:
+    """The single Slurm node is shared with other tests: wait until `count` CPUs are free to launch on."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counts = subprocess.run(["sinfo", "-h", "-o", "%C"], capture_output=True, text=True, timeout=30).stdout
+        if int(counts.strip().split("/")[1] or 0) >= count:  # allocated/idle/other/total
+            return
+        time.sleep(5)
+    pytest.fail(f"the local Slurm node had no {count} idle CPUs for {timeout:.0f}s: other clusters hold it")
+
+
 @pytest.mark.slow
 def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix, project):
+    wait_for_idle_cpus(2)
     jobs = {code: Job([*sky_args(f"{clusters_prefix}-{code}"), "--timeout", "6m", "--",
                        f"echo first-{code}; sleep 4; echo second-{code}; exit {code}"], project) for code in (0, 5)}
     try:
@@ -292,6 +304,7 @@ def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix
 @pytest.mark.slow
 def test_sky_sigterm_tears_the_cluster_down(clusters_prefix, project):
     name = f"{clusters_prefix}-term"
+    wait_for_idle_cpus(1)
     job = Job([*sky_args(name), "--timeout", "6m", "--", "echo go; sleep 600"], project)
     try:
         job.wait_for("command started")
