@@ -185,7 +185,7 @@ def test_host_exit_code_propagates_and_output_streams_while_it_runs(sshd, art_sk
     assert re.search(r"^\[\d\d:\d\d:\d\d\] installing$", job.text, re.M)
     assert "test_me.py" in job.text and "ignored.bin" not in job.text and "secret-seen" in job.text
     assert "s3cr3t-value" not in job.text
-    assert re.search(rf"exit code    {code}\n  wall time    \d+s \(setup \d+s, run [3-9]s\)", job.text)
+    assert re.search(rf"exit code    {code}\n  wall time    (\d+m)?\d+s \(setup \d+s, run [3-9]s\)", job.text)
     assert_host_clean(job, token)
 
 
@@ -295,7 +295,7 @@ def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix
         first, second = job.wait_for(f"first-{code}"), job.wait_for(f"second-{code}")
         assert second - first > 3 and job.wait_for("torn down") - first > 3  # streamed as it ran, not at the end
         assert f"exit code    {code}" in job.text and "accelerator  none (1 CPUs)" in job.text
-        assert re.search(r"setup \d+s, run \d+s", job.text) and "$0.00 (estimated)" in job.text
+        assert re.search(r"setup (\d+m)?\d+s, run (\d+m)?\d+s\)", job.text) and "$0.00 (estimated)" in job.text
         assert "ignored.bin" not in job.text
         assert_cluster_gone(job.name)
     assert {job.name for job in jobs.values()} == {f"{clusters_prefix}-0", f"{clusters_prefix}-5"}
