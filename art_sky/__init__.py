@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from art_sky.backends import Backend, LocalBackend, SSHBackend  # noqa: E402
+from art_sky.backends import Backend, LocalBackend, SkyPilotBackend, SSHBackend, attach  # noqa: E402
 from art_sky.client import (  # noqa: E402
     Model,
     ModelConfig,
@@ -13,5 +13,5 @@ from art_sky.client import (  # noqa: E402
     gather_trajectory_groups,
 )
 
-__all__ = ["Backend", "LocalBackend", "Model", "ModelConfig", "SSHBackend", "TrainConfig", "TrainableModel",
-           "Trajectory", "TrajectoryGroup", "gather_trajectory_groups", "__version__"]
+__all__ = ["Backend", "LocalBackend", "Model", "ModelConfig", "SSHBackend", "SkyPilotBackend", "TrainConfig",
+           "TrainableModel", "Trajectory", "TrajectoryGroup", "attach", "gather_trajectory_groups", "__version__"]

@@ -10,11 +10,13 @@ from rich.console import Console
 
 import art_sky
 from art_sky import cli_remote
+from art_sky.cli_checkpoints import checkpoints_app
 from art_sky.cli_ci import ci_app
 
 app = typer.Typer(help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
                   no_args_is_help=True, add_completion=False)
 console = Console()
+app.add_typer(checkpoints_app, name="checkpoints", help="List, pull, push and delete checkpoints in the object store.")
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """Records of the clusters `art-sky up` started, so `down`, `status`, `logs`, `tunnel` and `ssh` find them.
 
-One 0600 JSON file per cluster, `<ART_SKY_HOME>/clusters/<name>.json`: the SSH target, the server's remote
-directory and port, and its API key (which is why the file is private; it is never printed by `str()`).
+One 0600 JSON file per cluster, `<ART_SKY_HOME>/clusters/<name>.json`: the SSH target (none for this machine),
+the server's directory and port there, and its API key (which is why the file is private; it is never printed
+by `str()`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, SecretStr, field_serializer
 
@@ -21,12 +23,18 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 class ClusterRecord(BaseModel):
     name: str
-    kind: str = "ssh"  # how the machine was obtained: ssh (a host you named) or sky
-    target: SSHTarget
-    remote_dir: str  # absolute, on the machine
+    kind: Literal["ssh", "sky", "local"] = "ssh"  # how the machine was obtained: a host you named, SkyPilot, this one
+    target: SSHTarget | None  # None: this machine
+    remote_dir: str  # absolute, on the machine (the bootstrap layout: run/server.pid, run/port.json, run/server.log)
     port: int  # the server's port on the machine
     pid: int
     api_key: SecretStr
+
+    @property
+    def where(self) -> str:
+        if self.kind == "sky":
+            return f"SkyPilot cluster {self.name}"
+        return str(self.target) if self.target else "this machine"
 
     @field_serializer("api_key", when_used="json")
     def _reveal(self, value: SecretStr) -> str:

@@ -40,3 +40,7 @@ class SSHError(BackendUnavailableError):
 
 class TokenizationError(ArtSkyError):
     """A trajectory cannot be turned into training tokens (e.g. a choice without sampled token ids)."""
+
+
+class CheckpointStoreError(ArtSkyError):
+    """The checkpoint object store refused or failed an operation; the message names the store's URI."""

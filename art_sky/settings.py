@@ -26,6 +26,13 @@ class Settings(BaseSettings):
                                                         "SkyPilot clusters skip the install")
     engine: str = Field("auto", description="inference engine: auto | portable")
     trainer: str = Field("auto", description="trainer: auto | peft")
+    checkpoint_uri: str | None = Field(
+        None, description="object store the cluster mirrors checkpoints to: s3://bucket/prefix, gs://bucket/prefix "
+                          "or file:///path; unset keeps them on the cluster only")
+    checkpoint_endpoint: str | None = Field(
+        None, description="endpoint of an S3-compatible store (R2, MinIO, SeaweedFS); default AWS or AWS_ENDPOINT_URL")
+    checkpoint_strict: bool = Field(
+        False, description="a failed checkpoint upload fails training and flush_checkpoints() instead of warning")
 
 
 def settings() -> Settings:

@@ -43,7 +43,7 @@ def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClie
     client = paramiko.SSHClient()
     client.load_system_host_keys()
     if target.proxy_command is None:
-        client.load_host_keys(str(_known_hosts_file()))  # AutoAddPolicy saves new keys here
+        client.load_host_keys(str(known_hosts_file()))  # AutoAddPolicy saves new keys here
     client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
     sock = paramiko.ProxyCommand(_expand_proxy_command(target)) if target.proxy_command else None
     try:
@@ -64,7 +64,7 @@ def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClie
 def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exception) -> SSHError:
     if isinstance(exc, paramiko.BadHostKeyException):
         return SSHError(f"the host key of {target} changed since art-sky first connected: if the host was "
-                        f"reinstalled, delete its line from {_known_hosts_file()} and retry; otherwise someone "
+                        f"reinstalled, delete its line from {known_hosts_file()} and retry; otherwise someone "
                         "may be intercepting the connection")
     if isinstance(exc, paramiko.AuthenticationException):
         return SSHError(f"{target} refused the login ({exc}): check the user and that the key "
@@ -91,13 +91,15 @@ class SSHSession:
             raise SSHError(f"the SSH connection to {self.target} is closed: retry the command")
         try:
             channel = transport.open_session(timeout=timeout)
+            if self.target.env:  # SkyPilot's Slurm entries set the job's HOME this way (ssh-config SetEnv)
+                channel.update_environment(self.target.env)
             channel.exec_command(f"sh -c {shlex.quote(script)}")
             if stdin:
                 channel.sendall(stdin)
             channel.shutdown_write()
             stdout, stderr = _read_until_exit(channel, time.monotonic() + timeout)
         except TimeoutError as exc:
-            raise SSHError(f"a command on {self.target} did not finish within {timeout:.0f}s: {_first_line(script)}"
+            raise SSHError(f"a command on {self.target} did not finish within {timeout:.0f}s: {first_line(script)}"
                            ) from exc
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise SSHError(f"the SSH connection to {self.target} failed during a command ({exc!r}): "
@@ -105,7 +107,7 @@ class SSHSession:
         result = CommandResult(exit_code=channel.recv_exit_status(), stdout=stdout, stderr=stderr)
         channel.close()
         if check and result.exit_code != 0:
-            raise SSHError(f"`{_first_line(script)}` failed on {self.target} with exit code {result.exit_code}:\n"
+            raise SSHError(f"`{first_line(script)}` failed on {self.target} with exit code {result.exit_code}:\n"
                            f"{(result.stderr or result.stdout).strip()[-2000:]}")
         return result
 
@@ -155,14 +157,14 @@ def _expand_proxy_command(target: SSHTarget) -> str:
     return re.sub(r"%([hpr%])", lambda m: values[m.group(1)], target.proxy_command or "")
 
 
-def _known_hosts_file() -> Path:
+def known_hosts_file() -> Path:
     path = settings().home / "known_hosts"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600, exist_ok=True)
     return path
 
 
-def _first_line(script: str) -> str:
+def first_line(script: str) -> str:
     lines = [line.strip() for line in script.strip().splitlines() if line.strip()]
     return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 

@@ -195,5 +195,8 @@ class Tunnel:
             return
         finally:
             if channel is not None:
-                channel.close()
+                try:
+                    channel.close()
+                except (OSError, paramiko.SSHException, EOFError):
+                    pass  # the connection under it is already gone
             conn.close()

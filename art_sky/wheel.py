@@ -22,10 +22,11 @@ DIST_NAME = "art-sky"
 _INSTALL_ONLY = (".dist-info/INSTALLER", ".dist-info/REQUESTED", ".dist-info/direct_url.json")
 
 
-def build_wheel(dest: Path) -> Path:
-    """Write the wheel of the art-sky this process runs into `dest` and return its path."""
+def build_wheel(dest: Path, source: Path | None = None) -> Path:
+    """Write a wheel into `dest` and return its path: of the art-sky checkout at `source`, by default of the
+    art-sky this process runs."""
     dest.mkdir(parents=True, exist_ok=True)
-    source = _source_checkout()
+    source = source or _source_checkout()
     return _build_from_source(source, dest) if source else _repack(metadata.distribution(DIST_NAME), dest)
 
 

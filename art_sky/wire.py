@@ -181,3 +181,14 @@ class ChatCompletionRequest(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+class SyncStatus(BaseModel):
+    """Where the cluster's background upload of checkpoints to the object store stands."""
+
+    uri: str | None = Field(None, description="the store; None when checkpoints stay on the cluster only")
+    strict: bool = False
+    pending: list[str] = Field([], description="uploads and deletions not done yet")
+    errors: list[str] = Field([], description="steps that failed to upload, each message naming the URI and step")
+    synced: dict[str, int] = Field({}, description="model name -> newest step uploaded by this server")
+    bytes_uploaded: int = 0

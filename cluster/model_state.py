@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,8 +11,9 @@ from typing import Any
 import torch
 
 from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, verify
-from art_sky.errors import ConfigError
+from art_sky.errors import CheckpointStoreError, ConfigError
 from art_sky.settings import Settings
+from art_sky.store import CheckpointStore
 from art_sky.wire import ModelInfo, RegisterRequest
 
 from .tiny_model import TINY_MODEL_NAME, tiny_model_path
@@ -82,12 +84,15 @@ class ModelState:
         return self.checkpoints.step_dir(self.step)
 
 
-def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings) -> ModelState:
-    """Load the base model with a fresh LoRA, or the newest intact checkpoint of this model if there is one."""
+def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings,
+                       store: CheckpointStore | None = None) -> ModelState:
+    """Load the base model with a fresh LoRA, or the newest intact checkpoint of this model if there is one:
+    local, or else (a fresh cluster) downloaded from the checkpoint store."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     base, tokenizer = load_base(request.base_model, settings)
     checkpoints = CheckpointDir(art_path, request.project, request.name)
+    from_store = restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
     state = None
     for step in reversed(checkpoints.steps()):
         manifest = checkpoints.manifest(step)
@@ -102,8 +107,8 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
             log.warning("skipping step %d: %s", step, exc)
             continue
         model = PeftModel.from_pretrained(base, checkpoints.step_dir(step), adapter_name=ADAPTER, is_trainable=True)
-        state = ModelState(request, model, tokenizer, checkpoints, step=step,
-                           restored_from=str(checkpoints.step_dir(step)))
+        origin = store.where(request.project, request.name, step) if step == from_store else checkpoints.step_dir(step)
+        state = ModelState(request, model, tokenizer, checkpoints, step=step, restored_from=str(origin))
         log.info("model %s restored at step %d", request.name, step)
         break
     if state is None:
@@ -114,3 +119,23 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
         state.save_checkpoint()
     state.model.eval()
     return state
+
+
+def restore_from_store(store: CheckpointStore, checkpoints: CheckpointDir, strict: bool) -> int | None:
+    """On a cluster without local checkpoints of this model, download the newest verified step from the store.
+
+    A store that cannot be read is a warning (training starts from what is local) unless in strict mode.
+    """
+    if checkpoints.steps():
+        return None
+    try:
+        step = asyncio.run(store.restore(checkpoints))
+    except CheckpointStoreError as exc:
+        if strict:
+            raise
+        log.warning("not restoring %s from the checkpoint store: %s", checkpoints.name, exc)
+        return None
+    if step is not None:
+        log.info("downloaded step %d of %s from %s", step, checkpoints.name, store.where(checkpoints.project,
+                                                                                   checkpoints.name, step))
+    return step

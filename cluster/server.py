@@ -21,8 +21,9 @@ from jinja2 import TemplateError
 
 import art_sky
 from art_sky.checkpoints import steps_to_keep
-from art_sky.errors import ConfigError, TokenizationError
+from art_sky.errors import CheckpointStoreError, ConfigError, TokenizationError
 from art_sky.settings import Settings
+from art_sky.store import CheckpointStore
 from art_sky.wire import (
     ChatCompletionRequest,
     CheckpointInfo,
@@ -31,6 +32,7 @@ from art_sky.wire import (
     LogRequest,
     ModelInfo,
     RegisterRequest,
+    SyncStatus,
     TrainProgress,
     TrainRequest,
 )
@@ -40,6 +42,7 @@ from .model_state import ModelState, create_model_state, device
 from .peft_trainer import PeftTrainer
 from .portable_engine import Job, PortableEngine
 from .sequences import Sequence, tokenize_trajectory
+from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
 
@@ -151,6 +154,8 @@ class _TooLarge(Exception):
 def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine, trainer = select_engine(settings), select_trainer(settings)
+    store = CheckpointStore.from_settings(settings)
+    sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
     states: dict[str, ModelState] = {}
     lock = asyncio.Lock()
     inference = InferenceQueue(engine, lock, settings.max_batch_rows)
@@ -208,9 +213,13 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                                              f"{existing.project!r} and base model {existing.base_model!r}")
                 return states[body.name].info()
             try:
-                states[body.name] = await asyncio.to_thread(create_model_state, body, art_path, settings)
+                states[body.name] = await asyncio.to_thread(create_model_state, body, art_path, settings, store)
             except ConfigError as exc:
                 raise HTTPException(422, str(exc)) from exc
+            except CheckpointStoreError as exc:
+                raise HTTPException(502, str(exc)) from exc
+        if sync:
+            sync.submit(states[body.name].checkpoints, states[body.name].step)
         log.info("registered %s (%s) at step %d", body.name, body.base_model, states[body.name].step)
         return states[body.name].info()
 
@@ -221,6 +230,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     @app.post("/art/models/{name}/train", dependencies=guarded)
     async def train(name: str, body: TrainRequest) -> StreamingResponse:
         state = model(name)
+        if sync and (problem := sync.blocking_error()):
+            raise HTTPException(502, problem)
         try:
             sequences, skipped, summary = _prepare(state, body)
         except TokenizationError as exc:
@@ -248,6 +259,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                     log.exception("training %s failed", name)
                     await queue.put(TrainProgress(type="error", message=f"training failed: {exc}"))
                     return
+            if sync:
+                sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
             await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics))
 
         task = asyncio.create_task(run())  # runs to the end even if the client goes away
@@ -283,7 +296,18 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             keep = steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last)
             keep.add(state.step)  # the adapter being served and trained stays
             state.checkpoints.delete([s for s in steps if s not in keep])
+        if sync:
+            sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step)
         return [_checkpoint_info(state.checkpoints, step) for step in state.checkpoints.steps()]
+
+    @app.get("/art/checkpoints/sync", dependencies=guarded)
+    async def sync_status() -> SyncStatus:
+        return sync.status() if sync else SyncStatus()
+
+    @app.post("/art/checkpoints/flush", dependencies=guarded)
+    async def flush_checkpoints() -> SyncStatus:
+        """Wait until every checkpoint so far is in the store (failed uploads are retried once)."""
+        return await sync.flush() if sync else SyncStatus()
 
     return app
 

@@ -1,55 +1,62 @@
-"""`art-sky up --host / status / logs / tunnel / down` against a real sshd on this machine."""
+"""`art-sky up --host / --local`, `status / logs / tunnel / down` against a real sshd on this machine, with a
+rollout and a training step through each cluster (the SkyPilot path is in test_skypilot.py)."""
 
 from __future__ import annotations
 
-import os
-import queue
+import asyncio
 import signal
-import subprocess
 import sys
-import threading
+from pathlib import Path
 
 import httpx
 import pytest
+from loop import rollout_and_train
+from processes import Lines, art_sky_cli, ssh_and_follow
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
 import art_sky
+from art_sky import cli_remote, clusters
 from art_sky.cli import app
+from art_sky.cli_remote import _gpus
+from art_sky.errors import ConfigError
 
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
 
-class Lines:
-    """A process's output lines, read in a thread so that waiting for one can time out."""
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """Tables and messages on one line each, as in a wide terminal, so the assertions can read them."""
+    monkeypatch.setattr(cli_remote.console, "width", 200)
 
-    def __init__(self, process: subprocess.Popen):
-        self.seen: list[str] = []
-        self._queue: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self._queue.put(line) for line in process.stdout], daemon=True).start()
 
-    def until(self, prefix: str, timeout: float) -> dict[str, str]:
-        """KEY=VALUE lines up to the one whose key is `prefix`."""
-        found: dict[str, str] = {}
-        while True:
-            try:
-                line = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                pytest.fail(f"no {prefix} line within {timeout}s; got {self.seen}")
-            self.seen.append(line)
-            key, _, value = line.strip().partition("=")
-            found[key] = value
-            if key == prefix:
-                return found
+@pytest.fixture
+def home(art_sky_home):  # noqa: F811
+    """A private ART_SKY_HOME; a server a failed test left up is stopped with `art-sky down`."""
+    yield art_sky_home
+    for name in clusters.all_names():
+        CliRunner().invoke(app, ["down", "--name", name])
 
-    def rest(self) -> str:
-        while not self._queue.empty():
-            self.seen.append(self._queue.get())
-        return "".join(self.seen)
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def attached_round(name: str, project: str) -> None:
+    """What a Python script does after `art-sky up`: attach by name, roll out, train a step; the server stays."""
+    backend = art_sky.attach(name)
+    try:
+        model = await rollout_and_train(backend, project=project)
+        assert await model.get_step() >= 1
+    finally:
+        await backend.close()
 
 
 @pytest.mark.slow
-def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
+def test_up_status_logs_tunnel_down(sshd, tmp_path, home):  # noqa: F811
     runner = CliRunner()
     host = f"{sshd.target().user}@127.0.0.1:{sshd.port}"
     up = ["up", "--host", host, "--key", str(sshd.client_key), "--name", "box", "--python", BASE_PYTHON,
@@ -57,7 +64,7 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
     result = runner.invoke(app, up)
     assert result.exit_code == 0, result.output
     assert "cluster 'box' up" in result.output
-    record = art_sky_home / "clusters" / "box.json"
+    record = home / "clusters" / "box.json"
     assert record.stat().st_mode & 0o777 == 0o600
 
     result = runner.invoke(app, up)
@@ -65,13 +72,15 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
     result = runner.invoke(app, ["up", "--host", f"{sshd.target().user}@localhost:{sshd.port}", "--name", "box"])
     assert result.exit_code == 1 and "runs on" in result.output and "art-sky down --name box" in result.output
 
+    asyncio.run(attached_round("box", "cli-ssh"))
     result = runner.invoke(app, ["status"])
-    assert result.exit_code == 0 and "box" in result.output and "listening" in result.output, result.output
+    assert result.exit_code == 0, result.output
+    assert "box" in result.output and "ok, portable on cpu" in result.output and "agent (1)" in result.output, result.output
     result = runner.invoke(app, ["logs", "--name", "box"])
     assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
+    assert "done" in ssh_and_follow("box")
 
-    tunnel = subprocess.Popen([sys.executable, "-m", "art_sky.cli", "tunnel", "--name", "box"], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
+    tunnel = art_sky_cli("tunnel", "--name", "box")
     try:
         output = Lines(tunnel)
         printed = output.until("ART_SKY_API_KEY", timeout=60)
@@ -85,12 +94,47 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, art_sky_home):  # noqa: F811
             tunnel.kill()
             tunnel.wait(10)
 
+    pid = clusters.load(record.stem).pid
     result = runner.invoke(app, ["down", "--name", "box"])
     assert result.exit_code == 0 and "server stopped" in result.output, result.output
+    assert not alive(pid)
     assert not record.exists()
     assert "no clusters" in runner.invoke(app, ["status"]).output
     result = runner.invoke(app, ["down", "--name", "box"])
     assert result.exit_code == 1 and "no cluster named 'box'" in result.output
+
+
+@pytest.mark.slow
+def test_up_local_is_a_detached_server_that_down_stops(home):
+    runner = CliRunner()
+    result = runner.invoke(app, ["up", "--local", "--name", "here"])
+    assert result.exit_code == 0 and "up on this machine" in result.output, result.output
+    record = home / "clusters" / "here.json"
+    pid = clusters.load(record.stem).pid
+    assert alive(pid) and record.stat().st_mode & 0o777 == 0o600
+    assert "already up" in runner.invoke(app, ["up", "--local", "--name", "here"]).output
+    result = runner.invoke(app, ["up", "--host", "someone@example.invalid", "--name", "here"])
+    assert result.exit_code == 1 and "runs on this machine (local)" in result.output, result.output
+
+    asyncio.run(attached_round("here", "cli-local"))
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 0 and "this machine" in result.output and "agent (1)" in result.output, result.output
+    result = runner.invoke(app, ["logs", "--name", "here", "--lines", "200"])
+    assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
+    result = runner.invoke(app, ["ssh", "--name", "here"])
+    assert result.exit_code == 1 and "runs on this machine" in result.output
+
+    result = runner.invoke(app, ["down", "--name", "here"])
+    assert result.exit_code == 0 and "server stopped" in result.output, result.output
+    assert not alive(pid) and not record.exists()
+
+
+def test_gpu_lists():
+    assert _gpus(["H100:1"]) == "H100:1"
+    assert _gpus(["H100:1", "A100-80GB:1,L40S"]) == ["H100:1", "A100-80GB:1", "L40S"]
+    assert _gpus(["none"]) is None
+    with pytest.raises(ConfigError, match="`none` alone"):
+        _gpus(["H100", "none"])
 
 
 @pytest.mark.parametrize("command", ["up", "down", "status", "logs", "tunnel", "ssh"])

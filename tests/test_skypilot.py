@@ -1,5 +1,6 @@
-"""SkyPilotBackend on real SkyPilot clusters: SkyPilot 0.14.1's Slurm infra pointed at a single-node Slurm on this
-machine (tests/slurm_harness.py). One cluster serves the whole module (a launch costs ~45 s on 2 cores)."""
+"""SkyPilotBackend and `art-sky up` on real SkyPilot clusters: SkyPilot 0.14.1's Slurm infra pointed at a
+single-node Slurm on this machine (tests/slurm_harness.py). Two launches in all (each ~45-80 s on 2 cores): one for
+the Python API (launch, reuse, restart, down), one for the CLI."""
 
 from __future__ import annotations
 
@@ -9,36 +10,46 @@ import re
 import secrets
 import subprocess
 import sys
+import time
 
 import paramiko
 import pytest
 import slurm_harness
+from loop import rollout_and_train
+from processes import ssh_and_follow
+from typer.testing import CliRunner
 
 import art_sky
+from art_sky import cli_remote, clusters
 from art_sky.backends.skypilot import SkyPilotBackend
+from art_sky.cli import app
 from art_sky.errors import ConfigError
 from art_sky.provisioners import sky as provisioner
 
-CLUSTER = f"art-sky-test-{secrets.token_hex(3)}"
+PREFIX = f"art-sky-test-{secrets.token_hex(3)}"  # every cluster this run launches; torn down at the end
+CLUSTER = f"{PREFIX}-api"
+CLI_CLUSTER = f"{PREFIX}-cli"
 API_KEY = secrets.token_urlsafe(24)
-PROMPT = [{"role": "user", "content": "say hi"}]
 LIMIT = 600  # seconds any one step may take before the test fails instead of hanging
 
 
 @pytest.fixture(scope="module")
-def prepared_python(sky_slurm):
-    """The cluster job runs this interpreter (it has art-sky and torch): no install on the "node"."""
+def prepared_python(sky_slurm, tmp_path_factory):
+    """The cluster job runs this interpreter (it has art-sky and torch): no install on the "node". Cluster
+    records go to a private ART_SKY_HOME."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("ART_SKY_REMOTE_PYTHON", sys.executable)
         patch.setenv("ART_SKY_SERVER_START_TIMEOUT", "300")
+        patch.setenv("ART_SKY_HOME", str(tmp_path_factory.mktemp("art-sky-home")))
+        patch.delenv("ART_SKY_API_KEY", raising=False)
         yield sys.executable
 
 
 @pytest.fixture(scope="module")
 def cluster(sky_slurm, prepared_python):
-    """The module's cluster name; whatever happens, it is torn down at the end."""
+    """The module's cluster names; whatever happens, they are torn down at the end."""
     yield CLUSTER
-    slurm_harness.down_clusters(CLUSTER)
+    slurm_harness.down_clusters(PREFIX)
 
 
 async def initialize(**kwargs) -> SkyPilotBackend:
@@ -95,17 +106,11 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
         assert backend.target.proxy_command and "slurm-job-ssh-proxy" in backend.target.proxy_command
         assert "/.sky_clusters/" in backend.server.remote_dir
         (slurm_job,) = slurm_harness.slurm_jobs(CLUSTER)
-        model = art_sky.TrainableModel(name="agent", project="sky", base_model="art-sky/tiny")
-        await model.register(backend)
         assert (await backend.health()).version == art_sky.__version__
-        trajectories = []
-        for reward in (0.0, 1.0):
-            completion = await model.openai_client().chat.completions.create(
-                model=model.get_inference_name(), messages=PROMPT, max_tokens=8, temperature=1.0)
-            trajectories.append(art_sky.Trajectory(messages_and_choices=[*PROMPT, completion.choices[0]],
-                                                   reward=reward))
-        metrics = await asyncio.wait_for(model.train([art_sky.TrajectoryGroup(trajectories)]), LIMIT)
-        assert metrics["step"] == 1.0
+        await rollout_and_train(backend, project="sky", limit=LIMIT)
+        record = clusters.load(CLUSTER)  # so that other processes reuse the server with its key
+        assert record.kind == "sky" and record.api_key.get_secret_value() == API_KEY
+        assert record.target == backend.target and record.port == backend.server.port
         first_pid = backend.server.pid
         (first_job,) = await server_jobs()
         (row,) = [c for c in await provisioner.status() if c.name == CLUSTER]
@@ -113,15 +118,22 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
     finally:
         await backend.close()
 
-    again = await initialize()  # the UP cluster and its running server are reused
+    # The UP cluster and its running server are reused, with the key from the cluster's record.
+    again = await initialize(api_key=None)
     try:
         assert again.server.pid == first_pid and await server_jobs() == [first_job]
-        assert slurm_harness.slurm_jobs(CLUSTER) == [slurm_job]
+        assert slurm_harness.slurm_jobs(CLUSTER) == [slurm_job] and again.api_key == API_KEY
         model = art_sky.TrainableModel(name="agent", project="sky", base_model="art-sky/tiny")
         await model.register(again)
         assert await model.get_step() == 1
     finally:
         await again.close()
+    attached = art_sky.attach(CLUSTER)  # what `art-sky tunnel` does: a tunnel to the recorded server
+    try:
+        assert [(m.name, m.step) for m in await attached.models()] == [("agent", 1)]
+        assert "listening on 127.0.0.1" in await asyncio.to_thread(attached.logs, 200)
+    finally:
+        await attached.close()
 
     restarted = await initialize(force_restart=True)  # a new server job on the same cluster
     try:
@@ -145,3 +157,47 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
         await asyncio.wait_for(restarted.down(), LIMIT)
     assert not slurm_harness.slurm_jobs(CLUSTER)
     assert await provisioner.cluster_status(CLUSTER) is None
+    assert CLUSTER not in clusters.all_names()
+
+
+@pytest.mark.slow
+def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
+    monkeypatch.setattr(cli_remote.console, "width", 200)
+    runner = CliRunner()
+    up = ["up", "--name", CLI_CLUSTER, "--infra", slurm_harness.INFRA, "--gpu", "none", "--cpus", "1",
+          "--memory", "1", "--autostop", "0"]
+    for _ in range(6):  # the one local node may be full of other test runs' clusters for a while
+        result = runner.invoke(app, up)
+        if "found no resources" not in result.output:
+            break
+        time.sleep(20)
+    assert result.exit_code == 0, result.output
+    assert f"cluster '{CLI_CLUSTER}' up" in result.output
+    (slurm_job,) = slurm_harness.slurm_jobs(CLI_CLUSTER)
+
+    async def train_from_python() -> None:  # a script after `art-sky up`: attach by name, roll out, train
+        backend = art_sky.attach(CLI_CLUSTER)
+        try:
+            await rollout_and_train(backend, project="cli", limit=LIMIT)
+        finally:
+            await backend.close()
+
+    asyncio.run(asyncio.wait_for(train_from_python(), LIMIT))
+    result = runner.invoke(app, up)  # again: the same cluster and server, reused with the recorded key
+    assert result.exit_code == 0, result.output
+    assert slurm_harness.slurm_jobs(CLI_CLUSTER) == [slurm_job]
+
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.output.splitlines() if CLI_CLUSTER in line]
+    assert all(part in line for part in ("sky", "Slurm/localcluster (UP)", "CPUs", "$0.00/h", "ok, portable",
+                                         "agent (1)")), result.output
+    result = runner.invoke(app, ["logs", "--name", CLI_CLUSTER, "--lines", "200"])
+    assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
+    assert "/.sky_clusters/" in ssh_and_follow(CLI_CLUSTER)  # into the Slurm job, its HOME set
+
+    result = runner.invoke(app, ["down", "--name", CLI_CLUSTER])
+    assert result.exit_code == 0 and "torn down" in result.output, result.output
+    assert not slurm_harness.slurm_jobs(CLI_CLUSTER)
+    assert asyncio.run(provisioner.cluster_status(CLI_CLUSTER)) is None
+    assert CLI_CLUSTER not in clusters.all_names()

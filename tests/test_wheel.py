@@ -34,3 +34,22 @@ def test_checkout_build_and_repack_of_an_install_hold_the_same_files(tmp_path):
                     str(repacked)], check=True, timeout=300)
     assert (reinstalled / "art_sky" / "cluster" / "server.py").read_bytes() == \
         (site / "art_sky" / "cluster" / "server.py").read_bytes()
+
+
+def test_a_named_source_checkout_is_built_as_it_is(tmp_path):
+    """`initialize_cluster(art_sky_version=<checkout>)` ships a wheel built from that checkout, not this client."""
+    from art_sky.backends.skypilot import _version_or_source
+
+    checkout = tmp_path / "checkout"
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(checkout)], check=True, timeout=60,
+                   capture_output=True)
+    try:
+        marker = "# built from the named checkout\n"
+        (checkout / "art_sky" / "errors.py").write_text((checkout / "art_sky" / "errors.py").read_text() + marker)
+        assert _version_or_source(str(checkout)) == (None, checkout)
+        wheel = build_wheel(tmp_path / "dist", source=checkout)
+        assert marker in zipfile.ZipFile(wheel).read("art_sky/errors.py").decode()
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(checkout)], timeout=60,
+                       capture_output=True)

@@ -15,6 +15,7 @@ import art_sky
 from art_sky.errors import (
     AuthError,
     BackendUnavailableError,
+    CheckpointStoreError,
     ConfigError,
     NotFoundError,
     ServerError,
@@ -29,6 +30,7 @@ from art_sky.wire import (
     ModelConfig,
     ModelInfo,
     RegisterRequest,
+    SyncStatus,
     TrainConfig,
     TrainProgress,
     TrainRequest,
@@ -87,6 +89,11 @@ class Backend:
         return ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             idempotent=True))
 
+    async def models(self) -> list[ModelInfo]:
+        """Every model the server has registered, with its step (what `art-sky status` shows)."""
+        health = await self.health()
+        return [ModelInfo.model_validate(await self._request("GET", f"/art/models/{name}")) for name in health.models]
+
     async def model_info(self, model: Model) -> ModelInfo:
         await self._ensure_started()
         return ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
@@ -107,6 +114,18 @@ class Backend:
         return [CheckpointInfo.model_validate(c) for c in
                 await self._request("POST", f"/art/models/{model.name}/checkpoints/delete", json=body,
                                     idempotent=True)]
+
+    async def flush_checkpoints(self) -> SyncStatus:
+        """Wait until every checkpoint so far is in the object store (training never waits for uploads itself).
+
+        Raises CheckpointStoreError naming the steps that could not be uploaded; they stay on the cluster.
+        """
+        await self._ensure_started()
+        status = SyncStatus.model_validate(await self._request("POST", "/art/checkpoints/flush", idempotent=True))
+        if status.errors:
+            raise CheckpointStoreError(f"{len(status.errors)} checkpoint(s) are not in the store: "
+                                       + "; ".join(status.errors))
+        return status
 
     async def train(self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: TrainConfig,
                     verbose: bool = False) -> dict[str, float]:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from art_sky.errors import BackendUnavailableError
+from art_sky.errors import BackendUnavailableError, CheckpointStoreError
 from art_sky.settings import settings
+from art_sky.store import CheckpointStore
 
 from .base import Backend
 
@@ -25,14 +26,19 @@ class LocalBackend(Backend):
     """Starts `python -m art_sky.cluster` on a free port with a fresh API key; stops it on `close()`.
 
     `path` is the checkpoint root (ART's `.art`). The server's log goes to `<path>/logs/server.log`.
+    `checkpoint_uri` (default ART_SKY_CHECKPOINT_URI) mirrors every checkpoint to object storage, from where a
+    new server restores them.
     """
 
     def __init__(self, *, path: str | os.PathLike = ".art", python: str = sys.executable,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, checkpoint_uri: str | None = None):
         super().__init__()
         self.path = Path(path).resolve()
         self.python = python
         self.env = env or {}
+        if checkpoint_uri is not None:
+            CheckpointStore(checkpoint_uri)  # a malformed URI fails here, not in the server's log
+            self.env |= {"ART_SKY_CHECKPOINT_URI": checkpoint_uri}
         self.log_path = self.path / "logs" / "server.log"
         self._process: subprocess.Popen | None = None
 
@@ -66,7 +72,15 @@ class LocalBackend(Backend):
                                       f"{settings().server_start_timeout:.0f}s (ART_SKY_SERVER_START_TIMEOUT). "
                                       f"Last lines of {self.log_path}:\n{tail(self.log_path)}")
 
-    async def close(self) -> None:
+    async def close(self, force: bool = False) -> None:
+        """Stop the server, after its checkpoints are in the store; `force` stops it even if some are not."""
+        if self._started and not force and self._process is not None and self._process.poll() is None:
+            try:
+                await self.flush_checkpoints()
+            except CheckpointStoreError as exc:
+                raise CheckpointStoreError(
+                    f"{exc}. The server is still running: fix the store and `await backend.close()` again, or "
+                    f"`await backend.close(force=True)` to stop it anyway (the steps stay in {self.path})") from exc
         await super().close()
         process, self._process = self._process, None
         if process is not None and process.poll() is None:

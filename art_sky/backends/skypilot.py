@@ -8,9 +8,7 @@ Kubernetes a process left behind by an SSH session is reaped, a job is not, and 
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
-import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 from dotenv import dotenv_values
 from pydantic import SecretStr
 
+from art_sky import bootstrap, clusters
 from art_sky.bootstrap import RemoteServer
 from art_sky.errors import BackendUnavailableError, ConfigError
 from art_sky.provisioners import SSHTarget
@@ -26,17 +25,20 @@ from art_sky.provisioners import sky as provisioner
 from art_sky.provisioners.sky_task import ClusterSpec, render_task, validate_task
 from art_sky.settings import settings
 from art_sky.ssh import SSHSession
-from art_sky import wheel as wheel_builder
 from art_sky.wheel import build_wheel
 
 from .ssh import SSHBackend
 
-PORT_FILE = "art-sky/server.json"  # relative to the job's HOME, as the template's run section writes it
-
 
 class SkyPilotBackend(SSHBackend):
     """Use `await SkyPilotBackend.initialize_cluster(cluster_name=..., gpu=...)`. `close()` closes the tunnel and
-    leaves the cluster and its server running; `down()` tears the cluster down."""
+    leaves the cluster and its server running; `down()` tears the cluster down.
+
+    The cluster is recorded like an SSH host (`art_sky.clusters`, kind "sky", with the server's API key), so
+    another process (`art-sky tunnel`, `SSHBackend.attach`, a second `initialize_cluster`) reuses its server.
+    """
+
+    kind = "sky"
 
     def __init__(self, cluster_name: str, spec: ClusterSpec, *, force_restart: bool = False,
                  api_key: str | None = None):
@@ -60,18 +62,20 @@ class SkyPilotBackend(SSHBackend):
         portable engine. `infra`: SkyPilot's selector (aws, gcp/us-central1, k8s/<context>, slurm/<cluster>).
         `env_path`: a .env file whose variables reach the server as SkyPilot secrets. `art_sky_version`: install
         that release from PyPI, or build the wheel from that source checkout; default: this client's own build.
-        `api_key`: the server's key (default ART_SKY_API_KEY); a reused server whose key this process does not
-        know is restarted with a fresh one.
+        `api_key`: the server's key (default ART_SKY_API_KEY, then the cluster's record); a reused server whose
+        key this process does not know is restarted with a fresh one.
         """
         version, source = _version_or_source(art_sky_version)
         spec = ClusterSpec(
             gpu=gpu, infra=infra, resources=resources or {}, spot=spot, autostop_minutes=autostop_minutes,
             secrets=_read_env_file(env_path), python=settings().remote_python, version=version,
             template=Path(template) if template else None, overrides=overrides or {})
-        known_key = api_key or (settings().api_key.get_secret_value() if settings().api_key else None)
+        recorded_key = _recorded_key(cluster_name)
+        known_key = api_key or (settings().api_key.get_secret_value() if settings().api_key else None) or recorded_key
         backend = cls(cluster_name, spec, force_restart=force_restart or known_key is None, api_key=known_key)
         backend.source = source
         await backend._ensure_started()
+        clusters.save(backend.record(cluster_name))
         return backend
 
     async def _provision(self) -> SSHTarget:
@@ -79,8 +83,7 @@ class SkyPilotBackend(SSHBackend):
         with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
             spec = self.spec
             if spec.python is None and spec.version is None:
-                wheel = await asyncio.to_thread(
-                    *((wheel_builder._build_from_source, self.source) if self.source else (build_wheel,)), Path(tmp))
+                wheel = await asyncio.to_thread(build_wheel, Path(tmp), self.source)
                 spec = spec.model_copy(update={"wheel": wheel})
             task = validate_task(render_task(spec, SecretStr(self._api_key)))
             await provisioner.ensure_server(self.cluster_name, task, force_restart=self.force_restart,
@@ -88,40 +91,34 @@ class SkyPilotBackend(SSHBackend):
         return await provisioner.ssh_target(self.cluster_name)
 
     def _bootstrap(self, timeout: float) -> RemoteServer:
-        """The server is the cluster's job: wait for the port file it writes (a live pid) and read it."""
+        """The server is the cluster's job: wait until the job's server listens (the SSH-host layout under
+        `~/art-sky`, the job's HOME) and read its port. A pid file of an earlier job reads as "stopped": wait on."""
         assert self.target is not None
         deadline = time.monotonic() + timeout
-        script = (f'f="$HOME/{PORT_FILE}"; [ -f "$f" ] && kill -0 "$(sed \'s/.*"pid": *\\([0-9]*\\).*/\\1/\' "$f")" '
-                  f'2>/dev/null && echo "$HOME" && cat "$f"')
         with SSHSession(self.target) as session:
+            remote_dir = session.run('echo "$HOME/art-sky"', timeout=30).stdout.strip()
             while time.monotonic() < deadline:
-                # The job's HOME differs from the login's on Slurm; SkyPilot's SetEnv makes the session use it.
-                _, out, _ = session.client.exec_command(f"bash -c {shlex.quote(script)}",
-                                                        environment=self.target.env, timeout=30)
-                lines = out.read().decode().splitlines()
-                if len(lines) == 2:
-                    port_file = json.loads(lines[1])
-                    return RemoteServer(remote_dir=f"{lines[0]}/art-sky", port=port_file["port"],
-                                        pid=port_file["pid"])
+                state = bootstrap.server_status(session, remote_dir)
+                if state.state == "listening":
+                    assert state.port is not None and state.pid is not None
+                    return RemoteServer(remote_dir=remote_dir, port=state.port, pid=state.pid)
                 time.sleep(1)
-        raise BackendUnavailableError(f"the server job on {self.cluster_name} wrote no port file within "
-                                      f"{timeout:.0f}s: read `sky logs {self.cluster_name}`")
+        raise BackendUnavailableError(f"the server job on {self.cluster_name} was not listening within "
+                                      f"{timeout:.0f}s: read `art-sky logs --name {self.cluster_name}` or "
+                                      f"`sky logs {self.cluster_name}`")
 
-    def _not_healthy(self, timeout: float) -> Exception:
-        return BackendUnavailableError(f"the server on {self.cluster_name} was not healthy within {timeout:.0f}s "
-                                       f"(ART_SKY_SERVER_START_TIMEOUT): read `sky logs {self.cluster_name}`")
+    def _not_healthy(self, timeout: float, stopping: bool) -> Exception:
+        return super()._not_healthy(timeout, stopping=False)  # the job keeps running: force_restart replaces it
 
     async def stop_server(self) -> bool:
         """The server is a SkyPilot job: `force_restart` replaces it, `down()` ends it with the cluster."""
         return False
 
-    def logs(self, lines: int = 30) -> str:
-        return f"the server's log is its SkyPilot job's: `sky logs {self.cluster_name}`"
-
     async def down(self) -> None:
         """Close the tunnel and tear the cluster down (its VM, pod or Slurm job goes away)."""
         await self.close()
         await provisioner.down(self.cluster_name)
+        clusters.remove(self.cluster_name)
 
 
 def _version_or_source(value: str | Path | None) -> tuple[str | None, Path | None]:
@@ -134,6 +131,17 @@ def _version_or_source(value: str | Path | None) -> tuple[str | None, Path | Non
                               "give a release like '0.1.0' or the checkout's directory")
         return None, path
     return str(value), None
+
+
+def _recorded_key(cluster_name: str) -> str | None:
+    """The API key `art-sky up` (or another process) recorded for this SkyPilot cluster, if any."""
+    if cluster_name not in clusters.all_names():
+        return None
+    record = clusters.load(cluster_name)
+    if record.kind != "sky":
+        raise ConfigError(f"the name {cluster_name!r} is taken by a {record.kind} cluster on {record.where}: "
+                          f"`art-sky down --name {cluster_name}` first, or pick another cluster_name")
+    return record.api_key.get_secret_value()
 
 
 def _read_env_file(path: str | Path | None) -> dict[str, str]:

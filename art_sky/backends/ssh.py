@@ -47,6 +47,8 @@ class SSHBackend(Backend):
     the server runs (remote dir, a prepared `python`, port, extra environment).
     """
 
+    kind = "ssh"  # how the machine was obtained, as its cluster record says
+
     def __init__(self, target: SSHTarget | str | None = None, *, key_path: str | Path | None = None,
                  options: BootstrapOptions | None = None, local_port: int = 0, keep_server: bool = False,
                  api_key: str | None = None):
@@ -72,7 +74,7 @@ class SSHBackend(Backend):
         """What `art-sky up` saves about this backend's running server."""
         if self.target is None or self.server is None or self.api_key is None:
             raise ConfigError("no server started yet: `await backend.health()` starts it")
-        return clusters.ClusterRecord(name=name, target=self.target, remote_dir=self.server.remote_dir,
+        return clusters.ClusterRecord(name=name, kind=self.kind, target=self.target, remote_dir=self.server.remote_dir,
                                       port=self.server.port, pid=self.server.pid, api_key=self.api_key)
 
     async def _provision(self) -> SSHTarget:

@@ -1,0 +1,104 @@
+"""Background checkpoint sync: each new step uploads while the next rollouts run, so training never waits for the
+network. Jobs run one at a time in submission order on the server's event loop, outside the device lock. A failed
+upload is remembered and retried on the next flush; it stops training only in strict mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from art_sky.checkpoints import CheckpointDir, steps_to_keep
+from art_sky.errors import CheckpointStoreError
+from art_sky.store import CheckpointStore
+from art_sky.wire import SyncStatus
+
+log = logging.getLogger("art_sky.cluster")
+
+
+class CheckpointSync:
+    def __init__(self, store: CheckpointStore, strict: bool):
+        self.store, self.strict = store, strict
+        self._queue: asyncio.Queue[tuple[str, Callable[[], Awaitable[None]]]] | None = None
+        self._worker: asyncio.Task | None = None
+        self._pending: list[str] = []
+        self._failed: dict[tuple[str, str, int], tuple[CheckpointDir, str]] = {}
+        self._synced: dict[str, int] = {}
+        self._bytes = 0
+
+    def submit(self, checkpoints: CheckpointDir, step: int) -> None:
+        """Queue a step's upload (a step the store already holds costs one manifest read)."""
+
+        async def upload() -> None:
+            key = (checkpoints.project, checkpoints.name, step)
+            if checkpoints.manifest(step) is None:  # deleted locally since (retention): nothing to keep
+                self._failed.pop(key, None)
+                return
+            try:
+                self._bytes += await self.store.upload_step(checkpoints, step)
+                await self.store.upload_history(checkpoints)
+            except Exception as exc:  # reported through status(); the server keeps training
+                message = str(exc) if isinstance(exc, CheckpointStoreError) else f"{type(exc).__name__}: {exc}"
+                message = f"step {step} of {checkpoints.name} was not uploaded to {self.store.where(*key)}: {message}"
+                log.warning("%s", message)
+                self._failed[key] = (checkpoints, message)
+                return
+            self._failed.pop(key, None)
+            self._synced[checkpoints.name] = max(step, self._synced.get(checkpoints.name, -1))
+            log.info("uploaded %s", self.store.where(*key))
+
+        self._put(f"upload {checkpoints.name} step {step}", upload)
+
+    def submit_retention(self, checkpoints: CheckpointDir, best_metric: str | None, keep_last: int,
+                         current: int) -> None:
+        """Apply `delete_checkpoints` to the store too: keep the newest `keep_last`, the best, and `current`."""
+
+        async def prune() -> None:
+            try:
+                steps = [m.step for m in await self.store.manifests(checkpoints.project, checkpoints.name)]
+                keep = steps_to_keep(steps, checkpoints.history(), best_metric, keep_last) | {current}
+                await self.store.delete_steps(checkpoints.project, checkpoints.name,
+                                              [s for s in steps if s not in keep])
+            except CheckpointStoreError as exc:
+                log.warning("retention in the store failed: %s", exc)
+
+        self._put(f"prune {checkpoints.name}", prune)
+
+    async def flush(self) -> SyncStatus:
+        """Retry failed uploads, then wait until nothing is queued."""
+        for (_, _, step), (checkpoints, _) in list(self._failed.items()):
+            self.submit(checkpoints, step)
+        if self._queue is not None:
+            await self._queue.join()
+        return self.status()
+
+    def blocking_error(self) -> str | None:
+        """In strict mode, why training must not go on (a step failed to upload); None otherwise."""
+        if self.strict and self._failed:
+            return ("; ".join(message for _, message in self._failed.values()) + " (strict mode, "
+                    "ART_SKY_CHECKPOINT_STRICT): fix the store, then `await backend.flush_checkpoints()`")
+        return None
+
+    def status(self) -> SyncStatus:
+        return SyncStatus(uri=self.store.uri, strict=self.strict, pending=list(self._pending),
+                          errors=[message for _, message in self._failed.values()], synced=dict(self._synced),
+                          bytes_uploaded=self._bytes)
+
+    def _put(self, label: str, job: Callable[[], Awaitable[None]]) -> None:
+        if self._queue is None:  # created on the server's running loop at first use
+            self._queue = asyncio.Queue()
+            self._worker = asyncio.get_running_loop().create_task(self._work())
+        self._pending.append(label)
+        self._queue.put_nowait((label, job))
+
+    async def _work(self) -> None:
+        while True:
+            label, job = await self._queue.get()
+            try:
+                await job()
+            except Exception:  # a bug in a job must not stop the worker
+                log.exception("checkpoint sync job %r failed", label)
+            finally:
+                self._pending.remove(label)
+                self._queue.task_done()

@@ -1,0 +1,117 @@
+"""Resume on a new cluster: a LocalBackend mirrors its checkpoints to a real S3 server (SeaweedFS); a second one,
+with nothing local, restores the newest step from it and trains on. Store failures are reported, not fatal,
+unless in strict mode."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from art_sky import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_sky.errors import CheckpointStoreError, ServerError
+from art_sky.store import CheckpointStore
+
+pytest_plugins = ["fixtures_s3"]
+pytestmark = pytest.mark.slow
+
+PROMPT = [{"role": "user", "content": "Say something."}]
+
+
+def new_model() -> TrainableModel:
+    return TrainableModel(name="agent", project="resume", base_model="art-sky/tiny")
+
+
+async def train_step(model: TrainableModel) -> dict[str, float]:
+    completion = await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=6, n=4, temperature=1.0)
+    group = TrajectoryGroup(Trajectory(messages_and_choices=[*PROMPT, choice], reward=float(i))
+                            for i, choice in enumerate(completion.choices))
+    return await model.train([group], TrainConfig(learning_rate=1e-3))
+
+
+async def greedy(model: TrainableModel) -> tuple[str, list[float]]:
+    completion = await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=6, temperature=0.0, logprobs=True)
+    choice = completion.choices[0]
+    return choice.message.content, [token.logprob for token in choice.logprobs.content]
+
+
+def files_of(directory) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def step_dir(root, step: int):
+    return root / "resume" / "models" / "agent" / "checkpoints" / f"{step:04d}"
+
+
+async def test_a_new_backend_resumes_from_the_store(s3_server, tmp_path, monkeypatch):
+    uri = f"s3://{s3_server.new_bucket()}/runs"
+    first = LocalBackend(path=tmp_path / "a", env=s3_server.env(), checkpoint_uri=uri)
+    model = new_model()
+    await model.register(first)
+    for _ in range(2):
+        await train_step(model)
+    assert await model.get_step() == 2
+    adapter = files_of(step_dir(tmp_path / "a", 2))
+    served_text, served_logprobs = await greedy(model)
+    await first.close()  # waits for the uploads
+    shutil.rmtree(tmp_path / "a")
+
+    second = LocalBackend(path=tmp_path / "b", env=s3_server.env(), checkpoint_uri=uri)
+    try:
+        model = new_model()
+        await model.register(second)
+        info = await second.model_info(model)
+        assert info.step == 2
+        assert info.restored_from == f"{uri}/resume/models/agent/checkpoints/0002"
+        assert files_of(step_dir(tmp_path / "b", 2)) == adapter
+        text, logprobs = await greedy(model)  # the same adapter serves the same tokens (a new process's float
+        assert text == served_text and logprobs == pytest.approx(served_logprobs, abs=1e-3)  # math may differ)
+
+        assert (await train_step(model))["step"] == 3
+        status = await second.flush_checkpoints()
+        assert status.synced["agent"] == 3 and status.errors == [] and status.pending == []
+    finally:
+        await second.close(force=True)
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    manifests = await CheckpointStore(uri).manifests("resume", "agent")
+    assert [m.step for m in manifests] == [0, 1, 2, 3]
+
+
+async def test_a_broken_store_is_reported_and_training_goes_on(s3_server, tmp_path):
+    uri = "s3://no-such-bucket-anywhere/runs"
+    backend = LocalBackend(path=tmp_path / "a", env=s3_server.env(), checkpoint_uri=uri)
+    try:
+        model = new_model()
+        await model.register(backend)
+        assert (await train_step(model))["step"] == 1
+        with pytest.raises(CheckpointStoreError, match=f"{uri}.*bucket does not exist"):
+            await backend.flush_checkpoints()
+        with pytest.raises(CheckpointStoreError, match="close\\(force=True\\)"):
+            await backend.close()  # refuses: steps 0 and 1 are not in the store
+        assert (await backend.health()).models == ["agent"]  # still running
+    finally:
+        await backend.close(force=True)
+    assert (step_dir(tmp_path / "a", 1) / "manifest.json").exists()
+
+
+async def test_strict_mode_stops_training_when_an_upload_fails(s3_server, tmp_path):
+    uri = f"s3://{s3_server.new_bucket()}/runs"
+    env = s3_server.env(read_only=True) | {"ART_SKY_CHECKPOINT_STRICT": "true"}
+    backend = LocalBackend(path=tmp_path / "a", env=env, checkpoint_uri=uri)
+    try:
+        model = new_model()
+        await model.register(backend)  # reading the store is allowed: nothing to restore
+        with pytest.raises(CheckpointStoreError, match="access denied"):
+            await backend.flush_checkpoints()
+        with pytest.raises(ServerError, match=f"{uri}.*access denied.*strict mode"):
+            await train_step(model)
+    finally:
+        await backend.close(force=True)
+
+
+def test_a_malformed_uri_fails_before_any_server_starts(tmp_path):
+    with pytest.raises(Exception, match="gcs://bucket/x.*unknown scheme"):
+        LocalBackend(path=tmp_path, checkpoint_uri="gcs://bucket/x")

@@ -1,0 +1,178 @@
+"""The checkpoint store against a real S3 server (SeaweedFS) and a directory: round trip, atomic visibility,
+corruption caught, bad URIs and credentials named."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError
+from art_sky.errors import CheckpointStoreError, ConfigError
+from art_sky.store import CHUNK, CheckpointStore
+
+pytest_plugins = ["fixtures_s3"]
+
+PROJECT, MODEL = "proj", "agent"
+
+
+def make_step(root, step: int, size: int) -> CheckpointDir:
+    """A step shaped like a PEFT LoRA: a config and a weights file of `size` random bytes."""
+    checkpoints = CheckpointDir(root, PROJECT, MODEL)
+
+    def write(tmp):
+        (tmp / "adapter_config.json").write_text('{"r": 8, "step": %d}' % step)
+        (tmp / "adapter_model.safetensors").write_bytes(os.urandom(size))
+
+    checkpoints.save(step, write, base_model="art-sky/tiny", metrics={"reward": step / 10})
+    return checkpoints
+
+
+def files_of(directory) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def s3_uri(s3_server, monkeypatch) -> str:
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return f"s3://{s3_server.new_bucket()}/runs"
+
+
+@pytest.fixture(params=["s3", "file"])
+def store(request, tmp_path) -> CheckpointStore:
+    uri = request.getfixturevalue("s3_uri") if request.param == "s3" else f"file://{tmp_path}/store"
+    return CheckpointStore(uri)
+
+
+async def test_round_trip_is_byte_identical_and_resync_sends_nothing(store, tmp_path):
+    size = 2 * CHUNK + 12345  # several multipart parts and download ranges, the last one short
+    local = make_step(tmp_path / "a", 3, size)
+    sent = []
+    assert await store.upload_step(local, 3, sent.append) == local.manifest(3).size_bytes
+    assert sum(sent) == size + len((local.step_dir(3) / "adapter_config.json").read_bytes())
+    assert await store.upload_step(local, 3) == 0  # unchanged step: nothing transferred
+
+    [manifest] = await store.manifests(PROJECT, MODEL)
+    assert manifest == local.manifest(3)
+    assert await store.models() == [(PROJECT, MODEL)]
+    dest = tmp_path / "pulled"
+    await store.download_step(PROJECT, MODEL, 3, dest)
+    assert files_of(dest) == files_of(local.step_dir(3))
+
+
+async def test_restore_takes_newest_step_and_history(store, tmp_path):
+    local = make_step(tmp_path / "a", 1, 1000)
+    make_step(tmp_path / "a", 2, 1000)
+    local.append_history({"step": 2, "split": "val", "metrics": {"reward": 1.0}})
+    for step in (1, 2):
+        await store.upload_step(local, step)
+    await store.upload_history(local)
+
+    fresh = CheckpointDir(tmp_path / "b", PROJECT, MODEL)
+    assert await store.restore(fresh) == 2
+    assert fresh.steps() == [2]
+    assert files_of(fresh.step_dir(2)) == files_of(local.step_dir(2))
+    assert fresh.history() == local.history()
+
+
+async def test_delete_hides_then_removes_a_step(store, tmp_path):
+    local = make_step(tmp_path / "a", 1, 1000)
+    make_step(tmp_path / "a", 2, 1000)
+    for step in (1, 2):
+        await store.upload_step(local, step)
+    await store.delete_steps(PROJECT, MODEL, [1])
+    assert [m.step for m in await store.manifests(PROJECT, MODEL)] == [2]
+    with pytest.raises(CheckpointStoreError, match="not in the store"):
+        await store.download_step(PROJECT, MODEL, 1, tmp_path / "gone")
+
+
+async def test_upload_killed_halfway_leaves_no_visible_step(s3_uri, s3_server, tmp_path):
+    local = make_step(tmp_path / "a", 5, 6 * CHUNK)
+    script = textwrap.dedent(f"""
+        import asyncio, os, signal
+        from art_sky.checkpoints import CheckpointDir
+        from art_sky.store import CheckpointStore
+        sent = 0
+        def progress(n):
+            global sent
+            sent += n
+            if sent > {3 * CHUNK}:
+                os.kill(os.getpid(), signal.SIGKILL)
+        store = CheckpointStore({s3_uri!r})
+        asyncio.run(store.upload_step(CheckpointDir({str(tmp_path / 'a')!r}, {PROJECT!r}, {MODEL!r}), 5, progress))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], env=os.environ | s3_server.env(), timeout=120,
+                            capture_output=True)
+    assert result.returncode == -9, result.stderr.decode()
+
+    store = CheckpointStore(s3_uri)
+    assert await store.manifests(PROJECT, MODEL) == []
+    fresh = CheckpointDir(tmp_path / "b", PROJECT, MODEL)
+    assert await store.restore(fresh) is None
+    assert fresh.steps() == []
+    # the same step uploads whole afterwards
+    await store.upload_step(local, 5)
+    assert [m.step for m in await store.manifests(PROJECT, MODEL)] == [5]
+
+
+async def test_flipped_byte_is_caught_and_the_step_skipped(s3_uri, s3_server, tmp_path, caplog):
+    local = make_step(tmp_path / "a", 1, 5000)
+    make_step(tmp_path / "a", 2, 5000)
+    store = CheckpointStore(s3_uri)
+    for step in (1, 2):
+        await store.upload_step(local, step)
+    bucket, prefix = s3_uri.removeprefix("s3://").split("/", 1)
+    key = f"{prefix}/{PROJECT}/models/{MODEL}/checkpoints/0002/adapter_model.safetensors"
+    client = s3_server.client()
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+
+    with pytest.raises(CorruptCheckpointError, match="0002/adapter_model.safetensors does not match"):
+        await store.download_step(PROJECT, MODEL, 2, tmp_path / "pulled")
+    assert not (tmp_path / "pulled").exists()
+
+    fresh = CheckpointDir(tmp_path / "b", PROJECT, MODEL)
+    with caplog.at_level(logging.WARNING, logger="art_sky.store"):
+        assert await store.restore(fresh) == 1
+    assert "skipping step 2" in caplog.text and "0002" in caplog.text
+    assert fresh.steps() == [1]
+
+
+def test_unknown_scheme_and_malformed_uris_are_named():
+    for uri, problem in [("ftp://host/x", "unknown scheme 'ftp'"), ("s3:///prefix-only", "names no bucket"),
+                         ("file://relative/path", "not an absolute")]:
+        with pytest.raises(ConfigError, match=problem) as caught:
+            CheckpointStore(uri)
+        assert uri in str(caught.value)
+
+
+async def test_missing_bucket_is_named(s3_server, monkeypatch, tmp_path):
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    store = CheckpointStore("s3://no-such-bucket-here/runs")
+    with pytest.raises(CheckpointStoreError, match="s3://no-such-bucket-here/runs.*bucket does not exist"):
+        await store.check()
+    with pytest.raises(CheckpointStoreError, match="bucket does not exist"):
+        await store.upload_step(make_step(tmp_path, 1, 100), 1)
+
+
+async def test_wrong_credentials_are_named(s3_uri, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    store = CheckpointStore(s3_uri)
+    with pytest.raises(CheckpointStoreError, match=f"{s3_uri}.*credentials were refused"):
+        await store.check()
+
+
+async def test_no_write_permission_is_named(s3_uri, s3_server, monkeypatch, tmp_path):
+    for key, value in s3_server.env(read_only=True).items():
+        monkeypatch.setenv(key, value)
+    store = CheckpointStore(s3_uri)
+    await store.check()  # reading is allowed
+    with pytest.raises(CheckpointStoreError, match=f"{s3_uri}.*access denied"):
+        await store.upload_step(make_step(tmp_path, 1, 100), 1)
