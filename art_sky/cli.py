@@ -11,6 +11,7 @@ from rich.console import Console
 import art_sky
 from art_sky import cli_remote
 from art_sky.cli_checkpoints import checkpoints_app
+from art_sky.cli_ci import ci_app
 
 app = typer.Typer(help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
                   no_args_is_help=True, add_completion=False)
@@ -48,6 +49,7 @@ def version() -> None:
 
 
 cli_remote.register(app)
+app.add_typer(ci_app, name="ci")
 
 if __name__ == "__main__":
     app()

@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import paramiko
 from pydantic import BaseModel
@@ -44,15 +45,21 @@ def _sdk():
     return sdk
 
 
-async def _call(what: str, request, *args, stream: bool = False, **kwargs) -> Any:
-    """Run one SkyPilot SDK request in a thread and wait for its result, translating SkyPilot's errors."""
+async def _call(what: str, request, *args, stream: bool = False, output: TextIO | None = None,
+                on_request: Callable[[str], None] | None = None, **kwargs) -> Any:
+    """Run one SkyPilot SDK request in a thread and wait for its result, translating SkyPilot's errors.
+
+    `stream` relays the request's log (to `output`, default stdout); `on_request` gets its id (to cancel it).
+    """
     from sky import exceptions
 
     sdk = _sdk()
 
     def blocking():
         request_id = request(*args, **kwargs)
-        return sdk.stream_and_get(request_id) if stream else sdk.get(request_id)
+        if on_request is not None:
+            on_request(request_id)
+        return sdk.stream_and_get(request_id, output_stream=output) if stream else sdk.get(request_id)
 
     try:
         return await asyncio.to_thread(blocking)
@@ -66,7 +73,7 @@ async def _call(what: str, request, *args, stream: bool = False, **kwargs) -> An
             "(gpu=[...]), or spot=False") from None
     except exceptions.NotSupportedError as exc:
         raise ConfigError(f"SkyPilot cannot {what} as asked: {exc}. On infra without autostop (e.g. Slurm without "
-                          "containers), pass autostop_minutes=None") from None
+                          "containers), pass autostop_minutes=None (`art-sky ci run`: --no-autodown)") from None
 
 
 async def check_infra(task) -> None:
@@ -113,10 +120,7 @@ async def ensure_server(cluster_name: str, task, *, force_restart: bool, timeout
 async def _wait_running(cluster_name: str, job_id: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        statuses = await _call(f"check the server job on {cluster_name}", _sdk().job_status, cluster_name,
-                               job_ids=[job_id])
-        status = statuses.get(job_id) or statuses.get(str(job_id))
-        name = status.value if status is not None else "UNKNOWN"
+        name = await job_state(cluster_name, job_id)
         if name == "RUNNING":
             return
         if name not in _ACTIVE:
@@ -126,6 +130,32 @@ async def _wait_running(cluster_name: str, job_id: int, timeout: float) -> None:
             raise BackendUnavailableError(f"the server job {job_id} on {cluster_name} was still {name} after "
                                           f"{timeout:.0f}s: read `sky logs {cluster_name} {job_id}`")
         await asyncio.sleep(2)
+
+
+async def job_state(cluster_name: str, job_id: int) -> str:
+    """A job's status on the cluster (PENDING, SETTING_UP, RUNNING, SUCCEEDED, FAILED_SETUP, ...), or UNKNOWN."""
+    statuses = await _call(f"check job {job_id} on {cluster_name}", _sdk().job_status, cluster_name,
+                           job_ids=[job_id])
+    status = statuses.get(job_id) or statuses.get(str(job_id))
+    return status.value if status is not None else "UNKNOWN"
+
+
+async def launch_job(cluster_name: str, task, output: TextIO, on_request: Callable[[str], None]) -> tuple[int, Any]:
+    """Launch a new cluster with `task` as its first job, SkyPilot's launch log going to `output`; return once the
+    job is submitted: (job id, handle). `on_request` gets the launch request's id, for `cancel_request`."""
+    await check_infra(task)
+    return await _call(f"launch {cluster_name}", _sdk().launch, task, cluster_name=cluster_name, stream=True,
+                       output=output, on_request=on_request)
+
+
+async def cancel_request(request_id: str) -> None:
+    """Abort a request still running on the API server (a launch being torn down)."""
+    await _call("cancel a request", _sdk().api_cancel, request_id, silent=True)
+
+
+async def follow_job(cluster_name: str, job_id: int, output: TextIO) -> None:
+    """Write the job's log (setup and run) to `output` as it comes, until the job ends."""
+    await asyncio.to_thread(_sdk().tail_logs, cluster_name, job_id, follow=True, output_stream=output)
 
 
 async def ssh_target(cluster_name: str) -> SSHTarget:
@@ -177,7 +207,11 @@ async def status() -> list[ClusterInfo]:
 
 
 def _hourly_cost(record) -> float | None:
-    handle = record.get("handle")
+    return hourly_cost(record.get("handle"))
+
+
+def hourly_cost(handle) -> float | None:
+    """What the cluster costs an hour, or None where SkyPilot knows no price."""
     try:
         return handle.launched_resources.get_cost(3600) * handle.launched_nodes
     except Exception:  # SkyPilot has no price for this infra or handle

@@ -1,6 +1,6 @@
-"""Render the cluster server's SkyPilot task (templates/cluster.yaml) from what the user asked for, and check it
-with SkyPilot's own schema. Configuration stays data: the template is a plain SkyPilot task YAML that
-`sky launch` accepts as it is; rendering only sets fields on it.
+"""Render SkyPilot tasks from the shipped templates (the cluster server: templates/cluster.yaml; a CI job:
+templates/ci-job.yaml) and check them with SkyPilot's own schema. Configuration stays data: each template is a plain
+SkyPilot task YAML that `sky launch` accepts as it is; rendering only sets fields on it.
 """
 
 from __future__ import annotations
@@ -47,12 +47,30 @@ class ClusterSpec(BaseModel):
         return gpu
 
 
-def load_template(path: Path | None = None) -> dict[str, Any]:
+class CIJobSpec(BaseModel):
+    """One CI job (`art-sky ci run`): the command, where it runs, and its safety net."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: str = Field(description="a shell command line, run in the synced work dir")
+    setup: str = Field("", description="a shell command run before it (installs); timed as setup")
+    workdir: Path = Field(description="synced to the cluster (SkyPilot honours .skyignore, else .gitignore)")
+    timeout_s: int = Field(gt=0, description="the node kills setup and command after this many seconds each")
+    gpu: str | list[str] | None = None
+    infra: str | None = None
+    resources: dict[str, Any] = Field(default_factory=dict)
+    spot: bool = False
+    autodown_minutes: int | None = Field(description="the cluster tears itself down after this many idle "
+                                                     "minutes (the safety net); None: no net")
+    secrets: dict[str, str] = Field(default_factory=dict, description="environment SkyPilot redacts (--env-file)")
+
+
+def load_template(path: Path | None = None, shipped: str = "cluster.yaml") -> dict[str, Any]:
     """The user's template, or the shipped one."""
     import yaml  # comes with the `sky` extra
 
     try:
-        text = path.read_text() if path else (package_files.files("art_sky.templates") / "cluster.yaml").read_text()
+        text = path.read_text() if path else (package_files.files("art_sky.templates") / shipped).read_text()
         config = yaml.safe_load(text)
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read the task template {path}: {exc}") from exc
@@ -64,25 +82,9 @@ def load_template(path: Path | None = None) -> dict[str, Any]:
 def render_task(spec: ClusterSpec, api_key: SecretStr) -> dict[str, Any]:
     """The task config dict for `sky.Task.from_yaml_config`. The API key is a secret: never print the result."""
     config = load_template(spec.template)
-    resources = config.setdefault("resources", {}) or {}
-    config["resources"] = resources
-    for key in ("accelerators", "ordered", "any_of"):
-        resources.pop(key, None)
-    if isinstance(spec.gpu, list):
-        resources["ordered"] = [{"accelerators": _with_count(g)} for g in spec.gpu]
-    elif spec.gpu is not None:
-        resources["accelerators"] = _with_count(spec.gpu)
-    else:
+    resources = _set_resources(config, spec.gpu, spec.infra, spec.spot, spec.autostop_minutes, spec.resources)
+    if spec.gpu is None:
         resources.pop("disk_size", None)  # a CPU server needs no room for vLLM and big models
-    if spec.infra is not None:
-        resources["infra"] = spec.infra
-    if spec.spot:
-        resources["use_spot"] = True
-    if spec.autostop_minutes is None:
-        resources.pop("autostop", None)
-    else:
-        resources["autostop"] = {"idle_minutes": spec.autostop_minutes, "down": True}
-    resources.update(spec.resources)
 
     envs = config.setdefault("envs", {}) or {}
     config["envs"] = envs
@@ -101,6 +103,42 @@ def render_task(spec: ClusterSpec, api_key: SecretStr) -> dict[str, Any]:
     return _merge(config, spec.overrides)
 
 
+def render_ci_task(spec: CIJobSpec) -> dict[str, Any]:
+    """The task config dict of a CI job (templates/ci-job.yaml). Secrets from --env-file: never print the result."""
+    config = load_template(shipped="ci-job.yaml")
+    _set_resources(config, spec.gpu, spec.infra, spec.spot, spec.autodown_minutes, spec.resources)
+    config["workdir"] = str(spec.workdir)
+    config["envs"] = (config.get("envs") or {}) | {"ART_SKY_CI_COMMAND": spec.command,
+                                                   "ART_SKY_CI_SETUP": spec.setup,
+                                                   "ART_SKY_CI_TIMEOUT": str(spec.timeout_s)}
+    if spec.secrets:
+        config["secrets"] = (config.get("secrets") or {}) | spec.secrets
+    return config
+
+
+def _set_resources(config: dict[str, Any], gpu: str | list[str] | None, infra: str | None, spot: bool,
+                   autodown_minutes: int | None, extra: dict[str, Any]) -> dict[str, Any]:
+    """Accelerators (one, or an ordered fallback list), infra, spot and autodown onto the task's resources."""
+    resources = config.setdefault("resources", {}) or {}
+    config["resources"] = resources
+    for key in ("accelerators", "ordered", "any_of"):
+        resources.pop(key, None)
+    if isinstance(gpu, list):
+        resources["ordered"] = [{"accelerators": _with_count(g)} for g in gpu]
+    elif gpu is not None:
+        resources["accelerators"] = _with_count(gpu)
+    if infra is not None:
+        resources["infra"] = infra
+    if spot:
+        resources["use_spot"] = True
+    if autodown_minutes is None:
+        resources.pop("autostop", None)
+    else:
+        resources["autostop"] = {"idle_minutes": autodown_minutes, "down": True}
+    resources.update(extra)
+    return resources
+
+
 def validate_task(config: dict[str, Any]) -> Any:
     """Check the config with SkyPilot's task schema and load it as a `sky.Task` (returned)."""
     import sky
@@ -114,7 +152,7 @@ def validate_task(config: dict[str, Any]) -> Any:
         for secret in (config.get("secrets") or {}).values():
             if secret:
                 message = message.replace(str(secret), "***")
-        raise ConfigError(f"SkyPilot refuses the cluster task: {message}. Fix the template, resources or "
+        raise ConfigError(f"SkyPilot refuses the task: {message}. Fix the template, resources or "
                           f"overrides (art-sky {art_sky.__version__})") from None
 
 
