@@ -158,10 +158,15 @@ def _up_local(name: str, port: int) -> clusters.ClusterRecord:
                                   port=server.port, pid=server.pid, api_key=api_key)
 
 
-def down(name: str = NAME) -> None:
+def down(name: str = NAME,
+         force: bool = typer.Option(False, "--force", help="stop even if checkpoints are not in the object store "
+                                                           "yet, or the server cannot be reached to ask")) -> None:
     """Stop the cluster's server and forget the cluster. A SkyPilot cluster is torn down (`sky down`); an SSH host
-    and its files stay."""
+    and its files stay. Waits first until every checkpoint is in the object store (when one is configured)."""
     record = clusters.load(name)
+    if not force:
+        with console.status(f"waiting until {name!r} has uploaded its checkpoints ..."):
+            asyncio.run(_flush(name))
     if record.kind == "sky":
         with console.status(f"tearing down SkyPilot cluster {name!r} ..."):
             asyncio.run(provisioner.down(name))
@@ -171,6 +176,16 @@ def down(name: str = NAME) -> None:
             done = "server stopped" if bootstrap.stop_server(session, record.remote_dir) else "server was not running"
     clusters.remove(name)
     console.print(f"cluster {name!r}: {done}; record removed")
+
+
+async def _flush(name: str) -> None:
+    backend = attach(name)
+    try:
+        await backend.flush_checkpoints()
+    except ArtSkyError as exc:
+        raise ConfigError(f"not stopping {name!r}: {exc}. Fix it, or `art-sky down --name {name} --force`") from exc
+    finally:
+        await backend.close()
 
 
 def status() -> None:

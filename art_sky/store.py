@@ -319,3 +319,21 @@ def _open(uri: str, endpoint: str | None):
         return S3Store(parsed.netloc, prefix=prefix, client_options=client, **options)
     except (BaseError, OSError) as exc:
         raise CheckpointStoreError(f"checkpoint store {uri}: cannot open it: {str(exc).splitlines()[0]}") from exc
+
+
+_FORWARDED = ("ART_SKY_CHECKPOINT_ENDPOINT", "ART_SKY_CHECKPOINT_STRICT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+              "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "GOOGLE_SERVICE_ACCOUNT",
+              "GOOGLE_SERVICE_ACCOUNT_KEY")
+
+
+def server_env(uri: str | None) -> dict[str, str]:
+    """The environment a remote cluster server needs to sync checkpoints to `uri` (default ART_SKY_CHECKPOINT_URI):
+    the URI, the store's settings and the credentials set here. Empty when no store is configured.
+
+    A malformed URI fails here, on the laptop, not later in a remote server's log.
+    """
+    uri = uri or os.environ.get("ART_SKY_CHECKPOINT_URI")
+    if not uri:
+        return {}
+    CheckpointStore(uri)
+    return {"ART_SKY_CHECKPOINT_URI": uri} | {k: os.environ[k] for k in _FORWARDED if os.environ.get(k)}

@@ -135,3 +135,28 @@ async def test_logs_and_stop_reach_the_remote_server(sshd, prepared, art_sky_hom
     assert not alive(pid)
     with SSHSession(sshd.target()) as session:
         assert session.run(f"test -e {prepared.remote_dir}/run/server.pid", timeout=10, check=False).exit_code == 1
+
+
+@pytest.mark.slow
+async def test_checkpoints_survive_a_lost_host(sshd, prepared, tmp_path, art_sky_home):  # noqa: F811
+    """Train on one "host", lose its whole directory, resume on a fresh one from the object store at the same step."""
+    import shutil
+
+    from loop import rollout_and_train
+
+    store = f"file://{tmp_path / 'store'}"
+    target = f"{sshd.target().user}@127.0.0.1:{sshd.port}"
+    first = art_sky.SSHBackend(target, key_path=sshd.client_key, options=prepared, checkpoint_uri=store)
+    try:
+        model = await rollout_and_train(first, project="lost-host")
+    finally:
+        await first.close()  # waits until step 1 is in the store, then stops the server
+    shutil.rmtree(prepared.remote_dir)
+    fresh = prepared.model_copy(update={"remote_dir": str(tmp_path / "new-host")})
+    second = art_sky.SSHBackend(target, key_path=sshd.client_key, options=fresh, checkpoint_uri=store)
+    try:
+        await model.register(second)
+        assert await model.get_step() == 1
+        assert (await second.model_info(model)).restored_from.startswith(store)
+    finally:
+        await second.close()

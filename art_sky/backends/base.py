@@ -136,6 +136,17 @@ class Backend:
                                        + "; ".join(status.errors))
         return status
 
+    async def _flush_before_stop(self, force: bool, where: str) -> None:
+        """A server is never stopped with checkpoints the store does not have yet, unless `force`."""
+        if force or not self._started:
+            return
+        try:
+            await self.flush_checkpoints()
+        except CheckpointStoreError as exc:
+            raise CheckpointStoreError(
+                f"{exc}. The server is still running: fix the store and close again, or `close(force=True)` to stop "
+                f"it anyway (the steps stay in {where})") from exc
+
     async def train(self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: TrainConfig,
                     verbose: bool = False) -> dict[str, float]:
         """One training step; progress streams from the server. Returns the step's metrics."""

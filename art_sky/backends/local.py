@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from art_sky.errors import BackendUnavailableError, CheckpointStoreError
+from art_sky.errors import BackendUnavailableError
 from art_sky.settings import settings
-from art_sky.store import CheckpointStore
+from art_sky.store import server_env
 
 from .base import Backend
 
@@ -37,8 +37,7 @@ class LocalBackend(Backend):
         self.python = python
         self.env = env or {}
         if checkpoint_uri is not None:
-            CheckpointStore(checkpoint_uri)  # a malformed URI fails here, not in the server's log
-            self.env |= {"ART_SKY_CHECKPOINT_URI": checkpoint_uri}
+            self.env |= server_env(checkpoint_uri)
         self.log_path = self.path / "logs" / "server.log"
         self._process: subprocess.Popen | None = None
 
@@ -74,13 +73,8 @@ class LocalBackend(Backend):
 
     async def close(self, force: bool = False) -> None:
         """Stop the server, after its checkpoints are in the store; `force` stops it even if some are not."""
-        if self._started and not force and self._process is not None and self._process.poll() is None:
-            try:
-                await self.flush_checkpoints()
-            except CheckpointStoreError as exc:
-                raise CheckpointStoreError(
-                    f"{exc}. The server is still running: fix the store and `await backend.close()` again, or "
-                    f"`await backend.close(force=True)` to stop it anyway (the steps stay in {self.path})") from exc
+        if self._process is not None and self._process.poll() is None:
+            await self._flush_before_stop(force, str(self.path))
         await super().close()
         process, self._process = self._process, None
         if process is not None and process.poll() is None:

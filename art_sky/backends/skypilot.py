@@ -25,6 +25,7 @@ from art_sky.provisioners import sky as provisioner
 from art_sky.provisioners.sky_task import ClusterSpec, render_task, validate_task
 from art_sky.settings import settings
 from art_sky.ssh import SSHSession
+from art_sky.store import server_env
 from art_sky.wheel import build_wheel
 
 from .ssh import SSHBackend
@@ -54,6 +55,7 @@ class SkyPilotBackend(SSHBackend):
         resources: dict[str, Any] | None = None, spot: bool = False, autostop_minutes: int | None = 60,
         env_path: str | Path | None = None, art_sky_version: str | Path | None = None, force_restart: bool = False,
         api_key: str | None = None, template: str | Path | None = None, overrides: dict[str, Any] | None = None,
+        checkpoint_uri: str | None = None,
     ) -> SkyPilotBackend:
         """Reuse the UP cluster `cluster_name` or launch it, make sure its server job runs (a new one on
         `force_restart`), tunnel to it and wait until it is healthy.
@@ -62,13 +64,15 @@ class SkyPilotBackend(SSHBackend):
         portable engine. `infra`: SkyPilot's selector (aws, gcp/us-central1, k8s/<context>, slurm/<cluster>).
         `env_path`: a .env file whose variables reach the server as SkyPilot secrets. `art_sky_version`: install
         that release from PyPI, or build the wheel from that source checkout; default: this client's own build.
+        `checkpoint_uri`: the object store the server mirrors checkpoints to (default ART_SKY_CHECKPOINT_URI); it
+        and the store credentials set here travel as SkyPilot secrets, and a new cluster resumes from the store.
         `api_key`: the server's key (default ART_SKY_API_KEY, then the cluster's record); a reused server whose
         key this process does not know is restarted with a fresh one.
         """
         version, source = _version_or_source(art_sky_version)
         spec = ClusterSpec(
             gpu=gpu, infra=infra, resources=resources or {}, spot=spot, autostop_minutes=autostop_minutes,
-            secrets=_read_env_file(env_path), python=settings().remote_python, version=version,
+            secrets=server_env(checkpoint_uri) | _read_env_file(env_path), python=settings().remote_python, version=version,
             template=Path(template) if template else None, overrides=overrides or {})
         recorded_key = _recorded_key(cluster_name)
         known_key = api_key or (settings().api_key.get_secret_value() if settings().api_key else None) or recorded_key
@@ -114,8 +118,11 @@ class SkyPilotBackend(SSHBackend):
         """The server is a SkyPilot job: `force_restart` replaces it, `down()` ends it with the cluster."""
         return False
 
-    async def down(self) -> None:
-        """Close the tunnel and tear the cluster down (its VM, pod or Slurm job goes away)."""
+    async def down(self, force: bool = False) -> None:
+        """Tear the cluster down (its VM, pod or Slurm job goes away) once every checkpoint is in the store;
+        `force=True` tears it down anyway."""
+        if self.tunnel is not None:
+            await self._flush_before_stop(force, f"the cluster {self.cluster_name}")
         await self.close()
         await provisioner.down(self.cluster_name)
         clusters.remove(self.cluster_name)

@@ -21,6 +21,7 @@ from art_sky.errors import ConfigError
 from art_sky.provisioners import SSHTarget
 from art_sky.settings import settings
 from art_sky.ssh import SSHSession
+from art_sky.store import server_env
 from art_sky.tunnel import Tunnel
 from art_sky.wheel import build_wheel
 
@@ -43,18 +44,21 @@ def parse_host(spec: str, key_path: str | Path | None = None) -> SSHTarget:
 class SSHBackend(Backend):
     """Runs the cluster server on `target` (an `SSHTarget` or "user@host[:port]") and talks to it through a tunnel.
 
-    `close()` closes the tunnel and, unless `keep_server`, stops the remote server. `options` say where and how
-    the server runs (remote dir, a prepared `python`, port, extra environment).
+    `close()` closes the tunnel and, unless `keep_server`, stops the remote server once its checkpoints are in the
+    store (`force=True` stops it anyway). `options` say where and how the server runs (remote dir, a prepared
+    `python`, port, extra environment); `checkpoint_uri` (default ART_SKY_CHECKPOINT_URI) is the object store the
+    server mirrors checkpoints to, with the store credentials set here.
     """
 
     kind = "ssh"  # how the machine was obtained, as its cluster record says
 
     def __init__(self, target: SSHTarget | str | None = None, *, key_path: str | Path | None = None,
                  options: BootstrapOptions | None = None, local_port: int = 0, keep_server: bool = False,
-                 api_key: str | None = None):
+                 api_key: str | None = None, checkpoint_uri: str | None = None):
         super().__init__()
         self.target = parse_host(target, key_path) if isinstance(target, str) else target
-        self.options = options or BootstrapOptions()
+        options = options or BootstrapOptions()
+        self.options = options.model_copy(update={"env": server_env(checkpoint_uri) | options.env})
         self.local_port = local_port
         self.keep_server = keep_server
         self.server: RemoteServer | None = None
@@ -147,7 +151,9 @@ class SSHBackend(Backend):
 
         return await asyncio.to_thread(stop)
 
-    async def close(self) -> None:
+    async def close(self, force: bool = False) -> None:
+        if not self.keep_server and self.tunnel is not None:
+            await self._flush_before_stop(force, f"{self.target}:{self.server.remote_dir if self.server else '?'}")
         await self._shutdown(stop_server=not self.keep_server)
 
     async def _reach_engine(self, port: int) -> str:
