@@ -84,6 +84,14 @@ class Backend:
                 f"{health.version} here")
         return health
 
+    async def _answers_health(self) -> bool:
+        """Whether a server at base_url answers /health yet: the probe while a server starts (no key, no retries)."""
+        try:
+            async with httpx.AsyncClient() as probe:
+                return (await probe.get(f"{self.base_url}/health", timeout=5)).status_code == 200
+        except httpx.TransportError:
+            return False
+
     async def health(self) -> HealthResponse:
         await self._ensure_started()
         return HealthResponse.model_validate(await self._request("GET", "/health"))

@@ -13,7 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
 from art_sky.errors import BackendUnavailableError
 from art_sky.settings import settings
@@ -59,12 +58,8 @@ class LocalBackend(Backend):
                     f"Last lines of {self.log_path}:\n{tail(self.log_path)}")
             if port_file.exists():
                 self.base_url = f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
-                try:
-                    async with httpx.AsyncClient() as probe:
-                        if (await probe.get(f"{self.base_url}/health", timeout=5)).status_code == 200:
-                            return
-                except httpx.TransportError:
-                    pass
+                if await self._answers_health():
+                    return
             await asyncio.sleep(0.2)
         await self.close()
         raise BackendUnavailableError(f"the local cluster server was not healthy within "

@@ -13,7 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
 from art_sky import bootstrap, clusters
 from art_sky.bootstrap import BootstrapOptions, RemoteServer
@@ -116,14 +115,10 @@ class SSHBackend(Backend):
 
     async def _wait_healthy(self, deadline: float, timeout: float, stopping: bool) -> None:
         """The port file exists once the socket is bound; /health through the tunnel says it serves."""
-        async with httpx.AsyncClient() as probe:
-            while time.monotonic() < deadline:
-                try:
-                    if (await probe.get(f"{self.base_url}/health", timeout=5)).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.3)
+        while time.monotonic() < deadline:
+            if await self._answers_health():
+                return
+            await asyncio.sleep(0.3)
         raise await asyncio.to_thread(self._not_healthy, timeout, stopping)
 
     def _not_healthy(self, timeout: float, stopping: bool) -> Exception:
