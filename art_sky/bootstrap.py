@@ -36,6 +36,8 @@ class BootstrapOptions(BaseModel):
     venv_python: str = Field("python3", description="interpreter that creates the venv when `python` is unset")
     system_site_packages: bool = Field(False, description="the venv sees the host's packages (a preinstalled torch)")
     extras: Literal["cluster", "gpu"] = Field("cluster", description="art-sky extras installed in the venv")
+    constraints: list[str] = Field(default_factory=list, description="pip constraints for the venv install "
+                                                                    "(e.g. torch==2.13.0: a CPU build)")
     port: int = Field(0, description="the server's port on the remote machine; 0 picks a free one")
     art_path: str = Field("art", description="checkpoint root, relative to remote_dir unless absolute")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of the server (ART_SKY_*, "
@@ -90,8 +92,10 @@ def install(session: SSHSession, wheel: Path, options: BootstrapOptions) -> tupl
     steps = []
     if options.python is None:
         site = " --system-site-packages" if options.system_site_packages else ""
+        pins = " -c wheels/constraints.txt" if options.constraints else ""
         steps += [f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
-                  (f"venv/bin/python -m pip install --quiet --disable-pip-version-check "
+                  f"printf '%s\\n' {' '.join(q(c) for c in options.constraints)} >wheels/constraints.txt",
+                  (f"venv/bin/python -m pip install --quiet --disable-pip-version-check{pins} "
                    f"{q(f'{remote_wheel}[{options.extras}]')}")]
     steps.append(f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "
                  f"--target lib {q(remote_wheel)}")

@@ -21,7 +21,7 @@ from art_sky.cli import app
 from art_sky.cli_remote import _gpus
 from art_sky.errors import ConfigError
 
-BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
+BASE_PYTHON = sys.executable  # a prepared interpreter: the tests' own venv
 
 
 @pytest.fixture(autouse=True)

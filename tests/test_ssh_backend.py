@@ -15,8 +15,8 @@ from art_sky.bootstrap import BootstrapOptions
 from art_sky.errors import BackendUnavailableError, SSHError
 from art_sky.ssh import SSHSession
 
-# The interpreter with torch & co. (the test's own, or the one its venv was made from).
-BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
+# A prepared interpreter with torch & co.: the tests' own (the venv tests/run.sh made), never the base one.
+BASE_PYTHON = sys.executable
 PROMPT = [{"role": "user", "content": "say hi"}]
 
 
@@ -37,7 +37,8 @@ async def rollout(model: art_sky.TrainableModel, reward: float) -> art_sky.Traje
 @pytest.mark.slow
 async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_path, art_sky_home):  # noqa: F811
     remote_dir = tmp_path / "remote"
-    options = BootstrapOptions(remote_dir=str(remote_dir), venv_python=BASE_PYTHON, system_site_packages=True)
+    # A fresh venv on the "host", with the CPU build of torch this machine has on disk (PyPI's default is CUDA).
+    options = BootstrapOptions(remote_dir=str(remote_dir), venv_python=BASE_PYTHON, constraints=["torch==2.13.0"])
     backend = art_sky.SSHBackend(f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key,
                                  options=options)
     model = art_sky.TrainableModel(name="agent", project="ssh", base_model="art-sky/tiny")
