@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -12,9 +12,11 @@ from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from art_sky.errors import ConfigError
-from art_sky.wire import WireChoice, WireGroup, WireMessage, WireTrajectory
+from art_sky.wire import WireChoice, WireGroup, WireHistory, WireMessage, WireTrajectory
 
-MessageOrChoice = Choice | dict[str, Any]
+# A message dict, or what a client returned: an openai Choice or ChatCompletion, litellm's Choices, ModelResponse or
+# Message, a LangChain message (see `wire_item`).
+MessageOrChoice = Choice | dict[str, Any] | Any
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
@@ -33,8 +35,9 @@ class Trajectory(BaseModel):
     end_time: datetime | None = None
 
     def messages(self) -> list[dict[str, Any]]:
-        """The conversation as plain message dicts, choices turned into assistant messages."""
-        return [_choice_message(item) if isinstance(item, Choice) else dict(item) for item in self.messages_and_choices]
+        """The conversation as plain message dicts, choices (and other clients' messages) turned into dicts."""
+        return [dict(item) if isinstance(item, Mapping) and "role" in item else wire_item(item).message()
+                for item in self.messages_and_choices]
 
     def finish(self) -> Trajectory:
         self.end_time = datetime.now()
@@ -44,15 +47,7 @@ class Trajectory(BaseModel):
         self.logs.append(message)
 
     def to_wire(self) -> WireTrajectory:
-        items: list[WireChoice | WireMessage] = []
-        try:
-            for item in self.messages_and_choices:
-                items.append(_wire_choice(item) if isinstance(item, Choice) else
-                             WireMessage(**{k: item[k] for k in _MESSAGE_KEYS if item.get(k) is not None}))
-            return WireTrajectory(items=items, reward=self.reward, tools=self.tools,
-                                  metrics={k: float(v) for k, v in self.metrics.items()})
-        except (ValidationError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"malformed trajectory (item {len(items)}): {exc}") from exc
+        return wire_trajectory(self)
 
 
 class TrajectoryGroup(BaseModel):
@@ -100,10 +95,7 @@ class TrajectoryGroup(BaseModel):
         return len(self.trajectories)
 
     def to_wire(self) -> WireGroup:
-        try:
-            return WireGroup(trajectories=[t.to_wire() for t in self.trajectories])
-        except ValidationError as exc:
-            raise ConfigError(f"malformed trajectory group: {exc.errors()[0]['msg']}") from exc
+        return wire_groups([self])[0]
 
 
 def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
@@ -122,19 +114,167 @@ def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
     return summary
 
 
-def _choice_message(choice: Choice) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": choice.message.content}
-    if choice.message.tool_calls:
-        message["tool_calls"] = [call.model_dump() for call in choice.message.tool_calls]
-    return message
+def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
+    """Trajectory groups (art-sky's or openpipe-art's: anything with `.trajectories`) as they go on the wire; a
+    malformed one is a ConfigError naming its group, trajectory and item."""
+    wired = []
+    for g, group in enumerate(groups):
+        trajectories = []
+        for t, trajectory in enumerate(_field(group, "trajectories") or []):
+            try:
+                trajectories.append(wire_trajectory(trajectory))
+            except ConfigError as exc:
+                raise ConfigError(f"group {g} trajectory {t}: {exc}") from exc
+        try:
+            wired.append(WireGroup(trajectories=trajectories))
+        except ValidationError as exc:
+            raise ConfigError(f"group {g}: {exc.errors()[0]['msg']}") from exc
+    return wired
 
 
-def _wire_choice(choice: Choice) -> WireChoice:
-    token_ids, logprobs = None, None
-    content = choice.logprobs.content if choice.logprobs else None
-    if content is not None and all(t.token.startswith("token_id:") for t in content):
-        token_ids = [int(t.token.removeprefix("token_id:")) for t in content]
-        logprobs = [t.logprob if math.isfinite(t.logprob) else None for t in content]
-    message = _choice_message(choice)
-    return WireChoice(content=message["content"], tool_calls=message.get("tool_calls"), token_ids=token_ids,
-                      logprobs=logprobs)
+def wire_trajectory(trajectory: Any) -> WireTrajectory:
+    """A trajectory (art-sky's, openpipe-art's, or anything with ART's fields) as it goes on the wire."""
+    histories = [(trajectory, "")] + [(history, f"additional history {n}, ")
+                                      for n, history in enumerate(_field(trajectory, "additional_histories") or [])]
+    wired = [WireHistory(items=_wire_items(_field(h, "messages_and_choices") or [], where), tools=_field(h, "tools"))
+             for h, where in histories]
+    metrics = {key: float(value) for key, value in (_field(trajectory, "metrics") or {}).items()
+               if isinstance(value, int | float) and math.isfinite(value)}
+    try:
+        return WireTrajectory(items=wired[0].items, tools=wired[0].tools, reward=_field(trajectory, "reward"),
+                              metrics=metrics, additional_histories=wired[1:])
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise ConfigError(f"{'.'.join(str(p) for p in problem['loc'])}: {problem['msg']}") from exc
+
+
+def wire_item(item: Any) -> WireChoice | WireMessage:
+    """One entry of messages_and_choices as it goes on the wire, from any client's types (duck-typed).
+
+    Sampled turns, trained: a choice (openai `Choice`, litellm `Choices`, or either as a dict), a completion with one
+    choice (openai `ChatCompletion`, litellm `ModelResponse`), and an assistant message object a client returned
+    (openai `ChatCompletionMessage`, litellm `Message`, LangChain `AIMessage`). They train on the ids the engine
+    sampled where they carry them (`token_ids` and `prompt_token_ids`, or `token_id:N` logprob tokens), else on the
+    chat template's rendering. Context, not trained: message dicts (an assistant dict too, as in ART) and LangChain's
+    other messages.
+    """
+    if _is_langchain(item):
+        return _from_langchain(item)
+    if _field(item, "choices") is not None:
+        choices = list(_field(item, "choices"))
+        if len(choices) != 1:
+            raise ConfigError(f"a completion with {len(choices)} choices: put the one the conversation continued "
+                              "with in messages_and_choices (completion.choices[i])")
+        return _wire_choice(choices[0], _field(item, "prompt_token_ids"))
+    if _field(item, "message") is not None:
+        return _wire_choice(item)
+    if _field(item, "role") is not None:
+        if _field(item, "role") == "assistant" and not isinstance(item, Mapping):
+            return _wire_choice({"message": item})
+        return WireMessage(**_message_fields(item))
+    raise ConfigError(f"{type(item).__name__} is neither a chat message nor a choice: messages_and_choices holds "
+                      "message dicts and the choices (or completions, or LangChain messages) your client returned")
+
+
+def _wire_items(items: Iterable[Any], where: str) -> list[WireChoice | WireMessage]:
+    """Items on the wire, each choice's prompt ids sent after what it shares with the previous choice's prompt and
+    sampled ids (multi-turn prompts repeat the conversation so far: without this, a request grows with the square
+    of the turns)."""
+    wired: list[WireChoice | WireMessage] = []
+    previous: list[int] = []
+    for index, item in enumerate(items):
+        try:
+            entry = wire_item(item)
+        except (ConfigError, ValidationError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{where}item {index} ({type(item).__name__}): {exc}") from exc
+        if isinstance(entry, WireChoice) and entry.prompt_token_ids is not None:
+            prompt = entry.prompt_token_ids
+            shared = _shared_prefix(previous, prompt)
+            entry.prompt_token_ids, entry.prompt_shared = prompt[shared:], shared
+            previous = prompt + (entry.token_ids or [])
+        wired.append(entry)
+    return wired
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    if len(b) >= len(a) and b[:len(a)] == a:  # the usual case: the next prompt extends the conversation
+        return len(a)
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None) -> WireChoice:
+    message = _field(choice, "message")
+    extra = _field(choice, "provider_specific_fields") or {}  # where litellm keeps fields it does not know
+    token_ids = _first(_field(choice, "token_ids"), _field(extra, "token_ids"))
+    prompt = _first(_field(choice, "prompt_token_ids"), _field(extra, "prompt_token_ids"), prompt_token_ids)
+    token_ids, logprobs = _sampled(token_ids, _field(_field(choice, "logprobs"), "content"))
+    fields = _message_fields(message)
+    return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
+                      reasoning_content=fields.get("reasoning_content"), token_ids=token_ids, logprobs=logprobs,
+                      prompt_token_ids=None if prompt is None else list(prompt))
+
+
+def _sampled(token_ids: Any, content: Any) -> tuple[list[int] | None, list[float | None] | None]:
+    """The sampled ids (`token_ids`, else logprob tokens written as `token_id:N`) and their logprobs."""
+    entries = list(content or [])
+    tokens = [_field(entry, "token") for entry in entries]
+    if token_ids is None and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        token_ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    if token_ids is None:
+        return None, None
+    token_ids = list(token_ids)
+    if len(entries) != len(token_ids):  # no logprobs, or not one per sampled id: the on-policy path
+        return token_ids, None
+    values = [_field(entry, "logprob") for entry in entries]
+    return token_ids, [float(v) if isinstance(v, int | float) and math.isfinite(v) else None for v in values]
+
+
+def _message_fields(message: Any) -> dict[str, Any]:
+    """The fields of a chat message (dict or object) that templates read."""
+    fields = {key: _plain(_field(message, key)) for key in _MESSAGE_KEYS}
+    extra = _field(message, "provider_specific_fields") or {}
+    fields["reasoning_content"] = _first(_field(message, "reasoning_content"), _field(message, "reasoning"),
+                                         _field(extra, "reasoning_content"))
+    if not fields["tool_calls"]:
+        fields["tool_calls"] = None
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def _is_langchain(item: Any) -> bool:
+    return type(item).__module__.startswith("langchain") and isinstance(getattr(item, "type", None), str)
+
+
+def _from_langchain(message: Any) -> WireChoice | WireMessage:
+    """LangChain messages through LangChain's own OpenAI conversion; an AIMessage is a sampled turn (its logprobs
+    carry sampled ids when the request asked for `return_tokens_as_token_ids`)."""
+    from langchain_core.messages import convert_to_openai_messages
+
+    fields = _message_fields(convert_to_openai_messages(message))
+    if message.type != "ai":
+        return WireMessage(**fields)
+    fields["reasoning_content"] = message.additional_kwargs.get("reasoning_content")
+    token_ids, logprobs = _sampled(None, (message.response_metadata.get("logprobs") or {}).get("content"))
+    return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
+                      reasoning_content=fields["reasoning_content"], token_ids=token_ids, logprobs=logprobs)
+
+
+def _field(obj: Any, name: str) -> Any:
+    """A field of a dict or an object (pydantic models keep unknown fields, such as vLLM's token ids, as attributes)."""
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _plain(value: Any) -> Any:
+    """Objects (pydantic models, lists of them) as the dicts the wire carries."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_none=True)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

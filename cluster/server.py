@@ -12,6 +12,7 @@ import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -42,10 +43,11 @@ from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device
 from .portable_engine import Job
 from .selection import Engine, select_engine, select_trainer
-from .sequences import Sequence, tokenize_trajectory
+from .sequences import Built, Sequence, build_sequences
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
+_LOGGED_SKIPS = 100  # skipped trajectories named one by one in the log and the step's result
 
 
 class InferenceQueue:
@@ -235,10 +237,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         state = model(name)
         if sync and (problem := sync.blocking_error()):
             raise HTTPException(502, problem)
-        try:
-            sequences, skipped, summary = _prepare(state, body)
-        except TokenizationError as exc:
-            raise HTTPException(422, f"invalid trajectory: {exc}") from exc
+        prepared = await asyncio.to_thread(_prepare, state, body)  # templates and tokenizers: off the event loop
         queue: asyncio.Queue[TrainProgress] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -249,8 +248,9 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             engine.pause()  # inference waits while training (a vLLM engine also frees its GPU memory)
             trained = False
             try:
+                sequences = prepared.sequences
                 metrics = trainer.train(state, sequences, body.config, progress) if sequences else {}
-                metrics |= summary | {"num_groups_skipped": float(skipped)}
+                metrics |= prepared.metrics
                 state.step += 1
                 state.save_checkpoint(metrics)
                 trained = True
@@ -270,7 +270,10 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                     return
             if sync:
                 sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
-            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics))
+            skipped = prepared.skipped[:_LOGGED_SKIPS]
+            if len(prepared.skipped) > _LOGGED_SKIPS:
+                skipped.append(f"... and {len(prepared.skipped) - _LOGGED_SKIPS} more")
+            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics, skipped=skipped))
 
         task = asyncio.create_task(run())  # runs to the end even if the client goes away
         background.add(task)
@@ -327,23 +330,61 @@ def _checkpoint_info(store, step: int) -> CheckpointInfo:
                           metrics=manifest.metrics)
 
 
-def _prepare(state: ModelState, body: TrainRequest) -> tuple[list[Sequence], int, dict[str, float]]:
-    """Tokenize every trajectory (so bad input fails before training), keep those with an advantage."""
-    sequences, skipped, rewards = [], 0, []
-    metric_sums: dict[str, list[float]] = {}
-    for group in body.groups:
-        group_rewards = [t.reward for t in group.trajectories]
-        rewards += group_rewards
-        advantages = group_advantages(group_rewards)
-        skipped += advantages is None
-        for trajectory, advantage in zip(group.trajectories, advantages or [0.0] * len(group_rewards)):
+@dataclass
+class Prepared:
+    """A train request turned into sequences, with what was left out and why."""
+
+    sequences: list[Sequence]
+    metrics: dict[str, float]
+    skipped: list[str]  # "group G trajectory T: reason", one per trajectory that could not be built
+
+
+def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
+    """Build every trajectory's sequences; one that cannot be built is skipped and reported, never fails the batch.
+
+    Advantages are computed among the trajectories of a group that were built, so the trained ones are centred and a
+    skipped rollout's reward (often a broken one's) does not shift its group's baseline.
+    """
+    tokenizer, max_length = state.tokenizer, state.request.config.max_seq_length
+    vocab_size = state.model.get_input_embeddings().num_embeddings
+    sequences: list[Sequence] = []
+    skipped: list[str] = []
+    rewards: list[float] = []
+    metric_values: dict[str, list[float]] = {}
+    groups_skipped = exact = rerendered = 0
+    for g, group in enumerate(body.groups):
+        built: list[tuple[float, Built]] = []
+        for t, trajectory in enumerate(group.trajectories):
+            rewards.append(trajectory.reward)
             for key, value in trajectory.metrics.items():
-                metric_sums.setdefault(key, []).append(value)
-            sequence = tokenize_trajectory(state.tokenizer, trajectory, advantage,
-                                           state.request.config.max_seq_length)
-            if advantage != 0.0:
-                sequences.append(sequence)
-    summary = {"reward": sum(rewards) / len(rewards), "num_groups": float(len(body.groups)),
-               "num_trajectories": float(len(rewards))}
-    summary |= {key: sum(values) / len(values) for key, values in metric_sums.items() if key not in summary}
-    return sequences, skipped, summary
+                metric_values.setdefault(key, []).append(value)
+            try:
+                built.append((trajectory.reward, build_sequences(tokenizer, trajectory, 0.0, max_length,
+                                                                 vocab_size, state.eos_token_ids)))
+            except TokenizationError as exc:
+                skipped.append(f"group {g} trajectory {t}: {exc}")
+            except Exception as exc:  # a bug here must not cost the batch either; the log has the traceback
+                log.exception("building group %d trajectory %d failed", g, t)
+                skipped.append(f"group {g} trajectory {t}: could not be built ({exc!r}); see the server log")
+        advantages = group_advantages([reward for reward, _ in built]) if len(built) >= 2 else None
+        if advantages is None:
+            groups_skipped += 1
+            continue
+        for (_, result), advantage in zip(built, advantages):
+            if advantage == 0.0:
+                continue
+            for sequence in result.sequences:
+                sequence.advantage = advantage
+            sequences += result.sequences
+            exact += result.exact_tokens
+            rerendered += result.rerendered_tokens
+    for line in skipped[:_LOGGED_SKIPS]:
+        log.warning("training %s skips %s", state.name, line)
+    if len(skipped) > _LOGGED_SKIPS:
+        log.warning("training %s skips %d more trajectories", state.name, len(skipped) - _LOGGED_SKIPS)
+    metrics = {"reward": sum(rewards) / len(rewards), "num_groups": float(len(body.groups)),
+               "num_trajectories": float(len(rewards)), "num_groups_skipped": float(groups_skipped),
+               "num_trajectories_skipped": float(len(skipped)), "trained_tokens_exact": float(exact),
+               "trained_tokens_rerendered": float(rerendered)}
+    metrics |= {key: sum(values) / len(values) for key, values in metric_values.items() if key not in metrics}
+    return Prepared(sequences, metrics, skipped)

@@ -93,7 +93,7 @@ async def rollout_groups(model) -> list[art.TrajectoryGroup]:
         trajectories = []
         for choice in completion.choices:
             assert choice.logprobs is not None and choice.logprobs.content, "the client asks for logprobs"
-            assert all(t.token.startswith("token_id:") for t in choice.logprobs.content)
+            assert choice.token_ids and len(choice.token_ids) == len(choice.logprobs.content), "and sampled ids"
             text = choice.message.content or ""
             reward = sum(c.islower() for c in text) / max(1, len(text))
             trajectories.append(art.Trajectory(messages_and_choices=[*PROMPT, choice], reward=reward))
@@ -119,7 +119,7 @@ async def test_sampled_logprobs_are_the_trainers(served):
     """On-policy: the logprobs vLLM reports with each sampled token are the trainer's (the PPO ratio starts at 1)."""
     backend, model = served
     choice = (await rollout_groups(model))[0].trajectories[0].messages_and_choices[-1]
-    sampled = [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+    sampled = choice.token_ids
     reported = [t.logprob for t in choice.logprobs.content]
     assert reported == pytest.approx(reference_logprobs(backend.path, model, 0, sampled), abs=TOLERANCE)
 

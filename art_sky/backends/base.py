@@ -5,6 +5,7 @@ to get the server running; after that they share this one code path.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ import httpx
 from tqdm.auto import tqdm
 
 import art_sky
+from art_sky.client.trajectories import wire_groups
 from art_sky.errors import (
     AuthError,
     BackendUnavailableError,
@@ -39,6 +41,7 @@ from art_sky.wire import (
 if TYPE_CHECKING:
     from art_sky.client import Model, TrainableModel, TrajectoryGroup
 
+log = logging.getLogger("art_sky")
 _RETRIES = 5  # idempotent requests survive a dropped connection (a reconnecting tunnel) this many times
 
 
@@ -161,7 +164,7 @@ class Backend:
         await self._ensure_started()
         if not groups:
             raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
-        body = TrainRequest(groups=[g.to_wire() for g in groups], config=config).model_dump_json()
+        body = TrainRequest(groups=wire_groups(groups), config=config).model_dump_json()
         bar = tqdm(desc=f"train {model.name}", unit="batch", disable=not verbose)
         try:
             async with self._client().stream("POST", f"/art/models/{model.name}/train", content=body,
@@ -180,6 +183,8 @@ class Backend:
                     elif event.type == "error":
                         raise ServerError(500, event.message or "training failed")
                     else:
+                        for line in event.skipped:  # the step trained without them; say which and why
+                            log.warning("%s: skipped %s", model.name, line)
                         return event.metrics | {"step": float(event.step)}
         except httpx.TransportError as exc:
             raise BackendUnavailableError(
