@@ -216,13 +216,14 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool | None = Field(
-        None, description="vLLM's: return prompt_token_ids and each choice's sampled token_ids; default: with logprobs")
+        None, description="vLLM's: return prompt_token_ids and each choice's sampled token_ids; art-sky's default: "
+                          "yes, false opts out")
     stream: bool = False
 
     @property
     def wants_token_ids(self) -> bool:
-        """Ids come back when asked for, and by default with logprobs: training needs both, plain chat neither."""
-        return self.logprobs if self.return_token_ids is None else self.return_token_ids
+        """Ids come back unless refused: any client's choices then train on exactly what the engine sampled."""
+        return self.return_token_ids is not False
 
     @property
     def stop_strings(self) -> list[str]:

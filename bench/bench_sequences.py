@@ -30,7 +30,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from art_sky.client.trajectories import wire_trajectory
+from art_sky.client.trajectories import wire_item, wire_trajectory
 from art_sky.cluster.model_state import resolve_base_model
 from art_sky.cluster.sequences import build_sequences, prompt_ids
 from art_sky.settings import Settings
@@ -52,7 +52,11 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(args.base_model, Settings()))
     rng = random.Random(0)
-    trajectories = [wire_trajectory(rollout(tokenizer, rng, args.turns)) for _ in range(args.trajectories)]
+    rollouts = [rollout(tokenizer, rng, args.turns) for _ in range(args.trajectories)]
+    trajectories = [wire_trajectory(r) for r in rollouts]
+    sent = sum(len(t.model_dump_json()) for t in trajectories)
+    uncompressed = sum(len(json.dumps([wire_item(i).model_dump(mode="json") for i in r["messages_and_choices"]]))
+                       for r in rollouts)
     without_prompts = [t.model_copy(update={"items": [
         item.model_copy(update={"prompt_token_ids": None, "prompt_shared": 0}) if isinstance(item, WireChoice) else item
         for item in t.items]}) for t in trajectories]
@@ -72,6 +76,8 @@ def main() -> None:
     sequences = sum(len(b.sequences) for b in built)
     print(f"{args.trajectories} trajectories x {args.turns} turns with {len(TOOLS)} tools, {tokens} sampled tokens; "
           f"{args.base_model}; exact contexts made {sequences} sequences")
+    print(f"train request: {sent / 2**20:.1f} MiB with each prompt sent after what it shares with the previous "
+          f"turn, {uncompressed / 2**20:.1f} MiB with whole prompts")
     print(f"{'builder':<10} {'seconds':>8} {'traj/s':>8} {'ratio':>6}")
     for name, seconds in timings.items():
         print(f"{name:<10} {seconds:>8.3f} {args.trajectories / seconds:>8.0f} {timings['main'] / seconds:>6.2f}")
@@ -121,6 +127,7 @@ def _main_builder():
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("main_sequences", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module.tokenize_trajectory
 

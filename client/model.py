@@ -97,7 +97,7 @@ class TrainableModel(Model):
 
 class _TrainingDefaults(httpx.AsyncBaseTransport):
     """Ask for what the trainer needs on every chat completion: logprobs, and the prompt and sampled token ids
-    (vLLM's `return_token_ids`; art-sky's server returns them with logprobs anyway, vLLM's own port when asked).
+    (vLLM's `return_token_ids`: art-sky's server returns them anyway, vLLM's own port only when asked).
 
     A trajectory then trains on the exact tokens the engine sampled, in the exact prompt it sampled them from;
     without them the chat template re-renders the turns. Values the caller set explicitly are kept. Where the

@@ -245,17 +245,18 @@ def _is_langchain(item: Any) -> bool:
 
 
 def _from_langchain(message: Any) -> WireChoice | WireMessage:
-    """LangChain messages through LangChain's own OpenAI conversion; an AIMessage is a sampled turn (its logprobs
-    carry sampled ids when the request asked for `return_tokens_as_token_ids`)."""
+    """LangChain messages through LangChain's own OpenAI conversion; an AIMessage (or a streamed AIMessageChunk) is a
+    sampled turn, whose logprobs carry the sampled ids when the request asked for `return_tokens_as_token_ids`."""
     from langchain_core.messages import convert_to_openai_messages
 
     fields = _message_fields(convert_to_openai_messages(message))
-    if message.type != "ai":
+    if fields.get("role") != "assistant":
         return WireMessage(**fields)
-    fields["reasoning_content"] = message.additional_kwargs.get("reasoning_content")
-    token_ids, logprobs = _sampled(None, (message.response_metadata.get("logprobs") or {}).get("content"))
+    reasoning = (getattr(message, "additional_kwargs", None) or {}).get("reasoning_content")
+    logprobs = (getattr(message, "response_metadata", None) or {}).get("logprobs") or {}
+    token_ids, values = _sampled(None, logprobs.get("content"))
     return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
-                      reasoning_content=fields["reasoning_content"], token_ids=token_ids, logprobs=logprobs)
+                      reasoning_content=reasoning, token_ids=token_ids, logprobs=values)
 
 
 def _field(obj: Any, name: str) -> Any:

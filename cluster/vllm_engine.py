@@ -100,7 +100,7 @@ class VllmEngine:
             return list(pool.map(self._forward, jobs))
 
     def _forward(self, job: Job) -> ChatCompletion | HTTPException:
-        """art-sky's contract on top of vLLM's: ids by default with logprobs, and the prompt ids on every choice."""
+        """art-sky's contract on top of vLLM's: ids unless refused, and the prompt ids on every choice."""
         body = job.request.model_dump(exclude_unset=True) | {"return_token_ids": job.request.wants_token_ids}
         response = self._client().post("/v1/chat/completions", json=body)
         if response.status_code >= 400:

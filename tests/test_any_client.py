@@ -40,34 +40,35 @@ async def train(model, rollout) -> dict[str, float]:
 async def test_plain_openai_sdk(model):
     client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
 
-    async def rollout(reward: float, **request) -> art.Trajectory:
+    async def rollout(reward: float, keep: str, **request) -> art.Trajectory:
         messages, items = list(QUESTION), list(QUESTION)
         for turn in range(2):
             completion = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=4,
                                                               **request)
             choice = completion.choices[0]
             messages += [choice.message, {"role": "user", "content": f"Sure ({turn})?"}]  # OpenAI's docs' pattern
-            items += [choice if request else choice.message, messages[-1]]  # a message object is sampled too
+            items += [choice if keep == "choice" else choice.message, messages[-1]]
         return art.Trajectory(messages_and_choices=items, reward=reward)
 
-    # logprobs=True alone: the server returns the ids it sampled from and sampled; every token trains exactly
-    exact = await train(model, lambda reward: rollout(reward, logprobs=True))
-    assert exact["trained_tokens_rerendered"] == 0
-    # no logprobs, no ids (and the assistant message objects kept instead of choices): the chat template renders
-    # the turns again (ART's fallback)
-    rerendered = await train(model, rollout)
-    assert rerendered["trained_tokens_exact"] == 0
+    # the choices carry the ids the engine sampled from and sampled: every token trains exactly, with the engine's
+    # logprobs where the request asked for them and on-policy where not
+    for request in ({"logprobs": True}, {}):
+        exact = await train(model, lambda reward, request=request: rollout(reward, "choice", **request))
+        assert exact["trained_tokens_rerendered"] == 0
+    # the assistant message objects kept instead (they carry no ids), or ids refused: the chat template renders the
+    # turns again (ART's fallback)
+    for keep, request in (("message", {}), ("choice", {"extra_body": {"return_token_ids": False}})):
+        rerendered = await train(model, lambda reward, keep=keep, request=request: rollout(reward, keep, **request))
+        assert rerendered["trained_tokens_exact"] == 0
 
-    # what the endpoint returns: vLLM's fields, ids by default with logprobs, token strings left as text
+    # what the endpoint returns: vLLM's fields, the prompt on every choice too, token strings left as text
     completion = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=3,
                                                       logprobs=True, n=2)
     assert all(c.token_ids and c.prompt_token_ids == completion.prompt_token_ids for c in completion.choices)
     assert not any(t.token.startswith("token_id:") for c in completion.choices for t in c.logprobs.content)
-    plain = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=3)
-    assert "token_ids" not in (plain.choices[0].model_extra or {})
-    asked = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=3,
-                                                 extra_body={"return_token_ids": True})
-    assert asked.choices[0].token_ids and asked.prompt_token_ids
+    refused = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=3,
+                                                   extra_body={"return_token_ids": False})
+    assert "token_ids" not in (refused.choices[0].model_extra or {}) and "prompt_token_ids" not in refused.model_extra
 
 
 async def test_litellm(model):
@@ -78,7 +79,7 @@ async def test_litellm(model):
         for turn in range(2):
             response = await litellm.acompletion(
                 model=f"openai/{model.name}", api_base=model.inference_base_url, api_key=model.inference_api_key,
-                messages=messages, max_tokens=4, logprobs=True)
+                messages=messages, max_tokens=4)
             message = response.choices[0].message
             messages += [message, {"role": "user", "content": f"Sure ({turn})?"}]
             items += [response if turn else response.choices[0], messages[-1]]  # a ModelResponse or its Choices

@@ -4,11 +4,13 @@ turns before it only where the prefix matches token for token; re-rendered where
 import math
 
 import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
+from openai.types.chat import ChatCompletionMessage
 
-from art_sky.client.trajectories import wire_trajectory
+from art_sky.client.trajectories import wire_groups, wire_item, wire_trajectory
 from art_sky.cluster.sequences import build_sequences, prompt_ids
 from art_sky.cluster.tiny_model import tiny_model_path
-from art_sky.errors import TokenizationError
+from art_sky.errors import ConfigError, TokenizationError
 from art_sky.settings import Settings
 from art_sky.wire import WireChoice, WireHistory, WireMessage, WireTrajectory
 
@@ -46,7 +48,8 @@ def spans(sequence):
 
 
 def test_a_turn_trains_on_the_engines_ids_with_its_logprobs(tokenizer):
-    prompt, sampled = enc(tokenizer, "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"), enc(tokenizer, "hi<|im_end|>")
+    prompt = enc(tokenizer, "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
+    sampled = enc(tokenizer, "hi<|im_end|>")
     logprobs = [-0.5, None, math.inf][: len(sampled)]
     built = build(tokenizer, [WireMessage(**USER), WireChoice(content="hi", token_ids=sampled, logprobs=logprobs,
                                                                prompt_token_ids=prompt)])
@@ -130,7 +133,8 @@ def test_additional_histories_train_as_their_own_sequences(tokenizer):
                                 additional_histories=[other])
     built = build(tokenizer, trajectory)
     assert [s.token_ids for s in built.sequences] == [
-        prompt_ids(tokenizer, [USER], None) + [5], prompt_ids(tokenizer, [{"role": "user", "content": "W"}], None) + [7]]
+        prompt_ids(tokenizer, [USER], None) + [5],
+        prompt_ids(tokenizer, [{"role": "user", "content": "W"}], None) + [7]]
 
 
 @pytest.mark.parametrize(("items", "problem"), [
@@ -152,3 +156,23 @@ def test_a_template_that_cannot_render_is_reported(tokenizer):
     trajectory = WireTrajectory(items=[WireMessage(**USER), WireChoice(content="y")], reward=0)
     with pytest.raises(TokenizationError, match="item 1: the chat template cannot render.*refuses"):
         build_sequences(refusing, trajectory, 0.5, 8192, len(refusing), set())
+
+
+def test_any_clients_items_convert_and_bad_ones_are_named():
+    call = {"name": "add", "args": {"a": 1}, "id": "c1", "type": "tool_call"}
+    assert wire_item(AIMessage("", tool_calls=[call])).tool_calls[0]["function"] == {"name": "add",
+                                                                                     "arguments": '{"a": 1}'}
+    assert isinstance(wire_item(AIMessageChunk("streamed")), WireChoice)  # a streamed reply is sampled too
+    assert wire_item(HumanMessage("hi")) == WireMessage(role="user", content="hi")
+    assert wire_item(ToolMessage("2", tool_call_id="c1")) == WireMessage(role="tool", content="2", tool_call_id="c1")
+    assert isinstance(wire_item(ChatCompletionMessage(role="assistant", content="x")), WireChoice)
+    assert isinstance(wire_item({"role": "assistant", "content": "x"}), WireMessage)  # a dict is context, as in ART
+    reasoned = wire_item({"message": {"role": "assistant", "content": "4", "reasoning": "2+2"}, "token_ids": [1]})
+    assert (reasoned.reasoning_content, reasoned.token_ids, reasoned.logprobs) == ("2+2", [1], None)
+    with pytest.raises(ConfigError, match="group 0 trajectory 1: item 1 \\(object\\): object is neither"):
+        wire_groups([{"trajectories": [{"messages_and_choices": [USER], "reward": 0},
+                                       {"messages_and_choices": [USER, object()], "reward": 0}]}])
+    with pytest.raises(ConfigError, match="2 choices: put the one"):
+        wire_item({"choices": [{"message": USER}, {"message": USER}]})
+    with pytest.raises(ConfigError, match="group 0 trajectory 0: reward: .*finite"):
+        wire_groups([{"trajectories": [{"messages_and_choices": [USER], "reward": math.nan}] * 2}])
