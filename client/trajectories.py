@@ -124,11 +124,11 @@ def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
             try:
                 trajectories.append(wire_trajectory(trajectory))
             except ConfigError as exc:
-                raise ConfigError(f"group {g} trajectory {t}: {exc}") from exc
+                raise ConfigError(f"malformed trajectory: group {g} trajectory {t}: {exc}") from exc
         try:
             wired.append(WireGroup(trajectories=trajectories))
         except ValidationError as exc:
-            raise ConfigError(f"group {g}: {exc.errors()[0]['msg']}") from exc
+            raise ConfigError(f"malformed trajectory group {g}: {exc.errors()[0]['msg']}") from exc
     return wired
 
 
@@ -144,8 +144,7 @@ def wire_trajectory(trajectory: Any) -> WireTrajectory:
         return WireTrajectory(items=wired[0].items, tools=wired[0].tools, reward=_field(trajectory, "reward"),
                               metrics=metrics, additional_histories=wired[1:])
     except ValidationError as exc:
-        problem = exc.errors()[0]
-        raise ConfigError(f"{'.'.join(str(p) for p in problem['loc'])}: {problem['msg']}") from exc
+        raise ConfigError(_brief(exc)) from exc
 
 
 def wire_item(item: Any) -> WireChoice | WireMessage:
@@ -186,7 +185,7 @@ def _wire_items(items: Iterable[Any], where: str) -> list[WireChoice | WireMessa
         try:
             entry = wire_item(item)
         except (ConfigError, ValidationError, TypeError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"{where}item {index} ({type(item).__name__}): {exc}") from exc
+            raise ConfigError(f"{where}item {index} ({type(item).__name__}): {_brief(exc)}") from exc
         if isinstance(entry, WireChoice) and entry.prompt_token_ids is not None:
             prompt = entry.prompt_token_ids
             shared = _shared_prefix(previous, prompt)
@@ -194,6 +193,14 @@ def _wire_items(items: Iterable[Any], where: str) -> list[WireChoice | WireMessa
             previous = prompt + (entry.token_ids or [])
         wired.append(entry)
     return wired
+
+
+def _brief(exc: Exception) -> str:
+    """A validation error's first problem on one line (`field: what is wrong`); other errors as they are."""
+    if isinstance(exc, ValidationError):
+        problem = exc.errors()[0]
+        return f"{'.'.join(str(p) for p in problem['loc'])}: {problem['msg']}"
+    return str(exc)
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:

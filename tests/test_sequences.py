@@ -169,7 +169,7 @@ def test_any_clients_items_convert_and_bad_ones_are_named():
     assert isinstance(wire_item({"role": "assistant", "content": "x"}), WireMessage)  # a dict is context, as in ART
     reasoned = wire_item({"message": {"role": "assistant", "content": "4", "reasoning": "2+2"}, "token_ids": [1]})
     assert (reasoned.reasoning_content, reasoned.token_ids, reasoned.logprobs) == ("2+2", [1], None)
-    with pytest.raises(ConfigError, match="group 0 trajectory 1: item 1 \\(object\\): object is neither"):
+    with pytest.raises(ConfigError, match="malformed trajectory: group 0 trajectory 1: item 1 \\(object\\): object is neither"):
         wire_groups([{"trajectories": [{"messages_and_choices": [USER], "reward": 0},
                                        {"messages_and_choices": [USER, object()], "reward": 0}]}])
     with pytest.raises(ConfigError, match="2 choices: put the one"):
