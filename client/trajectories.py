@@ -131,7 +131,7 @@ def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
         try:
             wired.append(WireGroup(trajectories=trajectories))
         except ValidationError as exc:
-            raise ConfigError(f"group {g}: {exc.errors()[0]['msg']}") from exc
+            raise ConfigError(f"group {g}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from exc
     return wired
 
 

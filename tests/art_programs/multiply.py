@@ -25,7 +25,8 @@ async def rollout(model: art.TrainableModel, a: int, b: int) -> art.Trajectory:
     choice = completion.choices[0]
     text = (choice.message.content or "").strip()
     digits = sum(c.isdigit() for c in text) / max(len(text), 1)
-    trajectory = art.Trajectory(messages_and_choices=[*messages, choice], reward=1.0 if text == str(a * b) else digits - 1)
+    reward = 1.0 if text == str(a * b) else digits - 1
+    trajectory = art.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
     trajectory.metrics["digits"] = digits
     return trajectory
 
@@ -40,7 +41,8 @@ async def main() -> None:
     seen: dict = {"inference_name": model.inference_model_name, "steps": [], "trained_tokens": []}
     for _ in range(2):
         groups = await art.gather_trajectory_groups(
-            (art.TrajectoryGroup(rollout(model, a, a + 1) for _ in range(4)) for a in range(model.config.operand_limit)),
+            (art.TrajectoryGroup(rollout(model, a, a + 1) for _ in range(4))
+             for a in range(model.config.operand_limit)),
             pbar_desc="gather", max_exceptions=0)
         await model.log(groups, split="train")
         result = await backend.train(model, groups, learning_rate=1e-4)
