@@ -37,10 +37,8 @@ class PeftTrainer:
               progress: Progress = lambda done, total: None) -> dict[str, float]:
         """Blocking: run it off the event loop, under the server's model lock."""
         model = state.model
-        if state.optimizer is None:
-            params = [p for p in model.parameters() if p.requires_grad]
-            state.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
-        for group in state.optimizer.param_groups:
+        optimizer = _optimizer(state)
+        for group in optimizer.param_groups:
             group["lr"] = config.learning_rate
         total_tokens = sum(s.trained_tokens for s in sequences)
         batches = self._microbatches(sequences)
@@ -87,15 +85,13 @@ class PeftTrainer:
         """ART's SFT: per batch, one optimizer step on the mean next-token loss of its trained tokens (the
         assistant turns), micro-batched like `train`. Returns each batch's metrics. Blocking, under the lock."""
         model = state.model
-        if state.optimizer is None:
-            params = [p for p in model.parameters() if p.requires_grad]
-            state.optimizer = torch.optim.AdamW(params, lr=learning_rates[0], weight_decay=0.0)
-        trainable = [p for group in state.optimizer.param_groups for p in group["params"]]
+        optimizer = _optimizer(state)
+        trainable = [p for group in optimizer.param_groups for p in group["params"]]
         results = []
         model.train()
         try:
             for done, (batch, lr) in enumerate(zip(batches, learning_rates), start=1):
-                for group in state.optimizer.param_groups:
+                for group in optimizer.param_groups:
                     group["lr"] = lr
                 tokens = sum(s.trained_tokens for s in batch)
                 loss_sum = 0.0
@@ -105,8 +101,8 @@ class PeftTrainer:
                     (nll / tokens).backward()
                     loss_sum += float(nll.detach())
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
-                state.optimizer.step()
-                state.optimizer.zero_grad(set_to_none=True)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
                 results.append({"loss": loss_sum / tokens, "grad_norm": grad_norm, "learning_rate": lr,
                                 "trained_tokens": float(tokens), "sequences": float(len(batch))})
                 progress(done, len(batches))
@@ -136,6 +132,14 @@ class PeftTrainer:
         return grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
                               epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
                               loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
+
+
+def _optimizer(state: ModelState) -> torch.optim.Optimizer:
+    """The model's AdamW over its LoRA parameters, made on first use and kept (with its moments) across steps."""
+    if state.optimizer is None:
+        params = [p for p in state.model.parameters() if p.requires_grad]
+        state.optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+    return state.optimizer
 
 
 def _padded(rows: list[list], fill) -> torch.Tensor:

@@ -276,7 +276,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         async def lines():
             while True:
                 item = await queue.get()
-                yield item.model_dump_json(exclude_none=True) + "\n"
+                yield item.model_dump_json(exclude_defaults=True) + "\n"
                 if item.type != "progress":
                     return
 

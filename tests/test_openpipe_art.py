@@ -19,12 +19,12 @@ import pytest
 from conftest import train_lines
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 
+import art_sky
 from art_sky.backends.art_protocol import model_config, train_config
-from art_sky.client.trajectories import wire_groups
+from art_sky.bootstrap import BootstrapOptions
+from art_sky.client.trajectories import History, wire_groups
 from art_sky.errors import ConfigError
 from art_sky.wire import ModelConfig, TrainConfig
-
-import art_sky
 
 PROGRAMS = Path(__file__).parent / "art_programs"
 LOCAL_LINE = "    backend = art_sky.LocalBackend()  # BACKEND"
@@ -80,8 +80,9 @@ def test_art_programs_on_local_backend(tmp_path):
 @pytest.mark.slow
 def test_art_program_on_ssh_backend(sshd, tmp_path, art_sky_home):  # noqa: F811
     remote = tmp_path / "remote"
+    options = f"__import__({BootstrapOptions.__module__!r}, fromlist=['_']).BootstrapOptions"  # a prepared python
     line = (f"art_sky.SSHBackend('{sshd.target().user}@127.0.0.1:{sshd.port}', key_path='{sshd.client_key}', "
-            f"options=art_sky.bootstrap.BootstrapOptions(remote_dir='{remote}', python='{sys.executable}'))")
+            f"options={options}(remote_dir='{remote}', python='{sys.executable}'))")
     seen = run_program("multiply", tmp_path, line)
     server_dir = remote / "art" / "art-compat" / "models" / "multiply"
     check_multiply(seen, server_dir, tmp_path / ".art" / "art-compat" / "models" / "multiply")
@@ -150,7 +151,7 @@ def _trajectory(reward=1.0, items=None, **fields):
     (_trajectory(items=[{"role": "user", "content": "x"}, {"content": "no role"}]),
      r"group 1, trajectory 1, messages_and_choices\[1\]\): role: Field required"),
     (_trajectory(metrics={"score": math.inf}), r"group 1, trajectory 1: metrics\['score'\] is inf"),
-    (_trajectory(additional_histories=[art_sky.client.trajectories.History(
+    (_trajectory(additional_histories=[History(
         messages_and_choices=[{"role": "wizard", "content": "x"}])]),
      r"group 1, trajectory 1, additional_histories\[0\], messages_and_choices\[0\]\): role"),
 ])
@@ -160,7 +161,7 @@ def test_malformed_trajectory_names_its_group_index_and_field(bad, match):
 
 
 def test_art_fields_on_art_sky_trajectories():
-    history = art_sky.client.trajectories.History(messages_and_choices=[{"role": "user", "content": "aside"}])
+    history = History(messages_and_choices=[{"role": "user", "content": "aside"}])
     trajectory = _trajectory(additional_histories=[history], metadata={"scenario": "s1"}).finish()
     assert trajectory.metrics["duration"] >= 0 and history.messages() == [{"role": "user", "content": "aside"}]
     group = art_sky.TrajectoryGroup([trajectory], metrics={"judge_cost": 0.1}, metadata={"split": "a"})

@@ -133,11 +133,12 @@ def model_config(model: Any) -> ModelConfig:
         raise ConfigError(f"_internal_config: {first['loc'][0]}: {first['msg']}") from exc
 
 
-def sft_settings(config: Any, dev_config: dict | None) -> tuple[int | None, list[float]]:
-    """ART's TrainSFTConfig (read by its fields) as (batch size or None for ART's "auto", learning rates)."""
+def sft_settings(config: Any, dev_config: dict | None) -> tuple[int, list[float]]:
+    """ART's TrainSFTConfig (read by its fields) as (batch size, learning rates); "auto" is 2, as ART's
+    LocalBackend."""
     if dev_config:
         raise ConfigError(f"_train_sft's experimental config {sorted(dev_config)} is not supported by art-sky: "
                           "leave it empty")
     batch_size = getattr(config, "batch_size", "auto")
     rate = getattr(config, "learning_rate", 5e-5)
-    return (None if batch_size == "auto" else int(batch_size)), (list(rate) if isinstance(rate, list) else [rate])
+    return (2 if batch_size == "auto" else int(batch_size)), (list(rate) if isinstance(rate, list) else [rate])

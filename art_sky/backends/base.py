@@ -40,6 +40,8 @@ from art_sky.wire import (
     TrainRequest,
 )
 
+from art_sky.client.trajectories import wire_groups, wire_trajectory
+
 from .art_protocol import TrainResult, model_config, sft_settings, train_config
 
 if TYPE_CHECKING:
@@ -191,8 +193,6 @@ class Backend:
         """One training step on these groups (art-sky's or openpipe-art's), ART 0.5's `backend.train`: ART's
         keywords (`learning_rate`, `loss_fn`, `epsilon`, `kl_penalty_coef`, ...; see art_protocol.py) or
         art-sky's `config=TrainConfig(...)`. Inference waits while it trains; progress streams from the server."""
-        from art_sky.client.trajectories import wire_groups
-
         config = train_config(config, kwargs)
         groups = wire_groups(trajectory_groups)
         if not groups:
@@ -206,14 +206,12 @@ class Backend:
         """ART's SFT on the model's LoRA: next-token loss on the assistant turns, one optimizer step per batch
         of `config.batch_size` trajectories ("auto": 2, as ART's LocalBackend), one training step per call.
         Yields each batch's metrics with ART's names."""
-        from art_sky.client.trajectories import wire_trajectory
-
         batch_size, rates = sft_settings(config, dev_config)
         wired = [wire_trajectory(t, f"trajectory {i}") for i, t in enumerate(trajectories)]
         if not wired:
             raise ConfigError("_train_sft() got no trajectories")
         try:
-            request = SFTRequest(trajectories=wired, batch_size=batch_size or 2, learning_rates=rates)
+            request = SFTRequest(trajectories=wired, batch_size=batch_size, learning_rates=rates)
         except ValueError as exc:
             raise ConfigError(f"train_sft: {exc}") from exc
         result = await self._stream_step(model, "sft", request, verbose)
