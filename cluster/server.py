@@ -291,7 +291,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             raise HTTPException(422, f"invalid trajectory: {exc}") from exc
 
         def work(progress: Progress) -> dict[str, float]:
-            metrics = trainer.train(state, sequences, body.config, progress) if sequences else {}
+            metrics = (trainer.train(state, sequences, body.config, progress) if sequences else
+                       {"trained_tokens": 0.0, "sequences": 0.0})  # every group equal: nothing to learn
             return metrics | summary | {"num_groups_skipped": float(skipped)}
 
         return stream_step(name, state, work)
@@ -300,25 +301,31 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     async def sft(name: str, body: SFTRequest) -> StreamingResponse:
         """ART's `_train_sft`: one optimizer step per batch, one checkpoint (one step) for the request."""
         state = model(name)
-        sequences, dropped = [], []
-        for index, trajectory in enumerate(body.trajectories):
-            try:
-                sequences.append(sft_sequence(state.tokenizer, trajectory, state.request.config.max_seq_length))
-            except TokenizationError as exc:
-                dropped.append(f"trajectory {index}: {exc}")
-        if not sequences:
+        size, count = body.batch_size, len(body.trajectories)
+        rates = body.learning_rates * -(-count // size) if len(body.learning_rates) == 1 else body.learning_rates
+        batches, batch_rates, dropped = [], [], []
+        for start, rate in zip(range(0, count, size), rates):  # as ART: batches of the list given, each its rate
+            batch = []
+            for index in range(start, min(start + size, count)):
+                try:
+                    batch.append(sft_sequence(state.tokenizer, body.trajectories[index],
+                                              state.request.config.max_seq_length))
+                except TokenizationError as exc:  # skipped and reported, as ART drops it from its batch
+                    dropped.append(f"trajectory {index}: {exc}")
+            if batch:
+                batches.append(batch)
+                batch_rates.append(rate)
+        if not batches:
             raise HTTPException(422, "no trajectory can be trained: " + "; ".join(dropped[:3]))
         for problem in dropped:
             log.warning("SFT of %s skips %s", name, problem)
-        batches = [sequences[i:i + body.batch_size] for i in range(0, len(sequences), body.batch_size)]
-        rates = body.learning_rates * len(batches) if len(body.learning_rates) == 1 else body.learning_rates
         per_batch: list[dict[str, float]] = []
 
         def work(progress: Progress) -> dict[str, float]:
-            per_batch.extend(trainer.sft(state, batches, rates[:len(batches)], body.max_grad_norm, progress))
+            per_batch.extend(trainer.sft(state, batches, batch_rates, body.max_grad_norm, progress))
             tokens = sum(b["trained_tokens"] for b in per_batch)
             return {"loss": sum(b["loss"] * b["trained_tokens"] for b in per_batch) / tokens,
-                    "trained_tokens": tokens, "num_trajectories": float(len(sequences)),
+                    "trained_tokens": tokens, "num_trajectories": float(count - len(dropped)),
                     "num_dropped_trajectories": float(len(dropped)), "num_batches": float(len(batches))}
 
         return stream_step(name, state, work, lambda: per_batch)

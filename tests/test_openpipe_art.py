@@ -209,7 +209,8 @@ async def test_sft_is_one_step_with_one_optimizer_step_per_batch(server):
     lines = [json.loads(line) for line in response.text.splitlines()]
     result = lines[-1]
     assert result["type"] == "result" and result["step"] == step + 1
-    assert [b["learning_rate"] for b in result["batches"]] == [1e-2, 1e-3]  # 3 trainable trajectories: 2 batches
+    assert [b["learning_rate"] for b in result["batches"]] == [1e-2, 1e-3]  # 2 batches of the 4, each its rate
+    assert [b["sequences"] for b in result["batches"]] == [2.0, 1.0]
     assert result["metrics"]["num_dropped_trajectories"] == 1.0  # no assistant turn: skipped and reported
     assert all(b["trained_tokens"] > 0 and math.isfinite(b["loss"]) for b in result["batches"])
 

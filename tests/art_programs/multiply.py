@@ -25,7 +25,8 @@ async def rollout(model: art.TrainableModel, a: int, b: int) -> art.Trajectory:
     choice = completion.choices[0]
     text = (choice.message.content or "").strip()
     digits = sum(c.isdigit() for c in text) / max(len(text), 1)
-    reward = 1.0 if text == str(a * b) else digits - 1
+    confidence = sum(token.logprob for token in choice.logprobs.content) / len(choice.logprobs.content)
+    reward = 1.0 if text == str(a * b) else digits - 1 + 0.01 * confidence  # partial credit: digits, confidence
     trajectory = art.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
     trajectory.metrics["digits"] = digits
     return trajectory
