@@ -20,38 +20,54 @@ MessageOrChoice = Choice | dict[str, Any] | Any
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
+class History(BaseModel):
+    """A further conversation of the same rollout (ART's `additional_histories`): a sub-agent's chat, a
+    summarised context. It trains as its own sequence, with the trajectory's reward."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    messages_and_choices: list[MessageOrChoice]
+    tools: list[dict[str, Any]] | None = None
+
+    def messages(self) -> list[dict[str, Any]]:
+        return _messages(self.messages_and_choices)
+
+
 class Trajectory(BaseModel):
-    """One rollout: the messages it saw, the choices the model sampled, and the reward it earned."""
+    """One rollout: the messages it saw, the choices the model sampled, and the reward it earned (ART 0.5's
+    fields, so ART's helpers read it)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     messages_and_choices: list[MessageOrChoice] = []
     tools: list[dict[str, Any]] | None = None
+    additional_histories: list[History] = []
     reward: float = 0.0
+    initial_policy_version: int | None = None
+    final_policy_version: int | None = None
     metrics: dict[str, float | int | bool] = {}
-    metadata: dict[str, Any] = {}
+    metadata: dict[str, float | int | str | bool | None] = {}
     logs: list[str] = []
     start_time: datetime = Field(default_factory=datetime.now)
     end_time: datetime | None = None
 
     def messages(self) -> list[dict[str, Any]]:
-        """The conversation as plain message dicts, choices (and other clients' messages) turned into dicts."""
-        return [dict(item) if isinstance(item, Mapping) and "role" in item else wire_item(item).message()
-                for item in self.messages_and_choices]
+        """The conversation as plain message dicts, choices turned into assistant messages."""
+        return _messages(self.messages_and_choices)
 
     def finish(self) -> Trajectory:
+        """Mark the rollout done; as in ART, its duration in seconds becomes the metric `duration`."""
         self.end_time = datetime.now()
+        self.metrics["duration"] = (self.end_time - self.start_time).total_seconds()
         return self
 
     def log(self, message: str) -> None:
         self.logs.append(message)
 
-    def to_wire(self) -> WireTrajectory:
-        return wire_trajectory(self)
-
 
 class TrajectoryGroup(BaseModel):
-    """Trajectories of the same scenario, compared with each other by GRPO.
+    """Trajectories of the same scenario, compared with each other by GRPO; with ART's group-level `metrics`,
+    `metadata` and `logs`.
 
     As in ART, it may be built from awaitables (`TrajectoryGroup(rollout(model) for _ in range(8))`): awaiting
     it runs them concurrently and keeps the exceptions apart.
@@ -61,6 +77,9 @@ class TrajectoryGroup(BaseModel):
 
     trajectories: list[Trajectory] = []
     exceptions: list[BaseException] = []
+    metadata: dict[str, float | int | str | bool | None] = {}
+    metrics: dict[str, float | int | bool] = {}
+    logs: list[str] = []
     _pending: list[Awaitable[Trajectory]] = PrivateAttr(default_factory=list)
 
     def __init__(self, trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]] = (),
@@ -94,57 +113,48 @@ class TrajectoryGroup(BaseModel):
     def __len__(self) -> int:
         return len(self.trajectories)
 
-    def to_wire(self) -> WireGroup:
-        return wire_groups([self])[0]
-
-
-def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
-    """Mean reward, its spread and the mean of every trajectory metric: what `model.log()` records."""
-    trajectories = [t for g in groups for t in g.trajectories]
-    if not trajectories:
-        return {}
-    rewards = [t.reward for t in trajectories]
-    mean = sum(rewards) / len(rewards)
-    summary = {"reward": mean, "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
-               "num_trajectories": float(len(rewards))}
-    keys = {k for t in trajectories for k in t.metrics}
-    for key in sorted(keys - summary.keys()):
-        values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
-        summary[key] = sum(values) / len(values)
-    return summary
+    def log(self, message: str) -> None:
+        self.logs.append(message)
 
 
 def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
-    """Trajectory groups (art-sky's or openpipe-art's: anything with `.trajectories`) as they go on the wire; a
-    malformed one is a ConfigError naming its group, trajectory and item."""
+    """Trajectory groups, art-sky's or openpipe-art's (read by their fields), as wire messages. Groups without
+    trajectories (every rollout failed) are left out. A malformed trajectory is a ConfigError naming its group,
+    its index and the field, before anything is sent."""
     wired = []
     for g, group in enumerate(groups):
-        trajectories = []
-        for t, trajectory in enumerate(_field(group, "trajectories") or []):
-            try:
-                trajectories.append(wire_trajectory(trajectory))
-            except ConfigError as exc:
-                raise ConfigError(f"malformed trajectory: group {g} trajectory {t}: {exc}") from exc
+        if not _field(group, "trajectories"):
+            if not _field(group, "exceptions"):
+                raise ConfigError(f"group {g} is empty: no trajectories and no failed rollouts. (ART's "
+                                  "ruler_score_group returns an art.TrajectoryGroup, which keeps only art.Trajectory "
+                                  "objects: build those rollouts with art.Trajectory)")
+            continue
+        trajectories = [wire_trajectory(t, f"group {g}, trajectory {i}")
+                        for i, t in enumerate(_field(group, "trajectories"))]
         try:
             wired.append(WireGroup(trajectories=trajectories))
         except ValidationError as exc:
-            raise ConfigError(f"malformed trajectory group {g}: {exc.errors()[0]['msg']}") from exc
+            raise ConfigError(f"group {g}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from exc
     return wired
 
 
-def wire_trajectory(trajectory: Any) -> WireTrajectory:
-    """A trajectory (art-sky's, openpipe-art's, or anything with ART's fields) as it goes on the wire."""
-    histories = [(trajectory, "")] + [(history, f"additional history {n}, ")
-                                      for n, history in enumerate(_field(trajectory, "additional_histories") or [])]
-    wired = [WireHistory(items=_wire_items(_field(h, "messages_and_choices") or [], where), tools=_field(h, "tools"))
-             for h, where in histories]
-    metrics = {key: float(value) for key, value in (_field(trajectory, "metrics") or {}).items()
-               if isinstance(value, int | float) and math.isfinite(value)}
-    try:
-        return WireTrajectory(items=wired[0].items, tools=wired[0].tools, reward=_field(trajectory, "reward"),
-                              metrics=metrics, additional_histories=wired[1:])
-    except ValidationError as exc:
-        raise ConfigError(_brief(exc)) from exc
+def wire_trajectory(trajectory: Any, where: str = "trajectory") -> WireTrajectory:
+    """One trajectory (art-sky's, openpipe-art's, or anything with ART's fields) as a wire message; `where` names it
+    in errors."""
+    reward = _field(trajectory, "reward")
+    if not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise ConfigError(f"{where}: reward is {reward!r}, not a finite number: check the rollout's reward function")
+    histories = []
+    for h, history in enumerate(_field(trajectory, "additional_histories") or []):
+        items = _wire_items(_field(history, "messages_and_choices"), f"{where}, additional_histories[{h}]")
+        histories.append(WireHistory(items=items, tools=_field(history, "tools")))
+    metrics = {}
+    for key, value in (_field(trajectory, "metrics") or {}).items():
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(f"{where}: metrics[{key!r}] is {value!r}, not a finite number")
+        metrics[key] = float(value)
+    return WireTrajectory(items=_wire_items(_field(trajectory, "messages_and_choices"), where), reward=reward,
+                          tools=_field(trajectory, "tools"), metrics=metrics, additional_histories=histories)
 
 
 def wire_item(item: Any) -> WireChoice | WireMessage:
@@ -167,25 +177,30 @@ def wire_item(item: Any) -> WireChoice | WireMessage:
         return _wire_choice(choices[0], _field(item, "prompt_token_ids"))
     if _field(item, "message") is not None:
         return _wire_choice(item)
+    if isinstance(item, Mapping):
+        return WireMessage(**_message_fields(item))
+    if _field(item, "role") == "assistant":
+        return _wire_choice({"message": item})
     if _field(item, "role") is not None:
-        if _field(item, "role") == "assistant" and not isinstance(item, Mapping):
-            return _wire_choice({"message": item})
         return WireMessage(**_message_fields(item))
     raise ConfigError(f"{type(item).__name__} is neither a chat message nor a choice: messages_and_choices holds "
                       "message dicts and the choices (or completions, or LangChain messages) your client returned")
 
 
-def _wire_items(items: Iterable[Any], where: str) -> list[WireChoice | WireMessage]:
+def _wire_items(messages_and_choices: Iterable[Any] | None, where: str) -> list[WireChoice | WireMessage]:
     """Items on the wire, each choice's prompt ids sent after what it shares with the previous choice's prompt and
     sampled ids (multi-turn prompts repeat the conversation so far: without this, a request grows with the square
     of the turns)."""
+    if not messages_and_choices:
+        raise ConfigError(f"{where}: messages_and_choices is empty: a trajectory needs the conversation and the "
+                          "choices the model sampled")
     wired: list[WireChoice | WireMessage] = []
     previous: list[int] = []
-    for index, item in enumerate(items):
+    for i, item in enumerate(messages_and_choices):
         try:
             entry = wire_item(item)
-        except (ConfigError, ValidationError, TypeError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"{where}item {index} ({type(item).__name__}): {_brief(exc)}") from exc
+        except (ConfigError, ValidationError, TypeError, ValueError, AttributeError, KeyError) as exc:
+            raise ConfigError(f"malformed trajectory ({where}, messages_and_choices[{i}]): {_problem(exc)}") from exc
         if isinstance(entry, WireChoice) and entry.prompt_token_ids is not None:
             prompt = entry.prompt_token_ids
             shared = _shared_prefix(previous, prompt)
@@ -195,12 +210,34 @@ def _wire_items(items: Iterable[Any], where: str) -> list[WireChoice | WireMessa
     return wired
 
 
-def _brief(exc: Exception) -> str:
-    """A validation error's first problem on one line (`field: what is wrong`); other errors as they are."""
+def _problem(exc: Exception) -> str:
+    """An error on one line; a validation error's first problem as `field: what is wrong`."""
     if isinstance(exc, ValidationError):
-        problem = exc.errors()[0]
-        return f"{'.'.join(str(p) for p in problem['loc'])}: {problem['msg']}"
-    return str(exc)
+        first = exc.errors()[0]
+        return f"{'.'.join(str(p) for p in first['loc']) or 'item'}: {first['msg']}"
+    return str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+
+
+def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
+    """Mean reward, its spread and the mean of every trajectory metric: what `model.log()` records."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    if not trajectories:
+        return {}
+    rewards = [t.reward for t in trajectories]
+    mean = sum(rewards) / len(rewards)
+    summary = {"reward": mean, "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+               "num_trajectories": float(len(rewards))}
+    keys = {k for t in trajectories for k in t.metrics}
+    for key in sorted(keys - summary.keys()):
+        values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
+        summary[key] = sum(values) / len(values)
+    return summary
+
+
+def _messages(messages_and_choices: list[MessageOrChoice]) -> list[dict[str, Any]]:
+    """Plain message dicts: dicts as they are, what clients returned (choices, message objects) converted."""
+    return [dict(item) if isinstance(item, Mapping) and "role" in item else wire_item(item).message()
+            for item in messages_and_choices]
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:

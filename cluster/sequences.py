@@ -72,7 +72,7 @@ def build_sequences(tokenizer: Any, trajectory: WireTrajectory, advantage: float
     built = Built([], 0, 0)
     histories = trajectory.histories()
     for number, history in enumerate(histories):
-        where = f"additional history {number - 1}, " if number else ""
+        where = f"additional_histories[{number - 1}], " if number else ""
         _build_history(tokenizer, history, advantage, vocab_size, eos_ids, where, built)
     if not built.exact_tokens + built.rerendered_tokens:
         raise TokenizationError(
@@ -96,7 +96,7 @@ def _build_history(tokenizer: Any, history: WireHistory, advantage: float, vocab
         if isinstance(item, WireMessage):
             messages.append(item.message())
             continue
-        at = f"{where}item {index}"
+        at = f"{where}messages_and_choices[{index}]"
         prompt_text = None
         if item.prompt_token_ids is None or item.token_ids is None:
             prompt_text = _render(tokenizer, messages, history.tools, True, at)
@@ -128,6 +128,34 @@ def _build_history(tokenizer: Any, history: WireHistory, advantage: float, vocab
             built.sequences.append(current)
         current.extend(prompt[shared:], trained=False)
         current.extend(sampled, trained=True, logprobs=logprobs)
+
+
+def sft_sequence(tokenizer: Any, trajectory: WireTrajectory, max_length: int) -> Sequence:
+    """ART's SFT sequence: the whole conversation rendered by the chat template; the tokens of every assistant
+    turn (a choice or a written assistant message, with its end-of-turn marker) are trained, the rest masked."""
+    messages = [item.message() for item in trajectory.items]
+    ids: list[int] = []
+    trained: list[bool] = []
+    rendered_upto = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(tokenizer, messages[:index], trajectory.tools, generation_prompt=True)
+        full = render(tokenizer, messages[: index + 1], trajectory.tools, generation_prompt=False)
+        if not prompt.startswith(rendered_upto) or not full.startswith(prompt):
+            raise TokenizationError(
+                f"the chat template renders earlier turns differently once item {index} is added, so its assistant "
+                "turn cannot be located; use a model whose template keeps earlier turns unchanged")
+        context, turn = _encode(tokenizer, prompt[len(rendered_upto):]), _encode(tokenizer, full[len(prompt):])
+        ids += context + turn
+        trained += [False] * len(context) + [True] * len(turn)
+        rendered_upto = full
+    if not any(trained):
+        raise TokenizationError("trajectory has no assistant turn to learn from: SFT trains on assistant messages")
+    if len(ids) > max_length:
+        raise TokenizationError(f"trajectory is {len(ids)} tokens, longer than the model's max_seq_length "
+                                f"{max_length}: shorten it or register the model with a larger max_seq_length")
+    return Sequence(ids, trained, [math.nan] * len(ids))
 
 
 def _old_logprobs(choice: WireChoice) -> list[float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from jinja2 import TemplateError
 
 import art_sky
-from art_sky.checkpoints import steps_to_keep
+from art_sky.checkpoints import history_entry, steps_to_keep
 from art_sky.errors import CheckpointStoreError, ConfigError, EngineError, TokenizationError
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
@@ -34,6 +34,7 @@ from art_sky.wire import (
     LogRequest,
     ModelInfo,
     RegisterRequest,
+    SFTRequest,
     SyncStatus,
     TrainProgress,
     TrainRequest,
@@ -43,7 +44,8 @@ from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device
 from .portable_engine import Job
 from .selection import Engine, select_engine, select_trainer
-from .sequences import Built, Sequence, build_sequences
+from .peft_trainer import Progress
+from .sequences import Built, Sequence, build_sequences, sft_sequence
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
@@ -232,12 +234,13 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     async def model_info(name: str) -> ModelInfo:
         return model(name).info()
 
-    @app.post("/art/models/{name}/train", dependencies=guarded)
-    async def train(name: str, body: TrainRequest) -> StreamingResponse:
-        state = model(name)
+    def stream_step(name: str, state: ModelState, work: Callable[[Progress], dict[str, float]],
+                    batches: Callable[[], list[dict[str, float]]] = list,
+                    skipped: list[str] | None = None) -> StreamingResponse:
+        """Run one training step (`work(progress)` returns its metrics) with inference paused, commit it as the next
+        checkpoint, and stream progress lines then the result (or the error), naming what was `skipped`."""
         if sync and (problem := sync.blocking_error()):
             raise HTTPException(502, problem)
-        prepared = await asyncio.to_thread(_prepare, state, body)  # templates and tokenizers: off the event loop
         queue: asyncio.Queue[TrainProgress] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -248,16 +251,13 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             engine.pause()  # inference waits while training (a vLLM engine also frees its GPU memory)
             trained = False
             try:
-                sequences = prepared.sequences
-                metrics = trainer.train(state, sequences, body.config, progress) if sequences else {}
-                metrics |= prepared.metrics
+                metrics = work(progress)
                 state.step += 1
                 state.save_checkpoint(metrics)
                 trained = True
             finally:
                 engine.resume(state, trained)  # serves the new step before inference resumes
-            state.checkpoints.append_history({"step": state.step, "split": "train", "metrics": metrics,
-                                              "time": time.time()})
+            state.checkpoints.append_history(history_entry(state.step, "train", metrics))
             return metrics
 
         async def run() -> None:
@@ -270,10 +270,11 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                     return
             if sync:
                 sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
-            skipped = prepared.skipped[:_LOGGED_SKIPS]
-            if len(prepared.skipped) > _LOGGED_SKIPS:
-                skipped.append(f"... and {len(prepared.skipped) - _LOGGED_SKIPS} more")
-            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics, skipped=skipped))
+            named = (skipped or [])[:_LOGGED_SKIPS]
+            if len(skipped or []) > _LOGGED_SKIPS:
+                named.append(f"... and {len(skipped) - _LOGGED_SKIPS} more")
+            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics, batches=batches(),
+                                          skipped=named))
 
         task = asyncio.create_task(run())  # runs to the end even if the client goes away
         background.add(task)
@@ -282,16 +283,62 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         async def lines():
             while True:
                 item = await queue.get()
-                yield item.model_dump_json(exclude_none=True) + "\n"
+                yield item.model_dump_json(exclude_defaults=True) + "\n"
                 if item.type != "progress":
                     return
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    @app.post("/art/models/{name}/train", dependencies=guarded)
+    async def train(name: str, body: TrainRequest) -> StreamingResponse:
+        state = model(name)
+        prepared = await asyncio.to_thread(_prepare, state, body)  # templates and tokenizers: off the event loop
+
+        def work(progress: Progress) -> dict[str, float]:
+            sequences = prepared.sequences
+            metrics = (trainer.train(state, sequences, body.config, progress) if sequences else
+                       {"trained_tokens": 0.0, "sequences": 0.0})  # nothing to learn
+            return metrics | prepared.metrics
+
+        return stream_step(name, state, work, skipped=prepared.skipped)
+
+    @app.post("/art/models/{name}/sft", dependencies=guarded)
+    async def sft(name: str, body: SFTRequest) -> StreamingResponse:
+        """ART's `_train_sft`: one optimizer step per batch, one checkpoint (one step) for the request."""
+        state = model(name)
+        size, count = body.batch_size, len(body.trajectories)
+        rates = body.learning_rates * -(-count // size) if len(body.learning_rates) == 1 else body.learning_rates
+        batches, batch_rates, dropped = [], [], []
+        for start, rate in zip(range(0, count, size), rates):  # as ART: batches of the list given, each its rate
+            batch = []
+            for index in range(start, min(start + size, count)):
+                try:
+                    batch.append(sft_sequence(state.tokenizer, body.trajectories[index],
+                                              state.request.config.max_seq_length))
+                except TokenizationError as exc:  # skipped and reported, as ART drops it from its batch
+                    dropped.append(f"trajectory {index}: {exc}")
+            if batch:
+                batches.append(batch)
+                batch_rates.append(rate)
+        if not batches:
+            raise HTTPException(422, "no trajectory can be trained: " + "; ".join(dropped[:3]))
+        for problem in dropped:
+            log.warning("SFT of %s skips %s", name, problem)
+        per_batch: list[dict[str, float]] = []
+
+        def work(progress: Progress) -> dict[str, float]:
+            per_batch.extend(trainer.sft(state, batches, batch_rates, body.max_grad_norm, progress))
+            tokens = sum(b["trained_tokens"] for b in per_batch)
+            return {"loss": sum(b["loss"] * b["trained_tokens"] for b in per_batch) / tokens,
+                    "trained_tokens": tokens, "num_trajectories": float(count - len(dropped)),
+                    "num_dropped_trajectories": float(len(dropped)), "num_batches": float(len(batches))}
+
+        return stream_step(name, state, work, lambda: per_batch)
+
     @app.post("/art/models/{name}/log", dependencies=guarded)
     async def log_metrics(name: str, body: LogRequest) -> dict:
         state = model(name)
-        entry = {"step": state.step, "split": body.split, "metrics": body.metrics, "time": time.time()}
+        entry = history_entry(state.step, body.split, body.metrics)
         state.checkpoints.append_history(entry)
         return entry
 
@@ -305,11 +352,13 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         state = model(name)
         async with lock:
             steps = state.checkpoints.steps()
-            keep = steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last)
+            keep = (set(body.keep_steps) if body.keep_steps is not None else
+                    steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last))
             keep.add(state.step)  # the adapter being served and trained stays
             state.checkpoints.delete([s for s in steps if s not in keep])
         if sync:
-            sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step)
+            sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step,
+                                  body.keep_steps)
         return [_checkpoint_info(state.checkpoints, step) for step in state.checkpoints.steps()]
 
     @app.get("/art/checkpoints/sync", dependencies=guarded)
@@ -336,7 +385,7 @@ class Prepared:
 
     sequences: list[Sequence]
     metrics: dict[str, float]
-    skipped: list[str]  # "group G trajectory T: reason", one per trajectory that could not be built
+    skipped: list[str]  # "group G, trajectory T: reason", one per trajectory that could not be built
 
 
 def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
@@ -362,11 +411,12 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
                 built.append((trajectory.reward, build_sequences(tokenizer, trajectory, 0.0, max_length,
                                                                  vocab_size, state.eos_token_ids)))
             except TokenizationError as exc:
-                skipped.append(f"group {g} trajectory {t}: {exc}")
+                skipped.append(f"group {g}, trajectory {t}: {exc}")
             except Exception as exc:  # a bug here must not cost the batch either; the log has the traceback
                 log.exception("building group %d trajectory %d failed", g, t)
-                skipped.append(f"group {g} trajectory {t}: could not be built ({exc!r}); see the server log")
-        advantages = group_advantages([reward for reward, _ in built]) if len(built) >= 2 else None
+                skipped.append(f"group {g}, trajectory {t}: could not be built ({exc!r}); see the server log")
+        advantages = (group_advantages([reward for reward, _ in built], body.config.scale_rewards)
+                      if len(built) >= 2 else None)
         if advantages is None:
             groups_skipped += 1
             continue

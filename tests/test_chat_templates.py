@@ -148,7 +148,7 @@ async def train_with_one_bad_trajectory(model: art.TrainableModel, tokenizer, ca
     with caplog.at_level(logging.WARNING, logger="art_sky"):
         metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
     assert metrics["num_trajectories_skipped"] == 1 and metrics["num_groups_skipped"] == 0
-    assert any("group 1 trajectory 3: no sampled turn to train on" in r.getMessage() for r in caplog.records)
+    assert any("group 1, trajectory 3: no sampled turn to train on" in r.getMessage() for r in caplog.records)
     results = []
     for trajectory in (t for g in groups for t in g.trajectories if t is not bad):
         choices = [i for i in trajectory.messages_and_choices if not isinstance(i, dict)]

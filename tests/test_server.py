@@ -93,7 +93,7 @@ async def test_all_equal_rewards_are_skipped_and_reported(server):
     status, lines = await train_lines(server, "tiny", {"groups": [group]})
     assert status == 200
     assert lines[-1]["metrics"]["num_groups_skipped"] == 1.0
-    assert "trained_tokens" not in lines[-1]["metrics"]
+    assert lines[-1]["metrics"]["trained_tokens"] == 0.0
 
 
 def checkpoint_state(server):
@@ -155,7 +155,7 @@ async def test_trajectories_that_cannot_be_built_are_skipped_and_reported(server
     result = lines[-1]
     assert result["metrics"]["num_trajectories_skipped"] == 3 and result["metrics"]["num_groups_skipped"] == 1
     assert result["metrics"]["trained_tokens"] == result["metrics"]["trained_tokens_exact"] > 0
-    assert [line.split(":")[0] for line in result["skipped"]] == [f"group 1 trajectory {t}" for t in range(3)]
+    assert [line.split(":")[0] for line in result["skipped"]] == [f"group 1, trajectory {t}" for t in range(3)]
     assert "no sampled turn" in result["skipped"][0] and "outside the model's vocabulary" in result["skipped"][2]
 
 
