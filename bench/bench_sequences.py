@@ -1,4 +1,5 @@
-"""Time to build training sequences for a batch of multi-turn tool-using trajectories: today's builder vs main's.
+"""Time to build training sequences for a batch of multi-turn tool-using trajectories: this builder vs the one before
+exact contexts.
 
     python bench/bench_sequences.py                          # 256 trajectories of 8 turns, the tiny model's template
     python bench/bench_sequences.py --trajectories 64 --turns 16 --base-model /models/Qwen3-0.6B
@@ -7,13 +8,14 @@ The trajectories are what an engine returns for an agent: a system prompt with t
 sampled tool call (or a final answer) with the ids the engine sampled from and sampled, and the tool's result. The
 prompts are rendered by the chat template, as the portable engine renders them. Three builds of the same batch:
 
-  main        cluster/sequences.py as on the `main` branch (`git show main:cluster/sequences.py`, loaded from a
-              temp file): re-renders the conversation per turn and splices the sampled ids in (sampled ids only)
+  before      cluster/sequences.py as it was before exact contexts (`git show BASELINE:cluster/sequences.py`,
+              loaded from a temp file; --baseline names another revision): re-renders the conversation per turn and
+              splices the sampled ids in (sampled ids only)
   exact       this checkout's builder with the engine's prompt ids (what rollouts send today)
   rendered    this checkout's builder without prompt ids (a client that kept only the sampled ids): every prompt is
-              rendered by the template, as main's builder does
+              rendered by the template, as the old builder does
 
-Best of --repeat runs each; ratios are main's time over the contender's (above 1: faster than main).
+Best of --repeat runs each; ratios are the old builder's time over the contender's (above 1: faster).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from art_sky.settings import Settings
 from art_sky.wire import WireChoice
 
 ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "c09b81982e89d0dd1980fa38d7648898437befb6"  # main just before exact contexts (the merge of issue 10 part 1)
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": f"{name} two numbers",
     "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
@@ -49,6 +52,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--base-model", default="art-sky/tiny", help="its tokenizer and chat template are used")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline", default=BASELINE, help="the revision whose cluster/sequences.py is the baseline")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(args.base_model, Settings()))
     rng = random.Random(0)
@@ -62,15 +66,15 @@ def main() -> None:
         for item in t.items]}) for t in trajectories]
     tokens = sum(len(item.token_ids or []) for t in trajectories for item in t.items if isinstance(item, WireChoice))
     eos = {tokenizer.eos_token_id}
-    main_builder = _main_builder()
+    old_builder = _old_builder(args.baseline)
 
     def new(batch):
         return [build_sequences(tokenizer, t, 1.0, 10**9, len(tokenizer), eos) for t in batch]
 
     def old(batch):
-        return [main_builder(tokenizer, t, 1.0, 10**9) for t in batch]
+        return [old_builder(tokenizer, t, 1.0, 10**9) for t in batch]
 
-    timings = {"main": best(old, trajectories, args.repeat), "exact": best(new, trajectories, args.repeat),
+    timings = {"before": best(old, trajectories, args.repeat), "exact": best(new, trajectories, args.repeat),
                "rendered": best(new, without_prompts, args.repeat)}
     built = new(trajectories)
     sequences = sum(len(b.sequences) for b in built)
@@ -80,7 +84,7 @@ def main() -> None:
           f"turn, {uncompressed / 2**20:.1f} MiB with whole prompts")
     print(f"{'builder':<10} {'seconds':>8} {'traj/s':>8} {'ratio':>6}")
     for name, seconds in timings.items():
-        print(f"{name:<10} {seconds:>8.3f} {args.trajectories / seconds:>8.0f} {timings['main'] / seconds:>6.2f}")
+        print(f"{name:<10} {seconds:>8.3f} {args.trajectories / seconds:>8.0f} {timings['before'] / seconds:>6.2f}")
 
 
 def rollout(tokenizer, rng: random.Random, turns: int) -> dict:
@@ -119,13 +123,13 @@ def best(function, batch, repeat: int) -> float:
     return min(times)
 
 
-def _main_builder():
-    """`tokenize_trajectory` from the main branch's cluster/sequences.py, loaded from a temp copy."""
-    source = subprocess.run(["git", "show", "main:cluster/sequences.py"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="bench-sequences-")) / "main_sequences.py"
+def _old_builder(revision: str):
+    """`tokenize_trajectory` from `revision`'s cluster/sequences.py, loaded from a temp copy."""
+    source = subprocess.run(["git", "show", f"{revision}:cluster/sequences.py"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="bench-sequences-")) / "old_sequences.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("main_sequences", path)
+    spec = importlib.util.spec_from_file_location("old_sequences", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
