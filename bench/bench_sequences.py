@@ -69,7 +69,7 @@ def main() -> None:
     old_builder = _old_builder(args.baseline)
 
     def new(batch):
-        return [build_sequences(tokenizer, t, 1.0, 10**9, len(tokenizer), eos) for t in batch]
+        return [build_sequences(tokenizer, t, 10**9, len(tokenizer), eos) for t in batch]
 
     def old(batch):
         return [old_builder(tokenizer, t, 1.0, 10**9) for t in batch]

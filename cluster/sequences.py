@@ -62,9 +62,10 @@ def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -
     return _encode(tokenizer, render(tokenizer, messages, tools, generation_prompt=True))
 
 
-def build_sequences(tokenizer: Any, trajectory: WireTrajectory, advantage: float, max_length: int,
-                    vocab_size: int, eos_ids: set[int]) -> Built:
-    """Every sampled turn of every history of the trajectory, in the context it was sampled from.
+def build_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int, vocab_size: int,
+                    eos_ids: set[int]) -> Built:
+    """Every sampled turn of every history of the trajectory, in the context it was sampled from (advantage 0: the
+    caller sets it once the group's trajectories are built).
 
     TokenizationError (the caller skips the trajectory and reports why) when a turn cannot be placed exactly, the
     trajectory has nothing to train, or a sequence is longer than `max_length`.
@@ -73,7 +74,7 @@ def build_sequences(tokenizer: Any, trajectory: WireTrajectory, advantage: float
     histories = trajectory.histories()
     for number, history in enumerate(histories):
         where = f"additional_histories[{number - 1}], " if number else ""
-        _build_history(tokenizer, history, advantage, vocab_size, eos_ids, where, built)
+        _build_history(tokenizer, history, vocab_size, eos_ids, where, built)
     if not built.exact_tokens + built.rerendered_tokens:
         raise TokenizationError(
             "no sampled turn to train on: put the objects your completions returned in messages_and_choices (an "
@@ -87,8 +88,8 @@ def build_sequences(tokenizer: Any, trajectory: WireTrajectory, advantage: float
     return built
 
 
-def _build_history(tokenizer: Any, history: WireHistory, advantage: float, vocab_size: int, eos_ids: set[int],
-                   where: str, built: Built) -> None:
+def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_ids: set[int], where: str,
+                   built: Built) -> None:
     messages: list[dict] = []
     current: Sequence | None = None
     previous: list[int] = []  # the last choice's full prompt + sampled ids: what `prompt_shared` refers to
@@ -124,7 +125,7 @@ def _build_history(tokenizer: Any, history: WireHistory, advantage: float, vocab
             continue
         shared = len(current.token_ids) if current is not None else 0
         if current is None or prompt[:shared] != current.token_ids:
-            current, shared = Sequence(advantage=advantage), 0
+            current, shared = Sequence(), 0
             built.sequences.append(current)
         current.extend(prompt[shared:], trained=False)
         current.extend(sampled, trained=True, logprobs=logprobs)

@@ -26,7 +26,7 @@ SYSTEM = {"role": "system", "content": "You add numbers."}
 
 def built(tokenizer, trajectory):
     """What the server's builder makes of a trajectory (the function `train` runs, on the same wire message)."""
-    return build_sequences(tokenizer, wire_trajectory(trajectory), 1.0, 8192, len(tokenizer),
+    return build_sequences(tokenizer, wire_trajectory(trajectory), 8192, len(tokenizer),
                            {tokenizer.eos_token_id})
 
 

@@ -22,7 +22,7 @@ def test_sampled_logprobs_match_the_trainer(tmp_path):
     for choice in completion.choices:
         reported = [t.logprob for t in choice.logprobs.content]
         built = build_sequences(state.tokenizer, wire_trajectory({"messages_and_choices": [*messages, choice],
-                                                                  "reward": 0}), 1.0, 8192, 300, state.eos_token_ids)
+                                                                  "reward": 0}), 8192, 300, state.eos_token_ids)
         [seq] = built.sequences
         assert seq.token_ids == choice.prompt_token_ids + choice.token_ids  # the engine's own ids, end to end
         with torch.no_grad():

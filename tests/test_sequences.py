@@ -32,7 +32,7 @@ def enc(tokenizer, text):
 
 def build(tokenizer, items, max_length=8192, **fields):
     trajectory = items if isinstance(items, WireTrajectory) else WireTrajectory(items=items, reward=0, **fields)
-    return build_sequences(tokenizer, trajectory, 0.5, max_length, len(tokenizer), {tokenizer.eos_token_id})
+    return build_sequences(tokenizer, trajectory, max_length, len(tokenizer), {tokenizer.eos_token_id})
 
 
 def spans(sequence):
@@ -58,7 +58,7 @@ def test_a_turn_trains_on_the_engines_ids_with_its_logprobs(tokenizer):
     assert seq.old_logprobs[len(prompt)] == -0.5
     assert all(math.isnan(lp) for lp in seq.old_logprobs[len(prompt) + 1:])  # missing or not finite: on-policy
     assert all(math.isnan(lp) for lp in seq.old_logprobs[:len(prompt)])
-    assert (built.exact_tokens, built.rerendered_tokens, seq.advantage) == (len(sampled), 0, 0.5)
+    assert (built.exact_tokens, built.rerendered_tokens) == (len(sampled), 0)
 
 
 def test_sampled_ids_are_kept_even_where_retokenizing_would_differ(tokenizer):
@@ -155,7 +155,7 @@ def test_a_template_that_cannot_render_is_reported(tokenizer):
     refusing.chat_template = "{{ raise_exception('this template refuses') }}"
     trajectory = WireTrajectory(items=[WireMessage(**USER), WireChoice(content="y")], reward=0)
     with pytest.raises(TokenizationError, match=r"messages_and_choices\[1\]: the chat template cannot render.*refuses"):
-        build_sequences(refusing, trajectory, 0.5, 8192, len(refusing), set())
+        build_sequences(refusing, trajectory, 8192, len(refusing), set())
 
 
 def test_any_clients_items_convert_and_bad_ones_are_named():
