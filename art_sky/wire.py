@@ -74,41 +74,65 @@ class ModelInfo(BaseModel):
 
 
 class WireMessage(_Strict):
-    """A chat message the model did not produce (system, user, tool, or an assistant turn written by hand)."""
+    """A chat message the model did not sample: system, user, tool, or an assistant turn given as a dict (context,
+    as in ART: only sampled turns train)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def message(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
 
 
 class WireChoice(_Strict):
-    """An assistant turn the engine sampled: trained on the exact token ids it sampled."""
+    """An assistant turn the model sampled: trained on the exact ids the engine sampled from and sampled, where the
+    client kept them, else on the chat template's rendering of the turn (ART's fallback)."""
 
     kind: Literal["choice"] = "choice"
-    content: str | None = None
+    content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
-    token_ids: list[int] | None = Field(None, description="sampled ids; None when the choice came without logprobs")
-    logprobs: list[float | None] | None = None
+    reasoning_content: str | None = None
+    token_ids: list[int] | None = Field(None, description="the sampled ids; None: re-rendered from the message")
+    logprobs: list[float | None] | None = Field(None, description="the engine's logprob of each sampled id")
+    prompt_token_ids: list[int] | None = Field(
+        None, description="the prompt ids the engine sampled from, after its first `prompt_shared` ids; None: the "
+                          "prompt is rendered from the messages before this turn")
+    prompt_shared: int = Field(
+        0, ge=0, description="leading prompt ids equal to the previous choice's prompt + sampled ids (in the same "
+                             "history), not repeated on the wire")
 
     @model_validator(mode="after")
-    def _lengths_match(self) -> WireChoice:
-        if self.token_ids is not None and self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
-            raise ValueError(f"choice has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+    def _consistent(self) -> WireChoice:
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids or []):
+            raise ValueError(f"choice has {len(self.token_ids or [])} token ids but {len(self.logprobs)} logprobs")
+        if self.prompt_shared and self.prompt_token_ids is None:
+            raise ValueError("prompt_shared is set but prompt_token_ids is missing")
         return self
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message this turn adds to the conversation (what later prompts render)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
 
 
 class WireHistory(_Strict):
-    """A further conversation of the same rollout (ART's `additional_histories`): its own training sequence,
+    """A further conversation of the same rollout (ART's `additional_histories`): its own training sequences,
     with the trajectory's advantage."""
 
-    items: list[WireChoice | WireMessage] = Field(min_length=1)
+    items: list[WireChoice | WireMessage]
     tools: list[dict[str, Any]] | None = None
 
 
 class WireTrajectory(_Strict):
-    items: list[WireChoice | WireMessage] = Field(min_length=1)
+    items: list[WireChoice | WireMessage] = Field(description="empty or without a sampled turn: skipped, reported")
     reward: float
     metrics: dict[str, float] = {}
     tools: list[dict[str, Any]] | None = None
@@ -120,6 +144,10 @@ class WireTrajectory(_Strict):
         if not math.isfinite(reward):
             raise ValueError(f"reward must be a finite number, got {reward}: check the rollout's reward function")
         return reward
+
+    def histories(self) -> list[WireHistory]:
+        """The main conversation first, then the additional ones."""
+        return [WireHistory(items=self.items, tools=self.tools), *self.additional_histories]
 
 
 class WireGroup(_Strict):
@@ -172,6 +200,8 @@ class TrainProgress(BaseModel):
     metrics: dict[str, float] = {}
     batches: list[dict[str, float]] = Field([], description="SFT: each batch's metrics, in order")
     message: str | None = None
+    skipped: list[str] = Field([], description="trajectories left out of the step, each with its group and "
+                                               "trajectory index and the reason")
 
 
 class LogRequest(_Strict):
@@ -219,7 +249,15 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool | None = Field(
+        None, description="vLLM's: return prompt_token_ids and each choice's sampled token_ids; art-sky's default: "
+                          "yes, false opts out")
     stream: bool = False
+
+    @property
+    def wants_token_ids(self) -> bool:
+        """Ids come back unless refused: any client's choices then train on exactly what the engine sampled."""
+        return self.return_token_ids is not False
 
     @property
     def stop_strings(self) -> list[str]:

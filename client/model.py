@@ -97,25 +97,42 @@ class TrainableModel(Model):
 
 
 class _TrainingDefaults(httpx.AsyncBaseTransport):
-    """Ask for what the trainer needs on every chat completion: logprobs and the sampled token ids.
+    """Ask for what the trainer needs on every chat completion: logprobs, and the prompt and sampled token ids
+    (vLLM's `return_token_ids`: art-sky's server returns them anyway, vLLM's own port only when asked).
 
-    A trajectory trains on the exact tokens the engine sampled; without these it could only retokenize text.
-    Values the caller set explicitly are kept.
+    A trajectory then trains on the exact tokens the engine sampled, in the exact prompt it sampled them from;
+    without them the chat template re-renders the turns. Values the caller set explicitly are kept. Where the
+    engine put the prompt ids on the completion only (vLLM's own port), they are copied onto each choice, so a
+    Choice alone carries its context (as ART's client does).
     """
 
     def __init__(self, inner: httpx.AsyncBaseTransport):
         self.inner = inner
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.method == "POST" and request.url.path.endswith("/chat/completions"):
-            body: dict[str, Any] = json.loads(await request.aread() or b"{}")
-            body.setdefault("logprobs", True)
-            body.setdefault("return_tokens_as_token_ids", True)
-            content = json.dumps(body).encode()
-            headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
-            request = httpx.Request(request.method, request.url, headers=headers + [("content-length",
-                                    str(len(content)))], content=content, extensions=request.extensions)
-        return await self.inner.handle_async_request(request)
+        if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
+            return await self.inner.handle_async_request(request)
+        body: dict[str, Any] = json.loads(await request.aread() or b"{}")
+        body.setdefault("logprobs", True)
+        body.setdefault("return_token_ids", True)
+        content = json.dumps(body).encode()
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
+        request = httpx.Request(request.method, request.url, headers=headers + [("content-length",
+                                str(len(content)))], content=content, extensions=request.extensions)
+        response = await self.inner.handle_async_request(request)
+        if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):
+            return response  # errors and streams pass as they are
+        content = await response.aread()  # decoded: the copy below goes out without the content encoding
+        completion = json.loads(content)
+        prompt = completion.get("prompt_token_ids") if isinstance(completion, dict) else None
+        choices = (completion.get("choices") or []) if prompt is not None else []
+        if any("prompt_token_ids" not in choice for choice in choices):
+            for choice in choices:
+                choice.setdefault("prompt_token_ids", prompt)
+            content = json.dumps(completion).encode()
+        headers = [(k, v) for k, v in response.headers.multi_items()
+                   if k.lower() not in ("content-length", "content-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=content, extensions=response.extensions)
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from art_sky.errors import ConfigError
 from art_sky.wire import WireChoice, WireGroup, WireHistory, WireMessage, WireTrajectory
 
-MessageOrChoice = Choice | dict[str, Any]
+# A message dict, or what a client returned: an openai Choice or ChatCompletion, litellm's Choices, ModelResponse or
+# Message, a LangChain message (see `wire_item`).
+MessageOrChoice = Choice | dict[str, Any] | Any
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
@@ -121,13 +123,14 @@ def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
     its index and the field, before anything is sent."""
     wired = []
     for g, group in enumerate(groups):
-        if not group.trajectories:
-            if not group.exceptions:
+        if not _field(group, "trajectories"):
+            if not _field(group, "exceptions"):
                 raise ConfigError(f"group {g} is empty: no trajectories and no failed rollouts. (ART's "
                                   "ruler_score_group returns an art.TrajectoryGroup, which keeps only art.Trajectory "
                                   "objects: build those rollouts with art.Trajectory)")
             continue
-        trajectories = [wire_trajectory(t, f"group {g}, trajectory {i}") for i, t in enumerate(group.trajectories)]
+        trajectories = [wire_trajectory(t, f"group {g}, trajectory {i}")
+                        for i, t in enumerate(_field(group, "trajectories"))]
         try:
             wired.append(WireGroup(trajectories=trajectories))
         except ValidationError as exc:
@@ -135,49 +138,84 @@ def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
     return wired
 
 
-def wire_trajectory(trajectory: Any, where: str) -> WireTrajectory:
-    """One trajectory (art-sky's or openpipe-art's) as a wire message; `where` names it in errors."""
-    reward = trajectory.reward
+def wire_trajectory(trajectory: Any, where: str = "trajectory") -> WireTrajectory:
+    """One trajectory (art-sky's, openpipe-art's, or anything with ART's fields) as a wire message; `where` names it
+    in errors."""
+    reward = _field(trajectory, "reward")
     if not isinstance(reward, int | float) or not math.isfinite(reward):
         raise ConfigError(f"{where}: reward is {reward!r}, not a finite number: check the rollout's reward function")
     histories = []
-    for h, history in enumerate(getattr(trajectory, "additional_histories", None) or []):
-        items = _wire_items(history.messages_and_choices, f"{where}, additional_histories[{h}]")
-        histories.append(WireHistory(items=items, tools=history.tools))
+    for h, history in enumerate(_field(trajectory, "additional_histories") or []):
+        items = _wire_items(_field(history, "messages_and_choices"), f"{where}, additional_histories[{h}]")
+        histories.append(WireHistory(items=items, tools=_field(history, "tools")))
     metrics = {}
-    for key, value in trajectory.metrics.items():
+    for key, value in (_field(trajectory, "metrics") or {}).items():
         if not isinstance(value, int | float) or not math.isfinite(value):
             raise ConfigError(f"{where}: metrics[{key!r}] is {value!r}, not a finite number")
         metrics[key] = float(value)
-    return WireTrajectory(items=_wire_items(trajectory.messages_and_choices, where), reward=reward,
-                          tools=trajectory.tools, metrics=metrics, additional_histories=histories)
+    return WireTrajectory(items=_wire_items(_field(trajectory, "messages_and_choices"), where), reward=reward,
+                          tools=_field(trajectory, "tools"), metrics=metrics, additional_histories=histories)
 
 
-def _wire_items(messages_and_choices: list[Any], where: str) -> list[WireChoice | WireMessage]:
+def wire_item(item: Any) -> WireChoice | WireMessage:
+    """One entry of messages_and_choices as it goes on the wire, from any client's types (duck-typed).
+
+    Sampled turns, trained: a choice (openai `Choice`, litellm `Choices`, or either as a dict), a completion with one
+    choice (openai `ChatCompletion`, litellm `ModelResponse`), and an assistant message object a client returned
+    (openai `ChatCompletionMessage`, litellm `Message`, LangChain `AIMessage`). They train on the ids the engine
+    sampled where they carry them (`token_ids` and `prompt_token_ids`, or `token_id:N` logprob tokens), else on the
+    chat template's rendering. Context, not trained: message dicts (an assistant dict too, as in ART) and LangChain's
+    other messages.
+    """
+    if _is_langchain(item):
+        return _from_langchain(item)
+    if _field(item, "choices") is not None:
+        choices = list(_field(item, "choices"))
+        if len(choices) != 1:
+            raise ConfigError(f"a completion with {len(choices)} choices: put the one the conversation continued "
+                              "with in messages_and_choices (completion.choices[i])")
+        return _wire_choice(choices[0], _field(item, "prompt_token_ids"))
+    if _field(item, "message") is not None:
+        return _wire_choice(item)
+    if isinstance(item, Mapping):
+        return WireMessage(**_message_fields(item))
+    if _field(item, "role") == "assistant":
+        return _wire_choice({"message": item})
+    if _field(item, "role") is not None:
+        return WireMessage(**_message_fields(item))
+    raise ConfigError(f"{type(item).__name__} is neither a chat message nor a choice: messages_and_choices holds "
+                      "message dicts and the choices (or completions, or LangChain messages) your client returned")
+
+
+def _wire_items(messages_and_choices: Iterable[Any] | None, where: str) -> list[WireChoice | WireMessage]:
+    """Items on the wire, each choice's prompt ids sent after what it shares with the previous choice's prompt and
+    sampled ids (multi-turn prompts repeat the conversation so far: without this, a request grows with the square
+    of the turns)."""
     if not messages_and_choices:
         raise ConfigError(f"{where}: messages_and_choices is empty: a trajectory needs the conversation and the "
                           "choices the model sampled")
-    items = []
+    wired: list[WireChoice | WireMessage] = []
+    previous: list[int] = []
     for i, item in enumerate(messages_and_choices):
         try:
-            items.append(_wire_item(item))
-        except (ValidationError, TypeError, AttributeError, KeyError) as exc:
+            entry = wire_item(item)
+        except (ConfigError, ValidationError, TypeError, ValueError, AttributeError, KeyError) as exc:
             raise ConfigError(f"malformed trajectory ({where}, messages_and_choices[{i}]): {_problem(exc)}") from exc
-    return items
-
-
-def _wire_item(item: Any) -> WireChoice | WireMessage:
-    """One message dict or sampled Choice as a wire item."""
-    if isinstance(item, Choice):
-        return _wire_choice(item)
-    return WireMessage(**{k: item[k] for k in _MESSAGE_KEYS if item.get(k) is not None})
+        if isinstance(entry, WireChoice) and entry.prompt_token_ids is not None:
+            prompt = entry.prompt_token_ids
+            shared = _shared_prefix(previous, prompt)
+            entry.prompt_token_ids, entry.prompt_shared = prompt[shared:], shared
+            previous = prompt + (entry.token_ids or [])
+        wired.append(entry)
+    return wired
 
 
 def _problem(exc: Exception) -> str:
+    """An error on one line; a validation error's first problem as `field: what is wrong`."""
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         return f"{'.'.join(str(p) for p in first['loc']) or 'item'}: {first['msg']}"
-    return f"{type(exc).__name__}: {exc}"
+    return str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
 
 
 def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
@@ -197,26 +235,91 @@ def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
 
 
 def _messages(messages_and_choices: list[MessageOrChoice]) -> list[dict[str, Any]]:
-    return [_choice_message(item) if isinstance(item, Choice) else dict(item) for item in messages_and_choices]
+    """Plain message dicts: dicts as they are, what clients returned (choices, message objects) converted."""
+    return [dict(item) if isinstance(item, Mapping) and "role" in item else wire_item(item).message()
+            for item in messages_and_choices]
 
 
-def _choice_message(choice: Choice) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": choice.message.content}
-    if choice.message.tool_calls:
-        message["tool_calls"] = [call.model_dump() for call in choice.message.tool_calls]
-    return message
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    if len(b) >= len(a) and b[:len(a)] == a:  # the usual case: the next prompt extends the conversation
+        return len(a)
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _wire_choice(choice: Choice) -> WireChoice:
-    token_ids, logprobs = None, None
-    content = choice.logprobs.content if choice.logprobs else None
-    sampled = getattr(choice, "token_ids", None)  # the engine's per-choice sampled ids (vLLM's `token_ids`)
-    if content is not None and all(t.token.startswith("token_id:") for t in content):
-        token_ids = [int(t.token.removeprefix("token_id:")) for t in content]
-    elif sampled is not None:
-        token_ids = [int(t) for t in sampled]
-    if token_ids is not None and content is not None and len(content) == len(token_ids):
-        logprobs = [t.logprob if math.isfinite(t.logprob) else None for t in content]
-    message = _choice_message(choice)
-    return WireChoice(content=message["content"], tool_calls=message.get("tool_calls"), token_ids=token_ids,
-                      logprobs=logprobs)
+def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None) -> WireChoice:
+    message = _field(choice, "message")
+    extra = _field(choice, "provider_specific_fields") or {}  # where litellm keeps fields it does not know
+    token_ids = _first(_field(choice, "token_ids"), _field(extra, "token_ids"))
+    prompt = _first(_field(choice, "prompt_token_ids"), _field(extra, "prompt_token_ids"), prompt_token_ids)
+    token_ids, logprobs = _sampled(token_ids, _field(_field(choice, "logprobs"), "content"))
+    fields = _message_fields(message)
+    return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
+                      reasoning_content=fields.get("reasoning_content"), token_ids=token_ids, logprobs=logprobs,
+                      prompt_token_ids=None if prompt is None else list(prompt))
+
+
+def _sampled(token_ids: Any, content: Any) -> tuple[list[int] | None, list[float | None] | None]:
+    """The sampled ids (`token_ids`, else logprob tokens written as `token_id:N`) and their logprobs."""
+    entries = list(content or [])
+    tokens = [_field(entry, "token") for entry in entries]
+    if token_ids is None and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        token_ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    if token_ids is None:
+        return None, None
+    token_ids = list(token_ids)
+    if len(entries) != len(token_ids):  # no logprobs, or not one per sampled id: the on-policy path
+        return token_ids, None
+    values = [_field(entry, "logprob") for entry in entries]
+    return token_ids, [float(v) if isinstance(v, int | float) and math.isfinite(v) else None for v in values]
+
+
+def _message_fields(message: Any) -> dict[str, Any]:
+    """The fields of a chat message (dict or object) that templates read."""
+    fields = {key: _plain(_field(message, key)) for key in _MESSAGE_KEYS}
+    extra = _field(message, "provider_specific_fields") or {}
+    fields["reasoning_content"] = _first(_field(message, "reasoning_content"), _field(message, "reasoning"),
+                                         _field(extra, "reasoning_content"))
+    if not fields["tool_calls"]:
+        fields["tool_calls"] = None
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def _is_langchain(item: Any) -> bool:
+    return type(item).__module__.startswith("langchain") and isinstance(getattr(item, "type", None), str)
+
+
+def _from_langchain(message: Any) -> WireChoice | WireMessage:
+    """LangChain messages through LangChain's own OpenAI conversion; an AIMessage (or a streamed AIMessageChunk) is a
+    sampled turn, whose logprobs carry the sampled ids when the request asked for `return_tokens_as_token_ids`."""
+    from langchain_core.messages import convert_to_openai_messages
+
+    fields = _message_fields(convert_to_openai_messages(message))
+    if fields.get("role") != "assistant":
+        return WireMessage(**fields)
+    reasoning = (getattr(message, "additional_kwargs", None) or {}).get("reasoning_content")
+    logprobs = (getattr(message, "response_metadata", None) or {}).get("logprobs") or {}
+    token_ids, values = _sampled(None, logprobs.get("content"))
+    return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
+                      reasoning_content=reasoning, token_ids=token_ids, logprobs=values)
+
+
+def _field(obj: Any, name: str) -> Any:
+    """A field of a dict or an object (pydantic models keep unknown fields, such as vLLM's token ids, as attributes)."""
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _plain(value: Any) -> Any:
+    """Objects (pydantic models, lists of them) as the dicts the wire carries."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_none=True)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

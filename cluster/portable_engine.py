@@ -168,8 +168,9 @@ class PortableEngine:
                 message["tool_calls"] = calls
                 finish = "tool_calls"
             choice: dict = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
-            if request.logprobs:  # the sampled ids too, named as vLLM's `return_token_ids` names them
-                choice["token_ids"] = sample.token_ids
+            if request.wants_token_ids:  # vLLM's fields, and the prompt on each choice: a Choice carries its context
+                choice |= {"token_ids": sample.token_ids, "prompt_token_ids": job.prompt}
+            if request.logprobs:
                 choice["logprobs"] = {"content": [
                     self._token_logprob(tokenizer, token, logprob, request.return_tokens_as_token_ids,
                                         sample.top[i] if sample.top else [])
@@ -177,13 +178,15 @@ class PortableEngine:
                 ]}
             choices.append(choice)
         completion_tokens = sum(len(s.token_ids) for s in samples)
-        return ChatCompletion.model_validate({
+        completion = {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": request.model, "choices": choices,
-            **({"prompt_token_ids": job.prompt} if request.logprobs else {}),
             "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_len + completion_tokens},
-        })
+        }
+        if request.wants_token_ids:
+            completion["prompt_token_ids"] = job.prompt
+        return ChatCompletion.model_validate(completion)
 
     @staticmethod
     def _token_logprob(tokenizer, token: int, logprob: float, as_ids: bool, top: list[tuple[int, float]]) -> dict:

@@ -1,13 +1,22 @@
-"""Chats to token sequences: the prompt the engine samples from, and the training sequence of a trajectory.
+"""Chats to token sequences: the prompt an engine samples from, and the training sequences of a trajectory.
 
-Sampled assistant turns keep the exact token ids the engine produced (retokenizing sampled text drifts and
-corrupts the PPO ratio); everything else is rendered with the model's chat template and masked out of the loss.
+A sampled turn trains in exactly the context the engine sampled it from: the prompt ids the engine reported for it,
+or, for a choice that came without them, the prompt the chat template renders from the messages before it (what the
+engine renders). Re-rendering a whole conversation instead drifts from what was sampled (templates strip reasoning
+from earlier turns, re-serialise tool-call arguments, trim whitespace; tokenizers merge differently across a turn
+boundary), and a context that differs corrupts the PPO ratio. Turns share one sequence only where the next prompt
+starts with the sequence so far, token for token; otherwise the turn starts a sequence of its own.
+
+Only sampled tokens are trained: the ids the engine sampled where the client kept them (old logprobs from the engine,
+NaN where it reported none: the loss's on-policy path), else the template's rendering of the turn (ART's fallback)
+with no old logprobs.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from art_sky.errors import TokenizationError
@@ -16,19 +25,35 @@ from art_sky.wire import WireChoice, WireHistory, WireMessage, WireTrajectory
 
 @dataclass
 class Sequence:
-    token_ids: list[int]
-    trained: list[bool]  # True where the model sampled the token
-    old_logprobs: list[float]  # the engine's logprob of each sampled token; NaN where unknown
-    advantage: float
+    token_ids: list[int] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)  # True where the model sampled the token
+    old_logprobs: list[float] = field(default_factory=list)  # the engine's logprob of each sampled token, or NaN
+    advantage: float = 0.0
 
     @property
     def trained_tokens(self) -> int:
         return sum(self.trained)
 
+    def extend(self, ids: list[int], trained: bool, logprobs: list[float] | None = None) -> None:
+        self.token_ids += ids
+        self.trained += [trained] * len(ids)
+        self.old_logprobs += logprobs if logprobs is not None else [math.nan] * len(ids)
+
+
+@dataclass
+class Built:
+    """What one trajectory becomes: its sequences, and where their trained tokens came from."""
+
+    sequences: list[Sequence]
+    exact_tokens: int  # trained tokens that are the ids the engine sampled
+    rerendered_tokens: int  # trained tokens rendered by the chat template (the choice came without sampled ids)
+
 
 def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+    """The chat template's text for these messages, read as vLLM reads them (see `_as_vllm_reads`)."""
     return tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        [_as_vllm_reads(m) for m in messages], tools=tools or None, tokenize=False,
+        add_generation_prompt=generation_prompt,
     )
 
 
@@ -37,61 +62,79 @@ def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -
     return _encode(tokenizer, render(tokenizer, messages, tools, generation_prompt=True))
 
 
-def tokenize_trajectory(
-    tokenizer: Any, trajectory: WireTrajectory | WireHistory, advantage: float, max_length: int
-) -> Sequence:
-    """One training sequence: template-rendered context (masked) around the choices' sampled ids (trained)."""
-    messages: list[dict] = []
-    ids: list[int] = []
-    trained: list[bool] = []
-    old: list[float] = []
-    rendered_upto = ""  # text of the conversation already represented by `ids`
-    for index, item in enumerate(trajectory.items):
-        if isinstance(item, WireMessage):
-            messages.append(item.model_dump(exclude_none=True))
-            continue
-        if not item.token_ids:
-            raise TokenizationError(
-                f"item {index} is a choice without sampled token ids: request completions with logprobs=True "
-                "and return_tokens_as_token_ids=True (model.openai_client() does both by default)"
-            )
-        prompt = render(tokenizer, messages, trajectory.tools, generation_prompt=True)
-        if not prompt.startswith(rendered_upto):
-            raise TokenizationError(
-                f"the chat template renders earlier turns differently once item {index} is added, so the "
-                "sampled tokens cannot be placed exactly; use a model whose template keeps earlier turns unchanged"
-            )
-        context = _encode(tokenizer, prompt[len(rendered_upto):])
-        ids += context
-        trained += [False] * len(context)
-        old += [math.nan] * len(context)
-        ids += item.token_ids
-        trained += [True] * len(item.token_ids)
-        old += [math.nan if lp is None else lp for lp in (item.logprobs or [None] * len(item.token_ids))]
-        messages.append(_as_message(item))
-        after = render(tokenizer, messages, trajectory.tools, generation_prompt=False)
-        tail = _turn_tail(tokenizer, after[len(prompt):], tokenizer.decode(item.token_ids, skip_special_tokens=False))
-        tail_ids = _encode(tokenizer, tail)
-        ids += tail_ids
-        trained += [False] * len(tail_ids)
-        old += [math.nan] * len(tail_ids)
-        rendered_upto = after
-    if not any(trained):
-        raise TokenizationError("trajectory has no choice from the model to train on: add the Choice objects the "
-                                "completions returned to messages_and_choices")
-    if len(ids) > max_length:
+def build_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int, vocab_size: int,
+                    eos_ids: set[int]) -> Built:
+    """Every sampled turn of every history of the trajectory, in the context it was sampled from (advantage 0: the
+    caller sets it once the group's trajectories are built).
+
+    TokenizationError (the caller skips the trajectory and reports why) when a turn cannot be placed exactly, the
+    trajectory has nothing to train, or a sequence is longer than `max_length`.
+    """
+    built = Built([], 0, 0)
+    histories = trajectory.histories()
+    for number, history in enumerate(histories):
+        where = f"additional_histories[{number - 1}], " if number else ""
+        _build_history(tokenizer, history, vocab_size, eos_ids, where, built)
+    if not built.exact_tokens + built.rerendered_tokens:
         raise TokenizationError(
-            f"trajectory is {len(ids)} tokens, longer than the model's max_seq_length {max_length}: shorten the "
-            "rollout or register the model with a larger max_seq_length"
-        )
-    return Sequence(ids, trained, old, advantage)
+            "no sampled turn to train on: put the objects your completions returned in messages_and_choices (an "
+            "openai Choice or ChatCompletion, a litellm ModelResponse, a LangChain AIMessage); assistant messages "
+            "given as dicts are context, as in ART")
+    for sequence in built.sequences:
+        if len(sequence.token_ids) > max_length:
+            raise TokenizationError(
+                f"a sequence is {len(sequence.token_ids)} tokens, longer than the model's max_seq_length "
+                f"{max_length}: shorten the rollout or register the model with a larger max_seq_length")
+    return built
+
+
+def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_ids: set[int], where: str,
+                   built: Built) -> None:
+    messages: list[dict] = []
+    current: Sequence | None = None
+    previous: list[int] = []  # the last choice's full prompt + sampled ids: what `prompt_shared` refers to
+    for index, item in enumerate(history.items):
+        if isinstance(item, WireMessage):
+            messages.append(item.message())
+            continue
+        at = f"{where}messages_and_choices[{index}]"
+        prompt_text = None
+        if item.prompt_token_ids is None or item.token_ids is None:
+            prompt_text = _render(tokenizer, messages, history.tools, True, at)
+        if item.prompt_token_ids is None:
+            prompt = _encode(tokenizer, prompt_text)
+        else:
+            if item.prompt_shared > len(previous):
+                raise TokenizationError(
+                    f"{at}: prompt_shared is {item.prompt_shared} but the previous choice with prompt ids has "
+                    f"{len(previous)} ids: send the full prompt_token_ids")
+            prompt = previous[:item.prompt_shared] + item.prompt_token_ids
+        if item.token_ids is not None:
+            sampled, logprobs = item.token_ids, _old_logprobs(item)
+            built.exact_tokens += len(sampled)
+        else:
+            sampled = _rerendered(tokenizer, messages, item, history.tools, prompt_text, eos_ids, at)
+            logprobs = None
+            built.rerendered_tokens += len(sampled)
+        _check_vocabulary(prompt, vocab_size, at, "prompt")
+        _check_vocabulary(sampled, vocab_size, at, "sampled")
+        if item.prompt_token_ids is not None:
+            previous = prompt + (item.token_ids or [])
+        messages.append(item.message())
+        if not sampled:
+            continue
+        shared = len(current.token_ids) if current is not None else 0
+        if current is None or prompt[:shared] != current.token_ids:
+            current, shared = Sequence(), 0
+            built.sequences.append(current)
+        current.extend(prompt[shared:], trained=False)
+        current.extend(sampled, trained=True, logprobs=logprobs)
 
 
 def sft_sequence(tokenizer: Any, trajectory: WireTrajectory, max_length: int) -> Sequence:
     """ART's SFT sequence: the whole conversation rendered by the chat template; the tokens of every assistant
     turn (a choice or a written assistant message, with its end-of-turn marker) are trained, the rest masked."""
-    messages = [_as_message(item) if isinstance(item, WireChoice) else item.model_dump(exclude_none=True)
-                for item in trajectory.items]
+    messages = [item.message() for item in trajectory.items]
     ids: list[int] = []
     trained: list[bool] = []
     rendered_upto = ""
@@ -113,27 +156,73 @@ def sft_sequence(tokenizer: Any, trajectory: WireTrajectory, max_length: int) ->
     if len(ids) > max_length:
         raise TokenizationError(f"trajectory is {len(ids)} tokens, longer than the model's max_seq_length "
                                 f"{max_length}: shorten it or register the model with a larger max_seq_length")
-    return Sequence(ids, trained, [math.nan] * len(ids), 0.0)
+    return Sequence(ids, trained, [math.nan] * len(ids))
 
 
-def _as_message(choice: WireChoice) -> dict:
-    message: dict = {"role": "assistant", "content": choice.content or ""}
-    if choice.tool_calls:
-        message["tool_calls"] = choice.tool_calls
+def _old_logprobs(choice: WireChoice) -> list[float]:
+    if choice.logprobs is None:
+        return [math.nan] * len(choice.token_ids or [])
+    return [lp if lp is not None and math.isfinite(lp) else math.nan for lp in choice.logprobs]
+
+
+def _rerendered(tokenizer: Any, messages: list[dict], choice: WireChoice, tools: list[dict] | None,
+                prompt_text: str, eos_ids: set[int], at: str) -> list[int]:
+    """A choice without sampled ids: the template's text for the turn, up to and including the end-of-turn token the
+    model samples (what follows it, a newline say, is the template's)."""
+    after = _render(tokenizer, [*messages, choice.message()], tools, False, at)
+    if not after.startswith(prompt_text):
+        raise TokenizationError(
+            f"{at}: this choice came without sampled token ids and the chat template renders its turn differently "
+            "from the prompt it was sampled from, so it cannot be re-rendered: request logprobs (the server then "
+            "returns the sampled ids) and keep the Choice objects")
+    ids = _encode(tokenizer, after[len(prompt_text):])
+    end = next((i + 1 for i, token in enumerate(ids) if token in eos_ids), len(ids))
+    return ids[:end]
+
+
+def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, at: str) -> str:
+    try:
+        return render(tokenizer, messages, tools, generation_prompt)
+    except Exception as exc:  # the model's own template code: any error it raises means "cannot render this"
+        raise TokenizationError(f"{at}: the chat template cannot render the messages before it: {exc}") from exc
+
+
+def _check_vocabulary(ids: list[int], vocab_size: int, at: str, what: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i in ids if i < 0 or i >= vocab_size)
+        raise TokenizationError(f"{at}: {what} token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})"
+                                ": the ids must come from this model's engine")
+
+
+def _as_vllm_reads(message: dict) -> dict:
+    """vLLM's reading of a message, so that the portable engine and the training fallback render what vLLM renders:
+    tool-call arguments as objects (JSON text parsed; invalid JSON becomes {}, as vLLM does) and reasoning under both
+    names templates use."""
+    calls = message.get("tool_calls")
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    if not calls and reasoning is None:
+        return message
+    message = dict(message)
+    if calls:
+        message["tool_calls"] = [_with_object_arguments(call) for call in calls]
+    if reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = reasoning
     return message
 
 
-def _turn_tail(tokenizer: Any, rendered_turn: str, sampled_text: str) -> str:
-    """What the template adds after the sampled text to close the assistant turn (e.g. "<|im_end|>\\n")."""
-    if rendered_turn.startswith(sampled_text):
-        return rendered_turn[len(sampled_text):]
-    # The template formats the turn differently from what was sampled (tool-call JSON, say): keep the sampled
-    # tokens and take only the template's end-of-turn marker and what follows it.
-    eos = tokenizer.eos_token or ""
-    cut = rendered_turn.rfind(eos) if eos else -1
-    if cut < 0:
-        return ""
-    return rendered_turn[cut + len(eos):] if sampled_text.endswith(eos) else rendered_turn[cut:]
+def _with_object_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            arguments = {}
+    elif arguments is None:
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

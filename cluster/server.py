@@ -12,6 +12,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -44,10 +45,11 @@ from .model_state import ModelState, create_model_state, device
 from .portable_engine import Job
 from .selection import Engine, select_engine, select_trainer
 from .peft_trainer import Progress
-from .sequences import Sequence, sft_sequence, tokenize_trajectory
+from .sequences import Built, Sequence, build_sequences, sft_sequence
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
+_LOGGED_SKIPS = 100  # skipped trajectories named one by one in the log and the step's result
 
 
 class InferenceQueue:
@@ -233,9 +235,10 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         return model(name).info()
 
     def stream_step(name: str, state: ModelState, work: Callable[[Progress], dict[str, float]],
-                    batches: Callable[[], list[dict[str, float]]] = list) -> StreamingResponse:
+                    batches: Callable[[], list[dict[str, float]]] = list,
+                    skipped: list[str] | None = None) -> StreamingResponse:
         """Run one training step (`work(progress)` returns its metrics) with inference paused, commit it as the next
-        checkpoint, and stream progress lines then the result (or the error)."""
+        checkpoint, and stream progress lines then the result (or the error), naming what was `skipped`."""
         if sync and (problem := sync.blocking_error()):
             raise HTTPException(502, problem)
         queue: asyncio.Queue[TrainProgress] = asyncio.Queue()
@@ -267,7 +270,11 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                     return
             if sync:
                 sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
-            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics, batches=batches()))
+            named = (skipped or [])[:_LOGGED_SKIPS]
+            if len(skipped or []) > _LOGGED_SKIPS:
+                named.append(f"... and {len(skipped) - _LOGGED_SKIPS} more")
+            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics, batches=batches(),
+                                          skipped=named))
 
         task = asyncio.create_task(run())  # runs to the end even if the client goes away
         background.add(task)
@@ -285,17 +292,15 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     @app.post("/art/models/{name}/train", dependencies=guarded)
     async def train(name: str, body: TrainRequest) -> StreamingResponse:
         state = model(name)
-        try:
-            sequences, skipped, summary = _prepare(state, body)
-        except TokenizationError as exc:
-            raise HTTPException(422, f"invalid trajectory: {exc}") from exc
+        prepared = await asyncio.to_thread(_prepare, state, body)  # templates and tokenizers: off the event loop
 
         def work(progress: Progress) -> dict[str, float]:
+            sequences = prepared.sequences
             metrics = (trainer.train(state, sequences, body.config, progress) if sequences else
-                       {"trained_tokens": 0.0, "sequences": 0.0})  # every group equal: nothing to learn
-            return metrics | summary | {"num_groups_skipped": float(skipped)}
+                       {"trained_tokens": 0.0, "sequences": 0.0})  # nothing to learn
+            return metrics | prepared.metrics
 
-        return stream_step(name, state, work)
+        return stream_step(name, state, work, skipped=prepared.skipped)
 
     @app.post("/art/models/{name}/sft", dependencies=guarded)
     async def sft(name: str, body: SFTRequest) -> StreamingResponse:
@@ -374,29 +379,62 @@ def _checkpoint_info(store, step: int) -> CheckpointInfo:
                           metrics=manifest.metrics)
 
 
-def _prepare(state: ModelState, body: TrainRequest) -> tuple[list[Sequence], int, dict[str, float]]:
-    """Tokenize every trajectory (so bad input fails before training), keep those with an advantage."""
-    sequences, skipped, rewards = [], 0, []
-    metric_sums: dict[str, list[float]] = {}
+@dataclass
+class Prepared:
+    """A train request turned into sequences, with what was left out and why."""
+
+    sequences: list[Sequence]
+    metrics: dict[str, float]
+    skipped: list[str]  # "group G, trajectory T: reason", one per trajectory that could not be built
+
+
+def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
+    """Build every trajectory's sequences; one that cannot be built is skipped and reported, never fails the batch.
+
+    Advantages are computed among the trajectories of a group that were built, so the trained ones are centred and a
+    skipped rollout's reward (often a broken one's) does not shift its group's baseline.
+    """
+    tokenizer, max_length = state.tokenizer, state.request.config.max_seq_length
+    vocab_size = state.model.get_input_embeddings().num_embeddings
+    sequences: list[Sequence] = []
+    skipped: list[str] = []
+    rewards: list[float] = []
+    metric_values: dict[str, list[float]] = {}
+    groups_skipped = exact = rerendered = 0
     for g, group in enumerate(body.groups):
-        group_rewards = [t.reward for t in group.trajectories]
-        rewards += group_rewards
-        advantages = group_advantages(group_rewards, body.config.scale_rewards)
-        skipped += advantages is None
-        for t, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages or [0.0] * len(group_rewards))):
+        built: list[tuple[float, Built]] = []
+        for t, trajectory in enumerate(group.trajectories):
+            rewards.append(trajectory.reward)
             for key, value in trajectory.metrics.items():
-                metric_sums.setdefault(key, []).append(value)
-            # ART's additional_histories: further sequences of the same rollout, with its advantage
-            for h, history in enumerate([trajectory, *trajectory.additional_histories]):
-                try:
-                    sequence = tokenize_trajectory(state.tokenizer, history, advantage,
-                                                   state.request.config.max_seq_length)
-                except TokenizationError as exc:
-                    where = f"group {g}, trajectory {t}" + (f", additional_histories[{h - 1}]" if h else "")
-                    raise TokenizationError(f"{where}: {exc}") from exc
-                if advantage != 0.0:
-                    sequences.append(sequence)
-    summary = {"reward": sum(rewards) / len(rewards), "num_groups": float(len(body.groups)),
-               "num_trajectories": float(len(rewards))}
-    summary |= {key: sum(values) / len(values) for key, values in metric_sums.items() if key not in summary}
-    return sequences, skipped, summary
+                metric_values.setdefault(key, []).append(value)
+            try:
+                built.append((trajectory.reward, build_sequences(tokenizer, trajectory, max_length, vocab_size,
+                                                                 state.eos_token_ids)))
+            except TokenizationError as exc:
+                skipped.append(f"group {g}, trajectory {t}: {exc}")
+            except Exception as exc:  # a bug here must not cost the batch either; the log has the traceback
+                log.exception("building group %d trajectory %d failed", g, t)
+                skipped.append(f"group {g}, trajectory {t}: could not be built ({exc!r}); see the server log")
+        advantages = (group_advantages([reward for reward, _ in built], body.config.scale_rewards)
+                      if len(built) >= 2 else None)
+        if advantages is None:
+            groups_skipped += 1
+            continue
+        for (_, result), advantage in zip(built, advantages):
+            if advantage == 0.0:
+                continue
+            for sequence in result.sequences:
+                sequence.advantage = advantage
+            sequences += result.sequences
+            exact += result.exact_tokens
+            rerendered += result.rerendered_tokens
+    for line in skipped[:_LOGGED_SKIPS]:
+        log.warning("training %s skips %s", state.name, line)
+    if len(skipped) > _LOGGED_SKIPS:
+        log.warning("training %s skips %d more trajectories", state.name, len(skipped) - _LOGGED_SKIPS)
+    metrics = {"reward": sum(rewards) / len(rewards), "num_groups": float(len(body.groups)),
+               "num_trajectories": float(len(rewards)), "num_groups_skipped": float(groups_skipped),
+               "num_trajectories_skipped": float(len(skipped)), "trained_tokens_exact": float(exact),
+               "trained_tokens_rerendered": float(rerendered)}
+    metrics |= {key: sum(values) / len(values) for key, values in metric_values.items() if key not in metrics}
+    return Prepared(sequences, metrics, skipped)

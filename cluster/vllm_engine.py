@@ -100,10 +100,16 @@ class VllmEngine:
             return list(pool.map(self._forward, jobs))
 
     def _forward(self, job: Job) -> ChatCompletion | HTTPException:
-        response = self._client().post("/v1/chat/completions", json=job.request.model_dump(exclude_unset=True))
+        """art-sky's contract on top of vLLM's: ids unless refused, and the prompt ids on every choice."""
+        body = job.request.model_dump(exclude_unset=True) | {"return_token_ids": job.request.wants_token_ids}
+        response = self._client().post("/v1/chat/completions", json=body)
         if response.status_code >= 400:
             return HTTPException(response.status_code, f"vLLM: {_detail(response)}")
-        return ChatCompletion.model_validate(response.json())
+        completion = response.json()
+        if completion.get("prompt_token_ids") is not None:
+            for choice in completion["choices"]:
+                choice["prompt_token_ids"] = completion["prompt_token_ids"]
+        return ChatCompletion.model_validate(completion)
 
     def close(self) -> None:
         """Stop vLLM and its engine processes (its own process group)."""

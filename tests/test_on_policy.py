@@ -7,30 +7,29 @@ import torch
 from art_sky.cluster.model_state import create_model_state
 from art_sky.cluster.peft_trainer import _token_logprobs
 from art_sky.cluster.portable_engine import PortableEngine
-from art_sky.cluster.sequences import tokenize_trajectory
+from art_sky.cluster.sequences import build_sequences
 from art_sky.settings import Settings
-from art_sky.wire import ChatCompletionRequest, RegisterRequest, WireChoice, WireMessage, WireTrajectory
+from art_sky.client.trajectories import wire_trajectory
+from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 
 def test_sampled_logprobs_match_the_trainer(tmp_path):
     state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path,
                                Settings())
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello"}]
-    request = ChatCompletionRequest(model="m", messages=messages, n=4, max_tokens=10, logprobs=True,
-                                    return_tokens_as_token_ids=True, seed=3)
+    request = ChatCompletionRequest(model="m", messages=messages, n=4, max_tokens=10, logprobs=True, seed=3)
     completion = PortableEngine(64).complete(state, request)
     for choice in completion.choices:
-        ids = [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
         reported = [t.logprob for t in choice.logprobs.content]
-        trajectory = WireTrajectory(items=[*(WireMessage(**m) for m in messages),
-                                           WireChoice(content=choice.message.content, token_ids=ids,
-                                                      logprobs=reported)], reward=0)
-        seq = tokenize_trajectory(state.tokenizer, trajectory, 1.0, 8192)
+        built = build_sequences(state.tokenizer, wire_trajectory({"messages_and_choices": [*messages, choice],
+                                                                  "reward": 0}), 8192, 300, state.eos_token_ids)
+        [seq] = built.sequences
+        assert seq.token_ids == choice.prompt_token_ids + choice.token_ids  # the engine's own ids, end to end
         with torch.no_grad():
             logits = state.model(input_ids=torch.tensor([seq.token_ids])).logits
         recomputed = _token_logprobs(logits, torch.tensor([seq.token_ids]))[0]
         trained = [recomputed[i - 1].item() for i, t in enumerate(seq.trained) if t]
-        assert len(trained) == len(reported)
+        assert len(trained) == len(reported) == built.exact_tokens
         assert max(abs(a - b) for a, b in zip(trained, reported)) < 1e-4
         assert all(not math.isnan(lp) for lp in reported)
 

@@ -194,10 +194,12 @@ async def test_additional_histories_train_as_further_sequences(server):
     assert lines[-1]["metrics"]["sequences"] == 5.0  # 1 + 2 and 1 + 1
 
     bad = await trajectory(1.0, 0)
-    bad["additional_histories"] = [{"items": [{"role": "user", "content": "nothing sampled"}]}]
+    bad["additional_histories"] = [{"items": [{"role": "user", "content": "b"}, {"kind": "choice", "token_ids": [-1]}]}]
     status, lines = await train_lines(server, "tiny", {"groups": [
-        {"trajectories": [await trajectory(0.0, 0), bad]}]})
-    assert status == 422 and "group 0, trajectory 1, additional_histories[0]" in lines[0]["detail"]
+        {"trajectories": [await trajectory(0.0, 0), bad, await trajectory(0.5, 0)]}]})
+    assert status == 200, lines  # skipped and reported; the rest trains
+    assert lines[-1]["skipped"][0].startswith("group 0, trajectory 1: additional_histories[0], messages_and_choices[1]")
+    assert lines[-1]["metrics"]["num_trajectories_skipped"] == 1 and lines[-1]["metrics"]["sequences"] == 2.0
 
 
 async def test_sft_is_one_step_with_one_optimizer_step_per_batch(server):

@@ -117,14 +117,11 @@ async def expect_refused(server, method, path, status, match, **kwargs):
 async def test_bad_inputs_get_clear_4xx(server):
     good = await sampled_group(server)
     one = {"trajectories": good["trajectories"][:1]}
-    no_logprobs = {"trajectories": [{**t, "items": [t["items"][0], {"kind": "choice", "content": "x"}]}
-                                    for t in good["trajectories"]]}
     train = "/art/models/tiny/train"
     await expect_refused(server, "POST", train, 422, "groups", json={"groups": []})
     await expect_refused(server, "POST", train, 422, "at least 2 trajectories", json={"groups": [one]})
     await expect_refused(server, "POST", train, 422, "at least 2 trajectories",
                          json={"groups": [{"trajectories": []}]})
-    await expect_refused(server, "POST", train, 422, "logprobs=True", json={"groups": [no_logprobs]})
     await expect_refused(server, "POST", train, 422, "invalid request", json={"groups": [{"trajectories": [
         {"items": [{"role": "wizard", "content": "x"}], "reward": 1}] * 2}]})
     await expect_refused(server, "POST", train, 422, "invalid request", content=b"{not json",
@@ -144,6 +141,22 @@ async def test_bad_inputs_get_clear_4xx(server):
     await expect_refused(server, "GET", "/v1/models", 401, "API key", headers={"authorization": ""})
     await expect_refused(server, "POST", "/art/models", 422, "cannot load base model",
                          json={"name": "other", "project": "p", "base_model": "/no/such/model"})
+
+
+async def test_trajectories_that_cannot_be_built_are_skipped_and_reported(server):
+    """One bad trajectory never fails the batch: it is left out, counted and named with the reason."""
+    good = await sampled_group(server)
+    bad = [{**good["trajectories"][0], "items": [{"role": "user", "content": "hi"}]},  # nothing sampled
+           {**good["trajectories"][1], "items": []},
+           {**good["trajectories"][2], "items": [{"role": "user", "content": "hi"},
+                                                 {"kind": "choice", "token_ids": [10**6]}]}]
+    status, lines = await train_lines(server, "tiny", {"groups": [good, {"trajectories": bad}]})
+    assert status == 200 and lines[-1]["type"] == "result", lines
+    result = lines[-1]
+    assert result["metrics"]["num_trajectories_skipped"] == 3 and result["metrics"]["num_groups_skipped"] == 1
+    assert result["metrics"]["trained_tokens"] == result["metrics"]["trained_tokens_exact"] > 0
+    assert [line.split(":")[0] for line in result["skipped"]] == [f"group 1, trajectory {t}" for t in range(3)]
+    assert "no sampled turn" in result["skipped"][0] and "outside the model's vocabulary" in result["skipped"][2]
 
 
 async def test_api_key_is_accepted_when_right(server):

@@ -93,7 +93,7 @@ async def rollout_groups(model) -> list[art.TrajectoryGroup]:
         trajectories = []
         for choice in completion.choices:
             assert choice.logprobs is not None and choice.logprobs.content, "the client asks for logprobs"
-            assert all(t.token.startswith("token_id:") for t in choice.logprobs.content)
+            assert choice.token_ids and len(choice.token_ids) == len(choice.logprobs.content), "and sampled ids"
             text = choice.message.content or ""
             reward = sum(c.islower() for c in text) / max(1, len(text))
             trajectories.append(art.Trajectory(messages_and_choices=[*PROMPT, choice], reward=reward))
@@ -119,7 +119,7 @@ async def test_sampled_logprobs_are_the_trainers(served):
     """On-policy: the logprobs vLLM reports with each sampled token are the trainer's (the PPO ratio starts at 1)."""
     backend, model = served
     choice = (await rollout_groups(model))[0].trajectories[0].messages_and_choices[-1]
-    sampled = [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+    sampled = choice.token_ids
     reported = [t.logprob for t in choice.logprobs.content]
     assert reported == pytest.approx(reference_logprobs(backend.path, model, 0, sampled), abs=TOLERANCE)
 
@@ -156,14 +156,23 @@ async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
 
 
 async def test_control_route_forwards_to_vllm(served):
+    """With art-sky's contract on top of vLLM's: ids unless refused, the prompt ids on every choice."""
     backend, _ = served
     async with httpx.AsyncClient(base_url=backend.base_url, timeout=120,
                                  headers={"authorization": f"Bearer {backend.api_key}"}) as http:
         response = await http.post("/v1/chat/completions", json={
-            "model": "vt", "messages": PROMPT, "max_tokens": 4, "logprobs": True,
-            "return_tokens_as_token_ids": True})
+            "model": "vt", "messages": PROMPT, "max_tokens": 4, "logprobs": True, "n": 2})
+        refused = await http.post("/v1/chat/completions", json={"model": "vt", "messages": PROMPT, "max_tokens": 4,
+                                                                "return_token_ids": False})
     assert response.status_code == 200, response.text
-    assert len(response.json()["choices"][0]["logprobs"]["content"]) >= 1
+    body = response.json()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_base_model("art-sky/tiny", Settings()))
+    assert body["prompt_token_ids"] == prompt_ids(tokenizer, PROMPT, None)
+    for choice in body["choices"]:
+        assert choice["prompt_token_ids"] == body["prompt_token_ids"]
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) >= 1
+        assert not any(t["token"].startswith("token_id:") for t in choice["logprobs"]["content"])
+    assert refused.status_code == 200 and "token_ids" not in refused.json()["choices"][0]
 
 
 async def test_vllm_stops_with_the_server(served):

@@ -9,6 +9,7 @@ It serves art-sky's own client and openpipe-art 0.5's: it implements ART's Backe
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ from .art_protocol import TrainResult, model_config, sft_settings, train_config
 if TYPE_CHECKING:
     from art_sky.client import Model, TrainableModel
 
+log = logging.getLogger("art_sky")
 _RETRIES = 5  # idempotent requests survive a dropped connection (a reconnecting tunnel) this many times
 
 
@@ -245,6 +247,8 @@ class Backend:
                     elif event.type == "error":
                         raise ServerError(500, event.message or "training failed")
                     else:
+                        for skipped in event.skipped:  # the step trained without them; say which and why
+                            log.warning("%s: skipped %s", model.name, skipped)
                         return event
         except httpx.TransportError as exc:
             raise BackendUnavailableError(

@@ -1,0 +1,107 @@
+"""Chat templates that rewrite history the way real ones do, and tiny-model variants that carry them.
+
+- THINK (Qwen3's): the generation prompt opens an empty think block; assistant turns before the last user message
+  are rendered without their think block, those after it (the current tool loop) with it.
+- TOOL_JSON: tool-call arguments are re-serialised (keys sorted), whatever the model wrote; Qwen2.5's and Hermes'
+  templates re-serialise with `tojson` the same way.
+- TRIM (Llama 3's): every message's content is trimmed of surrounding whitespace.
+- ALL: the three at once (one vLLM server serves one base model, so the vLLM test uses this one).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from art_sky.cluster.model_state import resolve_base_model
+from art_sky.settings import Settings
+
+_SYSTEM = """\
+{%- if tools -%}
+<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}
+
+# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools><|im_end|>
+{% elif messages[0].role == 'system' -%}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif -%}
+{%- set ns = namespace(last_query=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}{%- endfor -%}
+"""
+
+_PLAIN_TEXT = "{%- set text = m.content or '' -%}\n"
+_TRIMMED_TEXT = "{%- set text = (m.content or '') | trim -%}\n"
+
+# Qwen3: reasoning moves out of the content; only turns after the last user message keep their think block.
+_THINK_TURN = """\
+{%- set reasoning = m.reasoning_content or '' -%}
+{%- if '</think>' in text -%}
+{%- set reasoning = text.split('</think>')[0].split('<think>')[-1].strip() -%}
+{%- set text = text.split('</think>')[-1].lstrip() -%}
+{%- endif -%}
+<|im_start|>assistant
+{% if loop.index0 > ns.last_query %}<think>
+{{ reasoning }}
+</think>
+
+{% endif %}{{ text }}"""
+_PLAIN_TURN = """\
+<|im_start|>assistant
+{{ text }}"""
+
+_ARGUMENTS_AS_GIVEN = "{{ call.arguments | tojson }}"
+_ARGUMENTS_SORTED = ("{% set args = call.arguments if call.arguments is mapping else {} -%}"
+                     "{ {%- for key, value in args | dictsort -%}{{ key | tojson }}: {{ value | tojson }}"
+                     "{%- if not loop.last %}, {% endif -%}{%- endfor -%} }")
+
+_CALLS_AND_REST = """
+{%- for call in m.tool_calls or [] -%}
+{%- set call = call.function if call.function is defined else call %}
+<tool_call>
+{"name": "{{ call.name }}", "arguments": ARGUMENTS}
+</tool_call>
+{%- endfor -%}
+<|im_end|>
+{% elif m.role == 'tool' -%}
+<|im_start|>user
+<tool_response>
+{{ text }}
+</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ text }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+GENERATION{% endif %}"""
+
+
+def _template(*, think: bool, tool_json: bool, trim: bool) -> str:
+    return (_SYSTEM
+            + "{%- for m in messages -%}\n"
+            + (_TRIMMED_TEXT if trim else _PLAIN_TEXT)
+            + "{%- if m.role == 'system' and loop.first -%}\n{%- elif m.role == 'assistant' -%}\n"
+            + (_THINK_TURN if think else _PLAIN_TURN)
+            + _CALLS_AND_REST.replace("ARGUMENTS", _ARGUMENTS_SORTED if tool_json else _ARGUMENTS_AS_GIVEN)
+            .replace("GENERATION", "<|im_start|>assistant\n<think>\n\n</think>\n\n" if think
+                     else "<|im_start|>assistant\n"))
+
+
+THINK = _template(think=True, tool_json=False, trim=False)
+TOOL_JSON = _template(think=False, tool_json=True, trim=False)
+TRIM = _template(think=False, tool_json=False, trim=True)
+ALL = _template(think=True, tool_json=True, trim=True)
+TEMPLATES = {"think": THINK, "tool_json": TOOL_JSON, "trim": TRIM, "all": ALL}
+
+
+def template_model(root: Path, name: str) -> Path:
+    """A copy of the tiny model whose chat template is TEMPLATES[name] (read by transformers and by vLLM)."""
+    path = Path(root) / f"tiny-{name}"
+    if not path.exists():
+        shutil.copytree(resolve_base_model("art-sky/tiny", Settings()), path)
+        (path / "chat_template.jinja").write_text(TEMPLATES[name])
+    return path

@@ -1,0 +1,112 @@
+"""Any client's rollouts train: a plain openai SDK client, litellm and LangChain against art-sky's endpoint, through a
+real LocalBackend. Choices that carry the engine's ids train exactly; the rest are re-rendered with the chat template
+(old logprobs missing: the on-policy path); each step reports how many trained tokens came from which."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from openai import AsyncOpenAI
+
+import art_sky as art
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm reads its price list from the web otherwise
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}]
+REWARDS = (0.0, 1.0, 3.0)  # no trajectory of a group sits at the mean: every one trains
+
+
+@pytest.fixture(scope="module")
+async def model(tmp_path_factory):
+    backend = art.LocalBackend(path=tmp_path_factory.mktemp("art"))
+    model = art.TrainableModel(name="clients", project="any", base_model="art-sky/tiny",
+                               config=art.ModelConfig(max_seq_length=1024))
+    await model.register(backend)
+    yield model
+    await backend.close()
+
+
+async def train(model, rollout) -> dict[str, float]:
+    groups = await art.gather_trajectory_groups(
+        (art.TrajectoryGroup(rollout(reward) for reward in REWARDS) for _ in range(2)), pbar_desc=None)
+    metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
+    assert metrics["num_trajectories_skipped"] == 0 and metrics["trained_tokens"] > 0
+    assert metrics["trained_tokens"] == metrics["trained_tokens_exact"] + metrics["trained_tokens_rerendered"]
+    return metrics
+
+
+async def test_plain_openai_sdk(model):
+    client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
+
+    async def rollout(reward: float, keep: str, **request) -> art.Trajectory:
+        messages, items = list(QUESTION), list(QUESTION)
+        for turn in range(2):
+            completion = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=4,
+                                                              **request)
+            choice = completion.choices[0]
+            messages += [choice.message, {"role": "user", "content": f"Sure ({turn})?"}]  # OpenAI's docs' pattern
+            items += [choice if keep == "choice" else choice.message, messages[-1]]
+        return art.Trajectory(messages_and_choices=items, reward=reward)
+
+    # the choices carry the ids the engine sampled from and sampled: every token trains exactly, with the engine's
+    # logprobs where the request asked for them and on-policy where not
+    for request in ({"logprobs": True}, {}):
+        exact = await train(model, lambda reward, request=request: rollout(reward, "choice", **request))
+        assert exact["trained_tokens_rerendered"] == 0
+    # the assistant message objects kept instead (they carry no ids), or ids refused: the chat template renders the
+    # turns again (ART's fallback)
+    for keep, request in (("message", {}), ("choice", {"extra_body": {"return_token_ids": False}})):
+        rerendered = await train(model, lambda reward, keep=keep, request=request: rollout(reward, keep, **request))
+        assert rerendered["trained_tokens_exact"] == 0
+
+    # what the endpoint returns: vLLM's fields, the prompt on every choice too, token strings left as text
+    completion = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=3,
+                                                      logprobs=True, n=2)
+    assert all(c.token_ids and c.prompt_token_ids == completion.prompt_token_ids for c in completion.choices)
+    assert not any(t.token.startswith("token_id:") for c in completion.choices for t in c.logprobs.content)
+    refused = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=3,
+                                                   extra_body={"return_token_ids": False})
+    assert "token_ids" not in (refused.choices[0].model_extra or {}) and "prompt_token_ids" not in refused.model_extra
+
+
+async def test_litellm(model):
+    import litellm
+
+    async def rollout(reward: float) -> art.Trajectory:
+        messages, items = list(QUESTION), list(QUESTION)
+        for turn in range(2):
+            response = await litellm.acompletion(
+                model=f"openai/{model.name}", api_base=model.inference_base_url, api_key=model.inference_api_key,
+                messages=messages, max_tokens=4)
+            message = response.choices[0].message
+            messages += [message, {"role": "user", "content": f"Sure ({turn})?"}]
+            items += [response if turn else response.choices[0], messages[-1]]  # a ModelResponse or its Choices
+        return art.Trajectory(messages_and_choices=items, reward=reward)
+
+    metrics = await train(model, rollout)
+    assert metrics["trained_tokens_rerendered"] == 0  # litellm keeps the ids in provider_specific_fields
+
+
+async def test_langchain(model):
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    def chat(**options) -> ChatOpenAI:
+        return ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
+                          max_tokens=4, **options)
+
+    async def rollout(reward: float, llm: ChatOpenAI) -> art.Trajectory:
+        messages = [SystemMessage("Answer briefly."), HumanMessage("What is 2 + 2?")]
+        for turn in range(2):
+            messages += [await llm.ainvoke(messages), HumanMessage(f"Sure ({turn})?")]
+        return art.Trajectory(messages_and_choices=messages, reward=reward)
+
+    # LangChain keeps no token ids: its AIMessages are re-rendered...
+    rerendered = await train(model, lambda reward: rollout(reward, chat()))
+    assert rerendered["trained_tokens_exact"] == 0
+    # ...unless the logprobs it keeps name them (vLLM's return_tokens_as_token_ids)
+    with_ids = chat(logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    exact = await train(model, lambda reward: rollout(reward, with_ids))
+    assert exact["trained_tokens_rerendered"] == 0
