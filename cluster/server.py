@@ -45,6 +45,7 @@ from .portable_engine import Job
 from .selection import Engine, select_engine, select_trainer
 from .peft_trainer import Progress
 from .sequences import Sequence, sft_sequence, tokenize_trajectory
+from .stack import installed_versions, stack_status
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
@@ -145,6 +146,7 @@ class _TooLarge(Exception):
 def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine, trainer = select_engine(settings, art_path, api_key), select_trainer(settings)
+    versions, stack = installed_versions(), stack_status(engine.name, trainer.name)
     store = CheckpointStore.from_settings(settings)
     sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
     states: dict[str, ModelState] = {}
@@ -184,7 +186,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     async def health() -> HealthResponse:
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
                               device=str(device()), models=sorted(states),
-                              inference_port=engine.inference_port)
+                              inference_port=engine.inference_port, versions=versions, stack=stack)
 
     @app.get("/v1/models", dependencies=guarded)
     async def list_models() -> dict:
