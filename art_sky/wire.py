@@ -62,6 +62,10 @@ class HealthResponse(BaseModel):
     stack: Literal["tested", "untested", "unchecked"] = Field(
         "unchecked", description="vLLM's GPU build and Unsloth against the tested GPU stack: tested, untested "
                                  "(run anyway: ART_SKY_ALLOW_UNTESTED_STACK), or unchecked (portable engine, PEFT)")
+    gpu_sharing: Literal["unsloth-standby", "vllm-sleep", "shared-weights", "none", "pending"] = Field(
+        "shared-weights", description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
+                                      "its weights, vLLM's own server asleep while training, the portable engine "
+                                      "on the trainer's model, nothing (vllm-cpu), or pending the first model")
 
 
 class RegisterRequest(_Strict):

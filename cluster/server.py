@@ -39,6 +39,7 @@ from art_sky.wire import (
     TrainRequest,
 )
 
+from .gpu_sharing import sharing_of
 from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device
 from .portable_engine import Job
@@ -186,7 +187,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     async def health() -> HealthResponse:
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
                               device=str(device()), models=sorted(states),
-                              inference_port=engine.inference_port, versions=versions, stack=stack)
+                              inference_port=engine.inference_port, versions=versions, stack=stack,
+                              gpu_sharing=sharing_of(engine))
 
     @app.get("/v1/models", dependencies=guarded)
     async def list_models() -> dict:
