@@ -78,7 +78,8 @@ class _InProcessVllm(PortableEngine):
         params = [SamplingParams(
             n=job.request.n, temperature=job.request.temperature, top_p=job.request.top_p, seed=job.request.seed,
             max_tokens=job.budget, stop=job.request.stop_strings or None, stop_token_ids=sorted(state.eos_token_ids),
-            logprobs=max(1, job.request.top_logprobs or 0), detokenize=False) for job in jobs]
+            logprobs=max(1, job.request.top_logprobs or 0), detokenize=bool(job.request.stop_strings))
+            for job in jobs]  # each step's LoRA is a new adapter id (load_lora counts): no stale prefix cache
         outputs = state.model.fast_generate([{"prompt_token_ids": job.prompt} for job in jobs], sampling_params=params,
                                             lora_request=self.lora[state.name], use_tqdm=False)
         samples = []
