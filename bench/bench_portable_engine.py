@@ -2,8 +2,8 @@
 completions are sampled together (one batch, one forward pass per token), with peak device memory.
 
 Tokens/s is the completion tokens generated over the wall time of the batch, prompt included (a random-weight
-model with a large vocabulary almost never samples its end token, so every row runs to max_tokens). Models are built from a config with random
-weights (bench/random_models.py): nothing downloads.
+model with a large vocabulary almost never samples its end token, so every row runs to max_tokens). Models are
+built from a config with random weights (bench/random_models.py): nothing downloads.
 
     python bench/bench_portable_engine.py                         # CPU: the tiny model
     python bench/bench_portable_engine.py --shape qwen2-0.5b --json out.json

@@ -10,9 +10,12 @@ import random
 from pathlib import Path
 
 # name -> Qwen2Config fields; vocabulary and tied embeddings as the real models (the LM head is a large share
-# of a small model's compute). "tiny" is art-sky/tiny itself.
+# of a small model's compute). "tiny" is art-sky/tiny itself; "tiny-152k-vocab" its body under Qwen's vocabulary
+# size, where the LM head is most of the work (a CPU-sized stand-in for what a small model's head costs).
 SHAPES: dict[str, dict] = {
     "tiny": {},
+    "tiny-152k-vocab": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=2, vocab_size=151936),
     "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936),
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
