@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 
 from art_sky.errors import BackendUnavailableError, ConfigError, SSHError
+from art_sky.gpu_stack import constraint_lines
 from art_sky.settings import settings
 from art_sky.ssh import SSHSession
 
@@ -35,9 +36,11 @@ class BootstrapOptions(BaseModel):
                                                  "dependencies; the venv step is skipped")
     venv_python: str = Field("python3", description="interpreter that creates the venv when `python` is unset")
     system_site_packages: bool = Field(False, description="the venv sees the host's packages (a preinstalled torch)")
-    extras: Literal["cluster", "gpu"] = Field("cluster", description="art-sky extras installed in the venv")
+    extras: Literal["cluster", "gpu"] = Field("cluster", description="art-sky extras installed in the venv; gpu "
+                                                                     "installs the tested GPU stack")
     constraints: list[str] = Field(default_factory=list, description="pip constraints for the venv install "
-                                                                    "(e.g. torch==2.13.0: a CPU build)")
+                                                                    "(e.g. torch==2.13.0: a CPU build), added to "
+                                                                    "the tested GPU stack's with extras=gpu")
     port: int = Field(0, description="the server's port on the remote machine; 0 picks a free one")
     art_path: str = Field("art", description="checkpoint root, relative to remote_dir unless absolute")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of the server (ART_SKY_*, "
@@ -92,9 +95,10 @@ def install(session: SSHSession, wheel: Path, options: BootstrapOptions) -> tupl
     steps = []
     if options.python is None:
         site = " --system-site-packages" if options.system_site_packages else ""
-        pins = " -c wheels/constraints.txt" if options.constraints else ""
+        constraints = options.constraints + (constraint_lines() if options.extras == "gpu" else [])
+        pins = " -c wheels/constraints.txt" if constraints else ""
         steps += [f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
-                  f"printf '%s\\n' {' '.join(q(c) for c in options.constraints)} >wheels/constraints.txt",
+                  f"printf '%s\\n' {' '.join(q(c) for c in constraints)} >wheels/constraints.txt",
                   (f"venv/bin/python -m pip install --quiet --disable-pip-version-check{pins} "
                    f"{q(f'{remote_wheel}[{options.extras}]')}")]
     steps.append(f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "

@@ -26,6 +26,11 @@ class Settings(BaseSettings):
                                                         "SkyPilot clusters skip the install")
     engine: str = Field("auto", description="inference engine: auto (vllm when importable) | vllm | portable")
     trainer: str = Field("auto", description="trainer: auto (unsloth when importable on CUDA) | unsloth | peft")
+    allow_untested_stack: bool = Field(False, description="run vLLM's GPU build or Unsloth at versions outside "
+                                       "the tested GPU stack (templates/gpu-constraints.txt) instead of refusing")
+    gpu_sharing: str = Field("auto", description="vLLM beside the Unsloth trainer on one GPU: auto (share the "
+                             "weights in one process where Unsloth supports the model, else vLLM sleeps while "
+                             "training) | sleep (always vLLM's own server, asleep while training)")
     engine_gpu_memory: float = Field(0.5, gt=0, lt=1, description="share of GPU memory vLLM may take; the "
                                      "trainer uses the rest (vLLM sleeps while training)")
     vllm_start_timeout: float = Field(600.0, description="seconds to wait for the vLLM child server to be ready")

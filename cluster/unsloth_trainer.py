@@ -3,7 +3,8 @@ GRPO step as the PEFT trainer.
 
 Only the model differs: the micro-batching, the loss (cluster/grpo.py) and the optimizer step are PeftTrainer's,
 inherited, so both trainers compute one loss. Checkpoints are the PEFT layout vLLM loads (save_pretrained of the
-PeftModel Unsloth returns).
+PeftModel Unsloth returns). With `standby` (vLLM's GPU build on the same GPU) a model whose weights Unsloth can share
+is loaded with vLLM inside (fast_inference), which the engine then serves from (cluster/gpu_sharing.py).
 """
 
 from __future__ import annotations
@@ -15,23 +16,34 @@ from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest
 
+from .gpu_sharing import standby_supported
 from .model_state import ADAPTER, DEFAULT_TARGET_MODULES, resolve_base_model
 from .peft_trainer import PeftTrainer
+from .vllm_engine import vllm_lora_rank
 
 
 class UnslothTrainer(PeftTrainer):
     name = "unsloth"
 
+    def __init__(self, microbatch_tokens: int, standby: bool = False):
+        super().__init__(microbatch_tokens)
+        self.standby = standby
+
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
+        from transformers import AutoConfig
         from unsloth import FastLanguageModel
 
         cfg = request.config
+        source = resolve_base_model(request.base_model, settings)
+        shared = {}
+        if self.standby and standby_supported(AutoConfig.from_pretrained(source)):
+            shared = dict(fast_inference=True, gpu_memory_utilization=settings.engine_gpu_memory,
+                          max_lora_rank=vllm_lora_rank(cfg.lora_rank))
         try:
             base, tokenizer = FastLanguageModel.from_pretrained(
-                model_name=resolve_base_model(request.base_model, settings), max_seq_length=cfg.max_seq_length,
-                dtype=None, load_in_4bit=False)
+                model_name=source, max_seq_length=cfg.max_seq_length, dtype=None, load_in_4bit=False, **shared)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"Unsloth cannot load base model {request.base_model!r}: {exc}. Use a local Hugging "
                               "Face model directory or a hub id on a node with internet access") from exc

@@ -156,9 +156,7 @@ class VllmEngine:
 
     def _start(self, state: ModelState) -> None:
         config = state.request.config
-        rank = next((r for r in _MAX_LORA_RANKS if r >= config.lora_rank), None)
-        if rank is None:
-            raise ConfigError(f"LoRA rank {config.lora_rank} is above vLLM's limit {_MAX_LORA_RANKS[-1]}")
+        rank = vllm_lora_rank(config.lora_rank)
         source = resolve_base_model(state.request.base_model, self.settings)
         port = _free_port()
         on_cuda = device().type == "cuda"
@@ -229,6 +227,14 @@ class VllmEngine:
         if response.status_code >= 400:
             raise EngineError(f"vLLM answered {response.status_code} to {path}: {_detail(response)}. "
                               f"See {self.log_path}")
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds a LoRA of `rank`."""
+    allowed = next((r for r in _MAX_LORA_RANKS if r >= rank), None)
+    if allowed is None:
+        raise ConfigError(f"LoRA rank {rank} is above vLLM's limit {_MAX_LORA_RANKS[-1]}")
+    return allowed
 
 
 def _free_port() -> int:

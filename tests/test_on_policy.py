@@ -51,3 +51,38 @@ def test_batched_requests_sample_as_they_would_alone(tmp_path):
             assert [t.token for t in ca.logprobs.content] == [t.token for t in cb.logprobs.content]
             assert max(abs(x.logprob - y.logprob) for x, y in zip(ca.logprobs.content, cb.logprobs.content)) < 1e-4
             assert ca.finish_reason == cb.finish_reason
+
+
+def test_packed_microbatches_train_as_one_row_at_a_time(tmp_path):
+    """Rows of different lengths and prompts packed into one padded pass (no attention mask, logits only from the
+    first trained position) give the step that one row per pass gives: same loss, KL, clip fraction and update."""
+    import copy
+    import random
+
+    from art_sky.cluster.peft_trainer import PeftTrainer
+    from art_sky.cluster.sequences import Sequence
+    from art_sky.wire import TrainConfig
+
+    state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path,
+                               Settings())
+    rng = random.Random(0)
+    batch = []
+    for length, prompt in ((40, 30), (25, 5), (33, 20), (12, 3)):
+        ids = [rng.randrange(3, 250) for _ in range(length)]
+        trained = [False] * prompt + [rng.random() < 0.8 for _ in range(length - prompt)]
+        trained[prompt] = True
+        old = [-rng.uniform(4, 7) if t else math.nan for t in trained]
+        batch.append(Sequence(ids, trained, old, rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5)))
+    config = TrainConfig(learning_rate=1e-3, beta=0.1, epsilon=0.1)
+    results = []
+    for microbatch_tokens in (200, 1):  # all four in one padded pass; one row per pass
+        run = copy.copy(state)
+        run.model, run.optimizer = copy.deepcopy(state.model), None
+        metrics = PeftTrainer(microbatch_tokens).train(run, batch, config)
+        lora = torch.cat([p.detach().flatten() for n, p in run.model.named_parameters() if "lora_" in n])
+        results.append((metrics, lora))
+    (packed, packed_lora), (alone, alone_lora) = results
+    assert packed["clip_fraction"] == alone["clip_fraction"] > 0
+    for key in ("loss", "policy_loss", "kl", "grad_norm"):
+        assert abs(packed[key] - alone[key]) < 1e-5 * max(1.0, abs(alone[key])), key
+    assert torch.allclose(packed_lora, alone_lora, atol=1e-6)

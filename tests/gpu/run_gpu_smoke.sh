@@ -12,7 +12,7 @@ VENV=.venv-gpu
 if ! "$VENV/bin/python" -c "import vllm, unsloth" 2>/dev/null; then
   python -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e ".[gpu,dev]"
+  "$VENV/bin/python" -m pip install -q -c templates/gpu-constraints.txt -e ".[gpu,dev]"  # the tested GPU stack
 fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 ART_SKY_GPU_MODEL="$(cd "$MODEL_DIR" && pwd)" "$VENV/bin/python" -m pytest tests/gpu -s -v -rs

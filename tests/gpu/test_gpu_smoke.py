@@ -1,4 +1,6 @@
-"""The production pair on a CUDA host: vLLM serves, Unsloth trains, a few GRPO steps, the adapter is reloaded.
+"""The production pair on a CUDA host: vLLM serves, Unsloth trains, a few GRPO steps, the adapter is reloaded;
+once with vLLM's own server asleep while training (vllm-sleep), once inside Unsloth sharing its weights
+(unsloth-standby).
 
 Needs CUDA, vllm and unsloth in this Python, and ART_SKY_GPU_MODEL: a small local Hugging Face chat model
 directory (e.g. Qwen2.5-0.5B-Instruct). tests/gpu/run_gpu_smoke.sh sets all of that up; elsewhere it skips.
@@ -43,14 +45,15 @@ async def prompt_logprobs(backend: art.LocalBackend, model: art.TrainableModel, 
 
 async def test_vllm_and_unsloth_train_and_serve(tmp_path):
     backend = art.LocalBackend(path=tmp_path, python=sys.executable,
-                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_TRAINER": "unsloth"})
+                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_TRAINER": "unsloth",
+                                    "ART_SKY_GPU_SHARING": "sleep"})
     model = art.TrainableModel(name="smoke", project="gpu", base_model=MODEL_DIR,
                                config=art.ModelConfig(lora_rank=16, max_seq_length=2048))
     started = time.perf_counter()
     try:
         await model.register(backend)
         health = await backend.health()
-        assert (health.engine, health.trainer) == ("vllm", "unsloth")
+        assert (health.engine, health.trainer, health.gpu_sharing) == ("vllm", "unsloth", "vllm-sleep")
         print(f"\nregistered (vLLM up, Unsloth model loaded) in {time.perf_counter() - started:.1f}s on "
               f"{torch.cuda.get_device_name()}")
         before = await prompt_logprobs(backend, model, model.name)
@@ -77,5 +80,40 @@ async def test_vllm_and_unsloth_train_and_serve(tmp_path):
         assert after != before, "vLLM still serves the step-0 adapter"
         assert await prompt_logprobs(backend, model, f"{model.name}@0") == pytest.approx(before, abs=0.05)
         print(f"total wall time {time.perf_counter() - started:.1f}s")
+    finally:
+        await backend.close()
+
+
+async def test_unsloth_standby_shares_the_weights_with_vllm(tmp_path):
+    """vLLM inside the Unsloth trainer's process (a Qwen or Llama model): served through art-sky's /v1, trained,
+    and the newest step served."""
+    backend = art.LocalBackend(path=tmp_path, python=sys.executable,
+                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_TRAINER": "unsloth"})
+    model = art.TrainableModel(name="standby", project="gpu", base_model=MODEL_DIR,
+                               config=art.ModelConfig(lora_rank=16, max_seq_length=2048))
+    try:
+        await model.register(backend)
+        health = await backend.health()
+        if health.gpu_sharing != "unsloth-standby":
+            pytest.skip(f"Unsloth does not share this model's weights ({health.gpu_sharing})")
+        client = model.openai_client()
+
+        async def greedy() -> list[float]:
+            completion = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=16,
+                                                              temperature=0)
+            return [t.logprob for t in completion.choices[0].logprobs.content]
+
+        before = await greedy()
+        for step in range(1, STEPS + 1):
+            completion = await client.chat.completions.create(model=model.name, messages=PROMPT, n=8,
+                                                              max_tokens=64, seed=step)
+            group = art.TrajectoryGroup(art.Trajectory(messages_and_choices=[*PROMPT, choice],
+                                                       reward=float(len(choice.message.content or "") < 20))
+                                        for choice in completion.choices)
+            metrics = await model.train([group], art.TrainConfig(learning_rate=1e-4))
+            print(f"standby step {step}: loss {metrics.get('loss', 0):.4f}, reward {metrics['reward']:.3f}, "
+                  f"GPU memory in use {torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]:,} bytes")
+        assert await model.get_step() == STEPS
+        assert await greedy() != before, "the engine still samples with the step-0 adapter"
     finally:
         await backend.close()
