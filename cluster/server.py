@@ -46,12 +46,8 @@ from .model_state import ModelState, create_model_state, device
 from .portable_engine import Job
 from .selection import Engine, select_engine, select_trainer
 from .peft_trainer import Progress
-<<<<<<< HEAD
 from .sequences import Built, Sequence, build_sequences, sft_sequence
-=======
-from .sequences import Sequence, sft_sequence, tokenize_trajectory
 from .stack import installed_versions, stack_status
->>>>>>> gpu
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
