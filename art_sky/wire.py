@@ -46,8 +46,10 @@ class HealthResponse(BaseModel):
     device: str
     models: list[str] = []
     inference_port: int | None = Field(
-        None, description="the engine's own OpenAI port on the server's host (vLLM), once a model is registered; "
-                          "None: inference is the server's own /v1")
+        None, description="always None: inference is the server's own /v1 (kept for clients that still read it)")
+    engine_port: int | None = Field(
+        None, description="vLLM's own port on the server's host, for benchmarks and debugging: clients sample from "
+                          "the server's /v1, which routes names to steps and checks parameters")
 
 
 class RegisterRequest(_Strict):

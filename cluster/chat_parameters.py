@@ -67,9 +67,10 @@ def refused(body: dict[str, Any], honoured: frozenset[str] | set[str], engine: s
             "parameters")
 
 
-def strip_ignored(body: dict[str, Any]) -> dict[str, Any]:
-    """The request without the parameters every engine accepts and ignores, and without explicit nulls."""
-    return {k: v for k, v in body.items() if k not in IGNORED and v is not None}
+def honoured_only(body: dict[str, Any], honoured: frozenset[str] | set[str]) -> dict[str, Any]:
+    """What the engine gets of an accepted request: its honoured parameters, without explicit nulls (what is left
+    out is ignored harmlessly, as `refused` checked)."""
+    return {k: v for k, v in body.items() if k in honoured and v is not None}
 
 
 def _names(names: list[str]) -> str:

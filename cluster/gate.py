@@ -21,33 +21,19 @@ class DeviceGate:
         self._open.set()
         self._exclusive = asyncio.Lock()
 
-    @property
-    def inflight(self) -> int:
-        return self._inflight
-
-    def enter(self) -> None:
-        """Take a shared hold now (the gate must be open: `await opened()` first). Pair with `leave()`."""
+    async def hold(self) -> Hold:
+        """A shared hold for one completion: waits while a step runs or waits. Release it when the completion's
+        device work is done (its response read, its stream ended)."""
+        while not self._open.is_set():
+            await self._open.wait()
         self._inflight += 1
         self._idle.clear()
+        return Hold(self)
 
-    def leave(self) -> None:
+    def _leave(self) -> None:
         self._inflight -= 1
         if self._inflight == 0:
             self._idle.set()
-
-    async def opened(self) -> None:
-        """Wait until no step runs or waits (returns at once on the fast path)."""
-        while not self._open.is_set():
-            await self._open.wait()
-
-    @asynccontextmanager
-    async def shared(self) -> AsyncIterator[None]:
-        await self.opened()
-        self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
@@ -58,3 +44,15 @@ class DeviceGate:
                 yield
             finally:
                 self._open.set()
+
+
+class Hold:
+    """One completion's share of the device; `release()` is idempotent, so every way a request ends may call it."""
+
+    def __init__(self, gate: DeviceGate):
+        self._gate: DeviceGate | None = gate
+
+    def release(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate._leave()

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from .chat_parameters import refused, strip_ignored
+from .chat_parameters import honoured_only, refused
 from .gate import DeviceGate
 from .model_state import ModelState
 
@@ -143,14 +144,18 @@ def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: D
             raise OpenAIError(400, f"the request body is not JSON ({exc}): send a chat completion request") from exc
         if not isinstance(body, dict):
             raise OpenAIError(400, "the request body must be a JSON object: send a chat completion request")
-        served = resolve(states, body.get("model"))
         problem = refused(body, engine.honoured, engine.name)
         if problem:
             raise OpenAIError(400, problem)
+        hold = await gate.hold()  # the model's step is read after a running training step, never before
         try:
-            result = await engine.chat(served, strip_ignored(body), gate)
-        except ValueError as exc:
+            result = await engine.chat(resolve(states, body.get("model")), honoured_only(body, engine.honoured), hold)
+        except (ValueError, TemplateError) as exc:
+            hold.release()
             raise OpenAIError(400, str(exc)) from exc
+        except BaseException:
+            hold.release()
+            raise
         if isinstance(result, SSE):
             return _GuardedStream(result)
         return Response(result, media_type="application/json")

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 from .chat_parameters import PORTABLE
-from .gate import DeviceGate
+from .gate import Hold
 from .model_state import ADAPTER, ModelState, device
 from .openai_api import SSE, OpenAIError, Served, invalid_request, sse
 from .sequences import prompt_ids
@@ -103,26 +103,27 @@ class PortableEngine:
 
     # -- the OpenAI route ----------------------------------------------------------------------------------------
 
-    async def chat(self, served: Served, body: dict, gate: DeviceGate) -> bytes | SSE:
+    async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:
+        """Sample one request in the next batch; `hold` (its share of the device gate) ends with its sampling."""
         try:
             request = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise invalid_request(exc) from exc
         job = self.prepare(served.state, request, None if served.step == served.state.step else served.step)
         if self._queue is None:
-            self._queue = _BatchQueue(self, gate)
-        if not request.stream:
-            result = await self._queue.submit(job)
-            return json.dumps(result | {"model": served.name}).encode()
-        job.stream = _Events(asyncio.get_running_loop())
+            self._queue = _BatchQueue(self)
+        if request.stream:
+            job.stream = _Events(asyncio.get_running_loop())
         done = self._queue.submit(job)
-        writer = _StreamWriter(job, served.name)
+        done.add_done_callback(lambda _: hold.release())
+        if not request.stream:
+            return json.dumps(await done | {"model": served.name}).encode()
 
         async def close() -> None:
             job.cancelled = True  # the sampler drops this job's rows at its next token
             done.cancel()
 
-        return SSE(writer.chunks(done), close)
+        return SSE(_StreamWriter(job, served.name).chunks(done), close)
 
     # -- sampling ------------------------------------------------------------------------------------------------
 
@@ -488,12 +489,11 @@ def _error_body(exc: BaseException) -> dict:
 class _BatchQueue:
     """Collects completion requests that arrive together so the engine samples them as one batch.
 
-    A batch holds the device gate while it samples: requests wait while a model trains, and when training ends
-    they go out in one batch.
+    Each request holds its share of the device gate until it is sampled: requests wait while a model trains, and
+    when training ends they go out in one batch.
     """
 
     engine: PortableEngine
-    gate: DeviceGate
     pending: list[tuple[Job, asyncio.Future]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     worker: asyncio.Task | None = None
@@ -511,17 +511,15 @@ class _BatchQueue:
             await self.wake.wait()
             self.wake.clear()
             while self.pending:
-                async with self.gate.shared():
-                    await asyncio.sleep(0.005)  # let requests sent together join this batch
-                    batch = self._take()
-                    if not batch:
-                        continue
-                    try:
-                        results = await asyncio.to_thread(self.engine.run, [job for job, _ in batch])
-                    except Exception as exc:  # one bad batch fails its requests, not the server
-                        if not isinstance(exc, OpenAIError):
-                            log.exception("inference failed")
-                        results = [exc] * len(batch)
+                await asyncio.sleep(0.005)  # let requests sent together join this batch
+                batch = self._take()
+                if not batch:
+                    continue
+                try:
+                    results = await asyncio.to_thread(self.engine.run, [job for job, _ in batch])
+                except Exception as exc:  # one bad batch fails its requests, not the server
+                    log.exception("inference failed")
+                    results = [exc] * len(batch)
                 for (_, future), result in zip(batch, results):
                     if not future.done():
                         (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
