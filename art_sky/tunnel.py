@@ -102,6 +102,7 @@ class Tunnel:
 
     def _connect(self) -> None:
         client = connect(self.target)
+        _no_delay(getattr(client.get_transport(), "sock", None))
         old, self._client = self._client, client
         if old is not None:
             old.close()
@@ -175,6 +176,7 @@ class Tunnel:
             return None
 
     def _forward(self, conn: socket.socket, peer: tuple[str, int]) -> None:
+        _no_delay(conn)
         channel = self._open_channel(peer)
         try:
             if channel is None:
@@ -200,3 +202,11 @@ class Tunnel:
                 except (OSError, paramiko.SSHException, EOFError):
                     pass  # the connection under it is already gone
             conn.close()
+
+
+def _no_delay(sock: object) -> None:
+    """Send small writes at once: with Nagle's algorithm an HTTP response written in two pieces waits for the
+    peer's delayed ACK (40 ms) before its second piece leaves. asyncio sets this on its own sockets; the tunnel's
+    are plain sockets (a ProxyCommand's pipe has no such option)."""
+    if isinstance(sock, socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -263,6 +263,7 @@ class VllmEngine:
             "VLLM_API_KEY": self.api_key,  # not on argv, where `ps` shows it
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /sleep, /wake_up
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",  # the proxy's pool drops idle connections first (30 s)
         }
         if not on_cuda:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
@@ -310,7 +311,7 @@ class VllmEngine:
                 base_url=f"http://127.0.0.1:{self.inference_port}",
                 headers={"authorization": f"Bearer {self.api_key}"},
                 timeout=httpx.Timeout(self.settings.request_timeout, connect=10.0),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30))
         return self._async
 
     def _read_parameters(self) -> None:
