@@ -10,12 +10,13 @@ so the openai SDK, litellm and LangChain raise their usual exceptions.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
@@ -25,6 +26,10 @@ from .model_state import ModelState
 
 if TYPE_CHECKING:
     from .selection import Engine
+
+
+UNAUTHORIZED = ("missing or wrong API key: send the server's key as a bearer token (model.openai_client() and the "
+                "backends do this for you)")
 
 
 class OpenAIError(Exception):
@@ -72,21 +77,6 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-class _GuardedStream(StreamingResponse):
-    """A streaming response whose engine side is closed however it ends: finished, failed, or the client gone."""
-
-    def __init__(self, stream: SSE):
-        super().__init__(stream.chunks, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self._close = stream.close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._close()
-
-
 def resolve(states: dict[str, ModelState], model_id: Any) -> Served:
     """`name` (its newest step) or `name@step` (a step whose checkpoint exists) of a registered model."""
     if not isinstance(model_id, str) or not model_id:
@@ -114,7 +104,7 @@ def _model_card(state: ModelState, step: int | None) -> dict:
     return card | ({"parent": state.name, "step": step} if step is not None else {"step": state.step})
 
 
-def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: DeviceGate,
+def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str,
             dependencies: list) -> None:
     """Add the /v1 routes to the server's app."""
     router = APIRouter(dependencies=dependencies)
@@ -136,28 +126,69 @@ def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: D
         served = resolve(states, model_id)
         return _model_card(served.state, None if "@" not in model_id else served.step)
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    app.include_router(router)
+    app.router.add_route("/v1/chat/completions", _ChatCompletions(engine, states, gate, api_key), methods=["POST"])
+
+
+class _ChatCompletions:
+    """POST /v1/chat/completions as a plain ASGI app. With vLLM behind it this is a proxy, and on a GPU node's few
+    cores its per-request work is taken from vLLM's own: no dependency injection, no response classes, each
+    server-sent event passed on as the bytes it arrived as."""
+
+    def __init__(self, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str):
+        self.engine, self.states, self.gate = engine, states, gate
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(key.strip(), self.api_key):
+            return await OpenAIError(401, UNAUTHORIZED, type="authentication_error").response()(scope, receive, send)
         try:
-            body = json.loads(await request.body())
+            result = await self._complete(await _body(receive))
+        except OpenAIError as exc:
+            return await exc.response()(scope, receive, send)
+        if not isinstance(result, SSE):
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(result)).encode())]})
+            return await send({"type": "http.response.body", "body": result})
+        try:  # however it ends (done, failed, the client gone), the engine's side is closed
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            async for chunk in result.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await result.close()
+
+    async def _complete(self, raw: bytes) -> bytes | SSE:
+        try:
+            body = json.loads(raw)
         except ValueError as exc:
             raise OpenAIError(400, f"the request body is not JSON ({exc}): send a chat completion request") from exc
         if not isinstance(body, dict):
             raise OpenAIError(400, "the request body must be a JSON object: send a chat completion request")
+        engine = self.engine
         problem = refused(body, engine.honoured, engine.name)
         if problem:
             raise OpenAIError(400, problem)
-        hold = await gate.hold()  # the model's step is read after a running training step, never before
+        hold = await self.gate.hold()  # the model's step is read after a running training step, never before
         try:
-            result = await engine.chat(resolve(states, body.get("model")), honoured_only(body, engine.honoured), hold)
+            return await engine.chat(resolve(self.states, body.get("model")), honoured_only(body, engine.honoured),
+                                     hold)
         except (ValueError, TemplateError) as exc:
             hold.release()
             raise OpenAIError(400, str(exc)) from exc
         except BaseException:
             hold.release()
             raise
-        if isinstance(result, SSE):
-            return _GuardedStream(result)
-        return Response(result, media_type="application/json")
 
-    app.include_router(router)
+
+async def _body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise OpenAIError(400, "the client went away before sending the whole request")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)

@@ -101,6 +101,9 @@ class PortableEngine:
     def close(self) -> None:
         pass
 
+    async def aclose(self) -> None:
+        pass
+
     # -- the OpenAI route ----------------------------------------------------------------------------------------
 
     async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:

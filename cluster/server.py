@@ -98,14 +98,14 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
 
     def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
-            raise HTTPException(401, "missing or wrong API key: send the server's key as a bearer token "
-                                     "(model.openai_client() and the backends do this for you)")
+            raise HTTPException(401, openai_api.UNAUTHORIZED)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
             yield
         finally:
+            await engine.aclose()  # connections made on this event loop
             await asyncio.to_thread(engine.close)  # a child engine (vLLM) stops with the server
 
     app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan)
@@ -129,7 +129,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                               device=str(device()), models=sorted(states),
                               engine_port=engine.inference_port)
 
-    openai_api.install(app, engine, states, gate, guarded)
+    openai_api.install(app, engine, states, gate, api_key, guarded)
 
     @app.post("/art/models", dependencies=guarded)
     async def register(body: RegisterRequest) -> ModelInfo:
