@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         sys.exit(f"cannot bind {args.host}:{args.port}: {exc}. Pick another --port or stop what uses it")
     port = sock.getsockname()[1]
-    # No access log: a line per completion costs the event loop what rollouts need. A long keep-alive: clients
-    # (httpx: 5 s) drop idle connections before the server does, so none reuses one the server is closing.
+    # No access log: a line per completion costs the event loop what rollouts need (and no proxy headers: the
+    # server is reached through a tunnel, never a proxy). A long keep-alive: clients (httpx: 5 s) drop idle
+    # connections before the server does, so none reuses one the server is closing.
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False,
-                                           timeout_keep_alive=75))
+                                           proxy_headers=False, timeout_keep_alive=75))
     if args.port_file:
         _write_port_file(args.port_file, port)
     logging.getLogger("art_sky.cluster").info("listening on %s:%d", args.host, port)
