@@ -75,15 +75,15 @@ class Job:
 
 class PortableEngine:
     name = "portable"
-    inference_port = None  # served by the control server's own /v1 route
+    engine_port = None  # no port of its own: it samples inside the server
     honoured = PORTABLE
 
     def __init__(self, max_new_tokens_limit: int, max_batch_rows: int = 64, max_loaded_steps: int = 4):
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_batch_rows = max_batch_rows
-        self.max_loaded_steps = max_loaded_steps
         self._queue: _BatchQueue | None = None
-        self._older: OrderedDict[tuple[int, int], str] = OrderedDict()  # (id(state), step) -> PEFT adapter name
+        self.max_older = max(1, max_loaded_steps - 1)  # older steps loaded beside each model's live adapter
+        self._older: OrderedDict[tuple[int, int], tuple[ModelState, str]] = OrderedDict()  # -> PEFT adapter
 
     # The server's engine hooks: nothing to do, the engine samples with the trainer's live model.
     def check(self, request: RegisterRequest) -> None:
@@ -118,13 +118,13 @@ class PortableEngine:
         if request.stream:
             job.stream = _Events(asyncio.get_running_loop())
         done = self._queue.submit(job)
-        done.add_done_callback(lambda _: hold.release())
+        done.add_done_callback(lambda _: hold.release())  # once the job has left the sampler, never before
         if not request.stream:
-            return json.dumps(await done | {"model": served.name}).encode()
+            return json.dumps(await asyncio.shield(done) | {"model": served.name}).encode()
 
         async def close() -> None:
             job.cancelled = True  # the sampler drops this job's rows at its next token
-            done.cancel()
+            self._queue.withdraw(job)
 
         return SSE(_StreamWriter(job, served.name).chunks(done), close)
 
@@ -167,27 +167,25 @@ class PortableEngine:
         return results
 
     def _adapters(self, jobs: list[Job]) -> list[str] | None:
-        """The PEFT adapter of each job: the live one, or an older step's checkpoint loaded beside it (LRU)."""
+        """The PEFT adapter of each job: the live one, or an older step's checkpoint loaded beside it (at most
+        max_loaded_steps - 1 older steps at once, least recently used unloaded first, never one this batch uses)."""
         if all(job.step is None for job in jobs):
             return None
-        names = []
+        needed = {(id(job.state), job.step) for job in jobs if job.step is not None}
         for job in jobs:
-            if job.step is None:
-                names.append(ADAPTER)
-                continue
             key = (id(job.state), job.step)
-            if key not in self._older:
-                name = f"step-{job.step}"
-                job.state.model.load_adapter(str(job.state.checkpoints.step_dir(job.step)), adapter_name=name)
-                self._older[key] = name
-                while len(self._older) > max(1, self.max_loaded_steps - 1):
-                    (state_id, _), evicted = self._older.popitem(last=False)
-                    if state_id == id(job.state):
-                        job.state.model.delete_adapter(evicted)
-                log.info("portable engine loaded step %d of %s", job.step, job.state.name)
+            if job.step is None or key in self._older:
+                continue
+            name = f"step-{job.step}"
+            job.state.model.load_adapter(str(job.state.checkpoints.step_dir(job.step)), adapter_name=name)
+            self._older[key] = (job.state, name)
+            log.info("portable engine loaded step %d of %s", job.step, job.state.name)
+            for old in [k for k in self._older if k not in needed][:max(0, len(self._older) - self.max_older)]:
+                state, evicted = self._older.pop(old)
+                state.model.delete_adapter(evicted)
+        for key in needed:
             self._older.move_to_end(key)
-            names.append(self._older[key])
-        return names
+        return [ADAPTER if job.step is None else self._older[(id(job.state), job.step)][1] for job in jobs]
 
     @torch.inference_mode()
     def _sample(self, jobs: list[Job]) -> list[list[Sample]]:
@@ -526,6 +524,15 @@ class _BatchQueue:
                 for (_, future), result in zip(batch, results):
                     if not future.done():
                         (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
+
+    def withdraw(self, job: Job) -> None:
+        """A job whose client went away before its batch started is dropped (one in a batch stops at its next
+        token, and its future resolves when the batch ends)."""
+        for pending in self.pending:
+            if pending[0] is job:
+                self.pending.remove(pending)
+                pending[1].cancel()
+                return
 
     def _take(self) -> list[tuple[Job, asyncio.Future]]:
         """The oldest request and those after it for the same model, up to max_batch_rows sampled rows."""

@@ -127,7 +127,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     async def health() -> HealthResponse:
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
                               device=str(device()), models=sorted(states),
-                              engine_port=engine.inference_port)
+                              engine_port=engine.engine_port)
 
     openai_api.install(app, engine, states, gate, api_key, guarded)
 

@@ -53,7 +53,7 @@ class VllmEngine:
         self.settings, self.api_key = settings, api_key
         self.log_path = Path(art_path) / "logs" / "vllm.log"
         self.sleep_mode = device().type == "cuda"  # vLLM's sleep mode needs CUDA's memory allocator
-        self.inference_port: int | None = None
+        self.engine_port: int | None = None
         self.base_model: str | None = None
         self.max_lora_rank = 0
         self.honoured: frozenset[str] = frozenset()  # vLLM's own chat request fields, read from its OpenAPI schema
@@ -277,7 +277,7 @@ class VllmEngine:
         with open(self.log_path, "ab") as out:
             self._process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
-        self.inference_port, self.base_model, self.max_lora_rank = port, state.request.base_model, rank
+        self.engine_port, self.base_model, self.max_lora_rank = port, state.request.base_model, rank
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -303,7 +303,7 @@ class VllmEngine:
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.inference_port}",
+            self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.engine_port}",
                                       headers={"authorization": f"Bearer {self.api_key}"},
                                       timeout=httpx.Timeout(self.settings.request_timeout, connect=10.0))
         return self._http
@@ -315,7 +315,7 @@ class VllmEngine:
         cores must not take from vLLM's own API server."""
         if self._http_async is None:
             self._http_async = aiohttp.ClientSession(
-                base_url=f"http://127.0.0.1:{self.inference_port}",
+                base_url=f"http://127.0.0.1:{self.engine_port}",
                 headers={"authorization": f"Bearer {self.api_key}"},
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                 timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout, sock_connect=10),

@@ -56,7 +56,7 @@ def test_health_reports_the_selected_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("ART_SKY_TRAINER", "auto")
     with TestClient(create_app(tmp_path, "key", Settings())) as client:
         health = client.get("/health").json()
-    assert (health["engine"], health["trainer"], health["inference_port"]) == ("portable", "peft", None)
+    assert (health["engine"], health["trainer"], health["engine_port"]) == ("portable", "peft", None)
 
 
 async def test_backend_points_inference_at_the_engine_port():

@@ -11,12 +11,12 @@ import asyncio
 import json
 import os
 import sys
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
+from vllm_cpu import vllm_backend
 
 import art_sky as art
 from art_sky.bootstrap import BootstrapOptions
@@ -26,7 +26,6 @@ import litellm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
 TOOLS = [
     {"type": "function", "function": {"name": "lookup", "description": "look a word up",
@@ -56,11 +55,7 @@ async def portable(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def vllm(tmp_path_factory):
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash tests/setup/40-vllm-cpu.sh` (tests/run.sh does)")
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("art"), python=str(VLLM_PYTHON),
-                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3",
-                                    "VLLM_CPU_KVCACHE_SPACE": "1"})
+    backend = vllm_backend(tmp_path_factory.mktemp("art"))
     try:
         yield await start(backend, "vsurf")
     finally:

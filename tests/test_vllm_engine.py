@@ -16,6 +16,7 @@ import pytest
 import torch
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from transformers import AutoTokenizer
+from vllm_cpu import VLLM_PYTHON, vllm_backend
 
 import art_sky as art
 from art_sky.bootstrap import BootstrapOptions
@@ -29,7 +30,6 @@ from art_sky.wire import RegisterRequest
 
 pytestmark = pytest.mark.slow
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 PROMPT = [{"role": "user", "content": "Say something in lower case."}]
 CONTINUATION = "hello world<|im_end|>"
 TOLERANCE = 2e-3  # both sides compute in float32 on the CPU
@@ -37,11 +37,7 @@ TOLERANCE = 2e-3  # both sides compute in float32 on the CPU
 
 @pytest.fixture(scope="module")
 async def served(tmp_path_factory):
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash tests/setup/40-vllm-cpu.sh` (tests/run.sh does)")
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("art"), python=str(VLLM_PYTHON),
-                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3",
-                                    "VLLM_CPU_KVCACHE_SPACE": "1"})
+    backend = vllm_backend(tmp_path_factory.mktemp("art"))
     model = art.TrainableModel(name="vt", project="p", base_model="art-sky/tiny",
                                config=art.ModelConfig(lora_rank=8, max_seq_length=1024))
     try:
@@ -204,7 +200,7 @@ async def test_control_route_forwards_to_vllm(served):
 
 async def test_vllm_stops_with_the_server(served):
     backend, _ = served
-    port = (await backend.health()).inference_port
+    port = (await backend.health()).engine_port
     await backend.close()
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "vLLM still listens after the server stopped"
