@@ -42,7 +42,8 @@ async def main() -> None:
     parser.add_argument("--python", help="the server's interpreter (default: .venv-vllm)")
     parser.add_argument("--base-model", default="art-sky/tiny")
     parser.add_argument("--concurrency", default="1,8,64", help="comma-separated levels")
-    parser.add_argument("--requests", type=int, default=64, help="completions per level, target and round")
+    parser.add_argument("--requests", type=int, default=32,
+                        help="completions per level, target and round (at least twice the concurrency)")
     parser.add_argument("--rounds", type=int, default=3, help="turns each target takes per level (median kept)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--gpu-memory", default="0.3", help="ART_SKY_ENGINE_GPU_MEMORY for vLLM")
@@ -143,7 +144,8 @@ async def throughput_table(senders: dict, body: dict, levels: list[int], request
             order = names[round_ % len(names):] + names[:round_ % len(names)]  # each target leads in turn
             for name in order:
                 client, model = senders[name]
-                rates[name].append(requests / await run_level(client, model, body, level, requests, stream))
+                count = max(requests, 2 * level)
+                rates[name].append(count / await run_level(client, model, body, level, count, stream))
         base = statistics.median(rates["vllm"])
         cells = [f"{statistics.median(r):8.1f} ({statistics.median(r) / base:5.2f}x)" for r in rates.values()]
         print(f"{level:>11} " + " ".join(f"{c:>19}" for c in cells), flush=True)
