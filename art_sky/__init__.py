@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from art_sky.backends import Backend, LocalBackend, SkyPilotBackend, SSHBackend, attach  # noqa: E402
+from art_sky.backends import Backend, LocalBackend, SkyPilotBackend, SSHBackend, TrainResult, attach  # noqa: E402
 from art_sky.client import (  # noqa: E402
     Model,
     ModelConfig,
@@ -14,4 +14,5 @@ from art_sky.client import (  # noqa: E402
 )
 
 __all__ = ["Backend", "LocalBackend", "Model", "ModelConfig", "SSHBackend", "SkyPilotBackend", "TrainConfig",
-           "TrainableModel", "Trajectory", "TrajectoryGroup", "attach", "gather_trajectory_groups", "__version__"]
+           "TrainableModel", "TrainResult", "Trajectory", "TrajectoryGroup", "attach", "gather_trajectory_groups",
+           "__version__"]

@@ -83,9 +83,10 @@ class TrainableModel(Model):
 
     async def train(self, trajectory_groups: Iterable[TrajectoryGroup], config: TrainConfig = TrainConfig(),
                     *, verbose: bool = False) -> dict[str, float]:
-        """One GRPO step on these groups; returns the step's metrics. Inference waits while it trains."""
-        groups = [g for g in trajectory_groups if len(g) > 0]
-        return await self._require_backend().train(self, groups, config, verbose=verbose)
+        """One GRPO step on these groups (ART 0.4's `model.train`); returns the step's metrics and `step`.
+        Inference waits while it trains. `backend.train(model, groups, ...)` is ART 0.5's form of the same."""
+        result = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose)
+        return result.metrics | {"step": float(result.step)}
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[CheckpointInfo]:
         """Keep the newest step and the best by `best_checkpoint_metric`; delete the rest."""
