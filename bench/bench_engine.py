@@ -13,7 +13,10 @@ to:
   tunnel        the same /v1 through the SSH tunnel (what users on a laptop hit)
   vllm-tunnel   vLLM's port through an SSH tunnel of its own: the tunnel's cost alone
 first non-streaming, then streaming (each event read as it arrives). Targets take turns, --rounds times, and the
-table prints the median completions/s of each and its ratio to vLLM. Then one GRPO step, and the time from train()
+table prints the median completions/s of each and its ratio to vLLM. On a shared machine throughput moves by tens of
+percent between rounds, so each row also gives the CPU time per completion of the proxy (the cluster server
+process, during the endpoint runs) and of vLLM (its processes, during the vllm runs): on a CPU-bound host the
+endpoint can reach at most vllm / (vllm + proxy) of vLLM's throughput. Then one GRPO step, and the time from train()
 returning to the first completion served by the new adapter.
 """
 
@@ -106,8 +109,10 @@ async def bench(backend: art.Backend, args: argparse.Namespace, stack: contextli
                    for name, (url, _) in targets.items()}
         senders = {name: (clients[name], target_model) for name, (_, target_model) in targets.items()}
         levels = [int(c) for c in args.concurrency.split(",")]
+        server = getattr(backend, "server", None)
+        pids = {"endpoint": [server.pid], "vllm": _children(server.pid)} if server else {}
         for stream in (False, True):
-            await throughput_table(senders, body, levels, args.requests, args.rounds, stream)
+            await throughput_table(senders, body, levels, args.requests, args.rounds, stream, pids)
         for client in clients.values():
             await client.aclose()
         await swap_latency(model, backend)
@@ -131,24 +136,54 @@ async def send(client: httpx.AsyncClient, model: str, body: dict, stream: bool) 
 
 
 async def throughput_table(senders: dict, body: dict, levels: list[int], requests: int, rounds: int,
-                           stream: bool) -> None:
+                           stream: bool, pids: dict[str, list[int]]) -> None:
     for client, model in senders.values():  # warm every path (connections, vLLM's first batches) before timing
         await run_level(client, model, body, 8, 16, stream)
     kind = "streaming" if stream else "non-streaming"
     print(f"\n{kind}: completions/s (median of {rounds} rounds) and ratio to vLLM")
-    print(f"{'concurrency':>11} " + " ".join(f"{name:>19}" for name in senders))
+    print(f"{'concurrency':>11} " + " ".join(f"{name:>19}" for name in senders)
+          + ("   CPU ms/completion: vLLM, proxy" if pids else ""))
     for level in levels:
         rates: dict[str, list[float]] = {name: [] for name in senders}
+        cpu: dict[str, float] = {name: 0.0 for name in pids}
+        done: dict[str, int] = {name: 0 for name in pids}
         for round_ in range(rounds):
             names = list(senders)
             order = names[round_ % len(names):] + names[:round_ % len(names)]  # each target leads in turn
             for name in order:
                 client, model = senders[name]
                 count = max(requests, 2 * level)
+                before = _cpu_seconds(pids.get(name, []))
                 rates[name].append(count / await run_level(client, model, body, level, count, stream))
+                if name in pids:
+                    cpu[name] += _cpu_seconds(pids[name]) - before
+                    done[name] += count
         base = statistics.median(rates["vllm"])
         cells = [f"{statistics.median(r):8.1f} ({statistics.median(r) / base:5.2f}x)" for r in rates.values()]
-        print(f"{level:>11} " + " ".join(f"{c:>19}" for c in cells), flush=True)
+        costs = f"   {cpu['vllm'] * 1000 / done['vllm']:6.2f}, {cpu['endpoint'] * 1000 / done['endpoint']:5.2f}" \
+            if pids else ""
+        print(f"{level:>11} " + " ".join(f"{c:>19}" for c in cells) + costs, flush=True)
+
+
+def _children(pid: int) -> list[int]:
+    """Every process under `pid` (vLLM's API server and engine core under the cluster server)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for task in Path(f"/proc/{parent}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                found.append(int(child))
+                queue.append(int(child))
+    return found
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (Linux /proc)."""
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 async def run_level(client: httpx.AsyncClient, model: str, body: dict, concurrency: int, requests: int,
