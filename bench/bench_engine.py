@@ -15,9 +15,9 @@ to:
 first non-streaming, then streaming (each event read as it arrives). Targets take turns, --rounds times, and the
 table prints the median completions/s of each and its ratio to vLLM. On a shared machine throughput moves by tens of
 percent between rounds, so each row also gives the CPU time per completion of the proxy (the cluster server
-process, during the endpoint runs) and of vLLM (its processes, during the vllm runs): on a CPU-bound host the
-endpoint can reach at most vllm / (vllm + proxy) of vLLM's throughput. Then one GRPO step, and the time from train()
-returning to the first completion served by the new adapter.
+process, during the endpoint runs) beside that of vLLM's processes (during the vllm runs; it includes threads of
+vLLM's engine that spin while they wait): what the proxy adds, measured without the neighbours' noise. Then one GRPO
+step, and the time from train() returning to the first completion served by the new adapter.
 """
 
 from __future__ import annotations
