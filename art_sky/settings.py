@@ -34,7 +34,8 @@ class Settings(BaseSettings):
     engine_gpu_memory: float = Field(0.5, gt=0, lt=1, description="share of GPU memory vLLM may take; the "
                                      "trainer uses the rest (vLLM sleeps while training)")
     vllm_start_timeout: float = Field(600.0, description="seconds to wait for the vLLM child server to be ready")
-    vllm_max_loras: int = Field(4, ge=1, description="adapters vLLM keeps on the device at once (name, name@step)")
+    vllm_max_loras: int = Field(4, ge=1, description="adapters an engine keeps loaded at once: the newest "
+                                "step of each model plus older name@step ones (vLLM's --max-loras)")
     vllm_tool_call_parser: str = Field("hermes", description="vLLM's --tool-call-parser for tool calls; empty: none")
     checkpoint_uri: str | None = Field(
         None, description="object store the cluster mirrors checkpoints to: s3://bucket/prefix, gs://bucket/prefix "

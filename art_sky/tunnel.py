@@ -8,7 +8,6 @@ a connection error that the HTTP client retries (idempotent ones), so a drop cos
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 import time
@@ -102,6 +101,7 @@ class Tunnel:
 
     def _connect(self) -> None:
         client = connect(self.target)
+        _no_delay(getattr(client.get_transport(), "sock", None))
         old, self._client = self._client, client
         if old is not None:
             old.close()
@@ -175,28 +175,50 @@ class Tunnel:
             return None
 
     def _forward(self, conn: socket.socket, peer: tuple[str, int]) -> None:
+        """One forwarded connection: this thread copies the channel to the socket, a second one the socket to the
+        channel. Blocking reads on both sides, no select(): polling a paramiko channel costs a pipe write and read
+        per SSH packet, and a streamed completion is one packet per token."""
+        _no_delay(conn)
         channel = self._open_channel(peer)
-        try:
-            if channel is None:
-                return  # closing the socket tells the client to retry
-            while not self._closed.is_set():
-                readable, _, _ = select.select([conn, channel], [], [], 1.0)
-                if conn in readable:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    channel.sendall(data)
-                if channel in readable:
-                    data = channel.recv(65536)
-                    if not data:
-                        return
-                    conn.sendall(data)
-        except (OSError, paramiko.SSHException, EOFError):
+        if channel is None:
+            conn.close()  # closing the socket tells the client to retry
             return
+        threading.Thread(target=self._to_channel, args=(conn, channel), daemon=True,
+                         name="art-sky-tunnel-upstream").start()
+        try:
+            while data := channel.recv(65536):  # b"" once the channel or the SSH connection closed
+                conn.sendall(data)
+        except (OSError, paramiko.SSHException, EOFError):
+            pass
         finally:
-            if channel is not None:
-                try:
-                    channel.close()
-                except (OSError, paramiko.SSHException, EOFError):
-                    pass  # the connection under it is already gone
+            _close_channel(channel)
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the upstream thread's recv
+            except OSError:
+                pass
             conn.close()
+
+    @staticmethod
+    def _to_channel(conn: socket.socket, channel: paramiko.Channel) -> None:
+        try:
+            while data := conn.recv(65536):  # b"" once the client closed its side
+                channel.sendall(data)
+        except (OSError, paramiko.SSHException, EOFError):
+            pass
+        finally:
+            _close_channel(channel)  # ends the downstream loop too
+
+
+def _close_channel(channel: paramiko.Channel) -> None:
+    try:
+        channel.close()
+    except (OSError, paramiko.SSHException, EOFError):
+        pass  # the connection under it is already gone
+
+
+def _no_delay(sock: object) -> None:
+    """Send small writes at once: with Nagle's algorithm an HTTP response written in two pieces waits for the
+    peer's delayed ACK (40 ms) before its second piece leaves. asyncio sets this on its own sockets; the tunnel's
+    are plain sockets (a ProxyCommand's pipe has no such option)."""
+    if isinstance(sock, socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

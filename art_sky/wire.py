@@ -54,8 +54,10 @@ class HealthResponse(BaseModel):
     device: str
     models: list[str] = []
     inference_port: int | None = Field(
-        None, description="the engine's own OpenAI port on the server's host (vLLM), once a model is registered; "
-                          "None: inference is the server's own /v1")
+        None, description="always None: inference is the server's own /v1 (kept for clients that still read it)")
+    engine_port: int | None = Field(
+        None, description="vLLM's own port on the server's host, for benchmarks and debugging: clients sample from "
+                          "the server's /v1, which routes names to steps and checks parameters")
     versions: dict[str, str] = Field(
         default_factory=dict, description="installed versions of the engine and trainer packages (vllm, unsloth, "
                                           "torch, transformers, peft, ...) and `cuda`, torch's CUDA runtime")
@@ -240,10 +242,22 @@ class ErrorResponse(BaseModel):
     detail: str
 
 
-class ChatCompletionRequest(BaseModel):
-    """The OpenAI chat completion parameters art-sky's engines honour; unknown OpenAI parameters are ignored."""
+class NamedFunction(_Strict):
+    name: str
 
-    model_config = ConfigDict(extra="ignore")
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    """The chat completion parameters the portable engine honours. The server refuses every other parameter
+    before this is built, naming it (cluster/chat_parameters.py); vLLM checks its own."""
 
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -252,17 +266,22 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool | None = Field(
         None, description="vLLM's: return prompt_token_ids and each choice's sampled token_ids; art-sky's default: "
                           "yes, false opts out")
+    ignore_eos: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
     @property
     def wants_token_ids(self) -> bool:

@@ -1,18 +1,23 @@
-"""Rollout throughput straight to the engine vs through art-sky's endpoints, and adapter swap latency.
+"""Rollout throughput through art-sky's endpoint vs raw vLLM, streaming and not, and adapter swap latency.
 
     python bench/bench_engine.py                      # vLLM (from .venv-vllm) on the tiny model, this machine
-    python bench/bench_engine.py --engine portable    # the portable engine in this Python
-    python bench/bench_engine.py --tunnel             # the same through SSH tunnels to a throwaway local sshd
+    python bench/bench_engine.py --no-tunnel          # skip the SSH tunnel (no OpenSSH here)
     python bench/bench_engine.py --base-model /models/Qwen2.5-0.5B-Instruct --python /opt/venv/bin/python
 
-One run starts a LocalBackend (or, with --tunnel, an SSHBackend to this machine's own sshd), registers a model
-and, at each concurrency, sends the same chat completions (logprobs and token ids on, as rollouts ask) to:
-  engine     the engine's own port, plain HTTP (for the portable engine that is the server's /v1)
-  tunnel     the same through the SSH tunnel the backend opened to the engine's port (--tunnel only)
-  endpoint   model.openai_client(): what users sample from (vLLM's port, tunnelled with --tunnel)
-  control    the control server's /v1 route (forwards to vLLM under the server's lock; tunnelled with --tunnel)
-and prints completions/s, tokens/s and each target's ratio to the engine. Then one GRPO step, and the time from
-train() returning to the first completion served by the new adapter.
+One run starts the cluster server through an SSHBackend to a throwaway sshd on 127.0.0.1 (OpenSSH:
+tests/setup/10-openssh.sh), registers a model and, at each concurrency, sends the same chat completions (logprobs
+and token ids on, as rollouts ask; ignore_eos so every completion is max_tokens long) with one plain httpx client
+to:
+  vllm          vLLM's own port: the baseline
+  endpoint      the cluster server's /v1 (what users hit: the proxy in front of vLLM)
+  tunnel        the same /v1 through the SSH tunnel (what users on a laptop hit)
+  vllm-tunnel   vLLM's port through an SSH tunnel of its own: the tunnel's cost alone
+first non-streaming, then streaming (each event read as it arrives). Targets take turns, --rounds times, and the
+table prints the median completions/s of each and its ratio to vLLM. On a shared machine throughput moves by tens of
+percent between rounds, so each row also gives the CPU time per completion of the proxy (the cluster server
+process, during the endpoint runs) beside that of vLLM's processes (during the vllm runs; it includes threads of
+vLLM's engine that spin while they wait): what the proxy adds, measured without the neighbours' noise. Then one GRPO
+step, and the time from train() returning to the first completion served by the new adapter.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -36,24 +42,24 @@ PROMPT = [{"role": "user", "content": "Write a short line about the sea."}]
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["vllm", "portable"], default="vllm")
-    parser.add_argument("--python", help="the server's interpreter (default: .venv-vllm for vllm, this one else)")
+    parser.add_argument("--python", help="the server's interpreter (default: .venv-vllm)")
     parser.add_argument("--base-model", default="art-sky/tiny")
     parser.add_argument("--concurrency", default="1,8,64", help="comma-separated levels")
-    parser.add_argument("--requests", type=int, default=64, help="completions per level and target")
+    parser.add_argument("--requests", type=int, default=32,
+                        help="completions per level, target and round (at least twice the concurrency)")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each target takes per level (median kept)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--gpu-memory", default="0.3", help="ART_SKY_ENGINE_GPU_MEMORY for vLLM")
-    parser.add_argument("--tunnel", action="store_true", help="go through SSH tunnels to a throwaway local sshd "
-                                                              "(OpenSSH: tests/setup/10-openssh.sh)")
+    parser.add_argument("--no-tunnel", action="store_true", help="a LocalBackend: no SSH tunnel targets")
     args = parser.parse_args()
-    python = args.python or (str(ROOT / ".venv-vllm" / "bin" / "python") if args.engine == "vllm" else sys.executable)
-    env = {"ART_SKY_ENGINE": args.engine, "ART_SKY_ENGINE_GPU_MEMORY": args.gpu_memory}
+    python = args.python or str(ROOT / ".venv-vllm" / "bin" / "python")
+    env = {"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": args.gpu_memory}
     with contextlib.ExitStack() as stack:
-        if args.tunnel:
-            backend = ssh_backend(stack, python, env)
-        else:
+        if args.no_tunnel:
             backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art-sky-bench-"), python=python, env=env)
-        await bench(backend, args)
+        else:
+            backend = ssh_backend(stack, python, env)
+        await bench(backend, args, stack)
 
 
 def ssh_backend(stack: contextlib.ExitStack, python: str, env: dict[str, str]) -> art.Backend:
@@ -72,7 +78,9 @@ def ssh_backend(stack: contextlib.ExitStack, python: str, env: dict[str, str]) -
     return art.SSHBackend(sshd.target(), options=options)
 
 
-async def bench(backend: art.Backend, args: argparse.Namespace) -> None:
+async def bench(backend: art.Backend, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+    from art_sky.tunnel import Tunnel
+
     model = art.TrainableModel(name="bench", project="bench", base_model=args.base_model,
                                config=art.ModelConfig(max_seq_length=1024))
     try:
@@ -81,72 +89,117 @@ async def bench(backend: art.Backend, args: argparse.Namespace) -> None:
         health = await backend.health()
         print(f"engine {health.engine}, trainer {health.trainer}, device {health.device}: registered in "
               f"{time.perf_counter() - started:.1f}s")
-        engine_url = (f"http://127.0.0.1:{health.inference_port}/v1" if health.inference_port
-                      else f"{backend.base_url}/v1")
-        targets = {"engine": raw_sender(engine_url, backend.api_key)}
-        if args.tunnel and health.inference_port:
-            targets["tunnel"] = raw_sender(model.inference_base_url, backend.api_key)
-        targets["endpoint"] = openai_sender(model)
-        if health.inference_port:  # (the portable engine is the control server's /v1 already)
-            targets["control"] = raw_sender(f"{backend.base_url}/v1", backend.api_key)
-        # ignore_eos (vLLM's; the portable engine ignores it): every completion is max_tokens long
-        body = {"model": model.name, "messages": PROMPT, "max_tokens": args.max_tokens, "temperature": 1.0,
-                "logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
-        await throughput_table(targets, body, [int(c) for c in args.concurrency.split(",")], args.requests)
-        await swap_latency(model)
+        step = await model.get_step()
+        targets = {"vllm": (f"http://127.0.0.1:{health.engine_port}/v1", f"{model.name}@{step}")}
+        tunnel = getattr(backend, "tunnel", None)
+        if tunnel is not None:  # the server runs on this machine: its port is reachable without the tunnel too
+            targets["endpoint"] = (f"http://127.0.0.1:{tunnel.remote[1]}/v1", model.name)
+            targets["tunnel"] = (f"{backend.base_url}/v1", model.name)
+            engine_tunnel = Tunnel(tunnel.target, health.engine_port)
+            await asyncio.to_thread(engine_tunnel.start)
+            stack.callback(engine_tunnel.close)
+            targets["vllm-tunnel"] = (f"{engine_tunnel.base_url}/v1", f"{model.name}@{step}")
+        else:
+            targets["endpoint"] = (f"{backend.base_url}/v1", model.name)
+        body = {"messages": PROMPT, "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": True,
+                "return_tokens_as_token_ids": True, "ignore_eos": True}
+        clients = {name: httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {backend.api_key}"},
+                                           timeout=600, limits=httpx.Limits(max_connections=None,
+                                                                            max_keepalive_connections=None))
+                   for name, (url, _) in targets.items()}
+        senders = {name: (clients[name], target_model) for name, (_, target_model) in targets.items()}
+        levels = [int(c) for c in args.concurrency.split(",")]
+        server = getattr(backend, "server", None)
+        pids = {"endpoint": [server.pid], "vllm": _children(server.pid)} if server else {}
+        for stream in (False, True):
+            await throughput_table(senders, body, levels, args.requests, args.rounds, stream, pids)
+        for client in clients.values():
+            await client.aclose()
+        await swap_latency(model, backend)
     finally:
         await backend.close()
 
 
-def raw_sender(base_url: str, api_key: str):
-    client = httpx.AsyncClient(base_url=base_url, headers={"authorization": f"Bearer {api_key}"}, timeout=600)
-
-    async def send(body: dict) -> int:
-        response = await client.post("/chat/completions", json=body)
+async def send(client: httpx.AsyncClient, model: str, body: dict, stream: bool) -> None:
+    payload = body | {"model": model, "stream": stream}
+    if not stream:
+        response = await client.post("/chat/completions", json=payload)
         response.raise_for_status()
-        return response.json()["usage"]["completion_tokens"]
-
-    return send
-
-
-def openai_sender(model: art.TrainableModel):
-    client = model.openai_client()
-
-    async def send(body: dict) -> int:
-        completion = await client.chat.completions.create(
-            model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
-            temperature=body["temperature"], extra_body={"ignore_eos": body["ignore_eos"]})
-        return completion.usage.completion_tokens
-
-    return send
+        assert response.json()["usage"]["completion_tokens"] == body["max_tokens"]
+        return
+    last = ""
+    async with client.stream("POST", "/chat/completions", json=payload) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():  # each event as it arrives (vLLM may put tokens together)
+            last = line or last
+    assert last == "data: [DONE]", f"the stream ended with {last!r}"
 
 
-async def throughput_table(targets: dict, body: dict, levels: list[int], requests: int) -> None:
-    for send in targets.values():  # warm every path (connections, vLLM's first batches) before timing
-        await run_level(send, body, 8, 16)
-    print(f"\n{'concurrency':>11} {'target':>9} {'compl/s':>9} {'tokens/s':>10} {'vs engine':>10}")
+async def throughput_table(senders: dict, body: dict, levels: list[int], requests: int, rounds: int,
+                           stream: bool, pids: dict[str, list[int]]) -> None:
+    for client, model in senders.values():  # warm every path (connections, vLLM's first batches) before timing
+        await run_level(client, model, body, 8, 16, stream)
+    kind = "streaming" if stream else "non-streaming"
+    print(f"\n{kind}: completions/s (median of {rounds} rounds) and ratio to vLLM")
+    print(f"{'concurrency':>11} " + " ".join(f"{name:>19}" for name in senders)
+          + ("   CPU ms/completion: vLLM, proxy" if pids else ""))
     for level in levels:
-        base = None
-        for name, send in targets.items():
-            seconds, tokens = await run_level(send, body, level, requests)
-            rate = requests / seconds
-            base = base or rate
-            print(f"{level:>11} {name:>9} {rate:>9.2f} {tokens / seconds:>10.1f} {rate / base:>9.2f}x")
+        rates: dict[str, list[float]] = {name: [] for name in senders}
+        cpu: dict[str, float] = {name: 0.0 for name in pids}
+        done: dict[str, int] = {name: 0 for name in pids}
+        for round_ in range(rounds):
+            names = list(senders)
+            order = names[round_ % len(names):] + names[:round_ % len(names)]  # each target leads in turn
+            for name in order:
+                client, model = senders[name]
+                count = max(requests, 2 * level)
+                before = _cpu_seconds(pids.get(name, []))
+                rates[name].append(count / await run_level(client, model, body, level, count, stream))
+                if name in pids:
+                    cpu[name] += _cpu_seconds(pids[name]) - before
+                    done[name] += count
+        base = statistics.median(rates["vllm"])
+        cells = [f"{statistics.median(r):8.1f} ({statistics.median(r) / base:5.2f}x)" for r in rates.values()]
+        costs = f"   {cpu['vllm'] * 1000 / done['vllm']:6.2f}, {cpu['endpoint'] * 1000 / done['endpoint']:5.2f}" \
+            if pids else ""
+        print(f"{level:>11} " + " ".join(f"{c:>19}" for c in cells) + costs, flush=True)
 
 
-async def run_level(send, body: dict, concurrency: int, requests: int) -> tuple[float, int]:
+def _children(pid: int) -> list[int]:
+    """Every process under `pid` (vLLM's API server and engine core under the cluster server)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for task in Path(f"/proc/{parent}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                found.append(int(child))
+                queue.append(int(child))
+    return found
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (Linux /proc)."""
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+async def run_level(client: httpx.AsyncClient, model: str, body: dict, concurrency: int, requests: int,
+                    stream: bool) -> float:
     gate = asyncio.Semaphore(concurrency)
 
-    async def one() -> int:
+    async def one() -> None:
         async with gate:
-            return await send(body)
+            await send(client, model, body, stream)
 
     started = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one() for _ in range(requests))))
-    return time.perf_counter() - started, tokens
+    await asyncio.gather(*(one() for _ in range(requests)))
+    return time.perf_counter() - started
 
 
-async def swap_latency(model: art.TrainableModel) -> None:
+async def swap_latency(model: art.TrainableModel, backend: art.Backend) -> None:
     """One GRPO step, then how long until a completion shows the new adapter (its greedy logprobs moved)."""
     client = model.openai_client()
 

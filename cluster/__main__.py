@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     if settings.api_key is None:
         sys.exit("ART_SKY_API_KEY is not set: the server refuses to start without an API key")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request forwarded to vLLM is too many
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -44,7 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         sys.exit(f"cannot bind {args.host}:{args.port}: {exc}. Pick another --port or stop what uses it")
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+    # No access log: a line per completion costs the event loop what rollouts need (and no proxy headers: the
+    # server is reached through a tunnel, never a proxy). A long keep-alive: clients (httpx: 5 s) drop idle
+    # connections before the server does, so none reuses one the server is closing.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False,
+                                           proxy_headers=False, timeout_keep_alive=75))
     if args.port_file:
         _write_port_file(args.port_file, port)
     logging.getLogger("art_sky.cluster").info("listening on %s:%d", args.host, port)

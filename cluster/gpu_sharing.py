@@ -22,15 +22,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastapi import HTTPException
-from openai.types.chat import ChatCompletion
-
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
-from art_sky.wire import RegisterRequest
+from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
+from .gate import Hold
 from .model_state import ModelState
-from .portable_engine import Job, PortableEngine, Sample
+from .openai_api import SSE, OpenAIError, Served
+from .portable_engine import Job, PortableEngine, Sample, _Detokenizer
 from .vllm_engine import VllmEngine
 
 log = logging.getLogger("art_sky.cluster")
@@ -64,9 +63,15 @@ class _InProcessVllm(PortableEngine):
     """The portable engine's request handling around Unsloth's in-process vLLM (`model.fast_generate`): prompts go
     in as the chat template's token ids, and the LoRA served is the newest checkpoint's."""
 
-    def __init__(self, max_new_tokens_limit: int):
-        super().__init__(max_new_tokens_limit)
+    def __init__(self, max_new_tokens_limit: int, max_batch_rows: int):
+        super().__init__(max_new_tokens_limit, max_batch_rows)
         self.lora: dict[str, Any] = {}  # model name -> the LoRARequest of its current step
+
+    def prepare(self, state: ModelState, request: ChatCompletionRequest, step: int | None = None) -> Job:
+        if step is not None:
+            raise OpenAIError(404, f"{state.name}@{step}: with unsloth-standby this server serves the newest step "
+                                   "only; ask for the model's name, or set ART_SKY_GPU_SHARING=sleep", param="model")
+        return super().prepare(state, request)
 
     def publish(self, state: ModelState) -> None:
         self.lora[state.name] = state.model.load_lora(str(state.checkpoints.step_dir(state.step)))
@@ -94,7 +99,16 @@ class _InProcessVllm(PortableEngine):
                                    top if job.request.top_logprobs else [],
                                    "length" if sampled.finish_reason == "length" else "stop"))
             samples.append(rows)
+            if job.stream:  # vLLM generated the whole reply at once: its tokens go out as one burst of events
+                job.stream.put([event for copy, row in enumerate(rows) for event in _events(job, copy, row)])
         return samples
+
+
+def _events(job: Job, copy: int, sample: Sample) -> list[tuple]:
+    """The streaming events of one sampled row, as the portable engine's sampler emits them token by token."""
+    text, last = _Detokenizer(job.state.tokenizer), len(sample.token_ids) - 1
+    return [(copy, token, sample.logprobs[i], sample.top[i] if sample.top else [], text.add(token),
+             sample.finish_reason if i == last else None) for i, token in enumerate(sample.token_ids)]
 
 
 class SharedGpuEngine:
@@ -107,13 +121,20 @@ class SharedGpuEngine:
 
     def __init__(self, settings: Settings, art_path: Path, api_key: str):
         self.server = VllmEngine(settings, art_path, api_key)
-        self.in_process = _InProcessVllm(settings.max_new_tokens_limit)
+        self.in_process = _InProcessVllm(settings.max_new_tokens_limit, settings.max_batch_rows)
         self.sharing = "pending"  # until the first model is registered
         self.state: ModelState | None = None  # the model whose vLLM serves, with standby
 
     @property
-    def inference_port(self) -> int | None:
-        return self.server.inference_port  # None with standby: inference is the control server's own /v1
+    def engine_port(self) -> int | None:
+        return self.server.engine_port  # None with standby: vLLM has no port of its own
+
+    @property
+    def honoured(self) -> frozenset[str]:
+        return self._active().honoured
+
+    def _active(self) -> VllmEngine | _InProcessVllm:
+        return self.server if self.sharing == "vllm-sleep" else self.in_process
 
     def check(self, request: RegisterRequest) -> None:
         if self.sharing == "vllm-sleep":
@@ -144,11 +165,11 @@ class SharedGpuEngine:
         if trained:
             self.in_process.publish(state)
 
-    def prepare(self, state: ModelState, request) -> Job:
-        return (self.server if self.sharing == "vllm-sleep" else self.in_process).prepare(state, request)
+    async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:
+        return await self._active().chat(served, body, hold)
 
-    def run(self, jobs: list[Job]) -> list[ChatCompletion | HTTPException]:
-        return (self.server if self.sharing == "vllm-sleep" else self.in_process).run(jobs)
+    async def aclose(self) -> None:
+        await self.server.aclose()
 
     def close(self) -> None:
         self.server.close()

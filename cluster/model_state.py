@@ -80,7 +80,7 @@ class ModelState:
                          step=self.step, restored_from=self.restored_from)
 
     def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path:
-        self.checkpoints.save(self.step, lambda tmp: self.model.save_pretrained(tmp),
+        self.checkpoints.save(self.step, lambda tmp: self.model.save_pretrained(tmp, selected_adapters=[ADAPTER]),
                               base_model=self.request.base_model, metrics=metrics)
         return self.checkpoints.step_dir(self.step)
 

@@ -1,26 +1,42 @@
 """The portable inference engine: transformers + the live PEFT adapter, on any device.
 
-It samples with the trainer's own weights, so a finished training step is served at once. Logprobs are the
+It samples with the trainer's own weights, so a finished training step is served at once; an older step
+(`name@step`) is its checkpoint's LoRA loaded beside the live one as a second PEFT adapter. Logprobs are the
 model's raw log-softmax (temperature 1, before top-p), the same quantity the trainer recomputes.
+
+Concurrent requests for the same model are sampled together as one batch (left-padded), one forward pass per
+token for all of them: on a CPU that is most of the speed there is to have. A streaming request gets each token
+as it is sampled; a client that goes away only drops its rows, the batch goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import torch
 from openai.types.chat import ChatCompletion
+from pydantic import ValidationError
 
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
-from .model_state import ModelState, device
+from .chat_parameters import PORTABLE
+from .gate import Hold
+from .model_state import ADAPTER, ModelState, device
+from .openai_api import SSE, OpenAIError, Served, invalid_request, sse
 from .sequences import prompt_ids
 
+log = logging.getLogger("art_sky.cluster")
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+_TOOL_TAG = "<tool_call>"
 
 
 @dataclass
@@ -33,23 +49,41 @@ class Sample:
 
 @dataclass
 class Job:
-    """One validated chat completion request: its prompt ids and its completion budget."""
+    """One validated chat completion request: its prompt ids, its completion budget, the step that serves it."""
 
     state: ModelState
     request: ChatCompletionRequest
     prompt: list[int]
     budget: int
+    step: int | None = None  # an older step than the live one: its checkpoint's adapter samples
+    tools: list[dict] | None = None  # the tools the prompt shows (tool_choice none: none; named: that one)
+    stream: _Events | None = None  # stream=True: sampled tokens go out as they come
+    cancelled: bool = False  # the streaming client went away: its rows stop
+
+    @property
+    def parses_tools(self) -> bool:
+        return bool(self.tools)
+
+    @property
+    def must_call(self) -> str | None:
+        """'*' when tool_choice is required, the function's name when it is named, else None."""
+        choice = self.request.tool_choice
+        if choice == "required":
+            return "*"
+        return choice.function.name if choice is not None and not isinstance(choice, str) else None
 
 
 class PortableEngine:
-    """Concurrent requests for the same model are sampled together as one batch (left-padded), one forward pass
-    per token for all of them: on a CPU that is most of the speed there is to have."""
-
     name = "portable"
-    inference_port = None  # served by the control server's own /v1 route
+    engine_port = None  # no port of its own: it samples inside the server
+    honoured = PORTABLE
 
-    def __init__(self, max_new_tokens_limit: int):
+    def __init__(self, max_new_tokens_limit: int, max_batch_rows: int = 64, max_loaded_steps: int = 4):
         self.max_new_tokens_limit = max_new_tokens_limit
+        self.max_batch_rows = max_batch_rows
+        self._queue: _BatchQueue | None = None
+        self.max_older = max(1, max_loaded_steps - 1)  # older steps loaded beside each model's live adapter
+        self._older: OrderedDict[tuple[int, int], tuple[ModelState, str]] = OrderedDict()  # -> PEFT adapter
 
     # The server's engine hooks: nothing to do, the engine samples with the trainer's live model.
     def check(self, request: RegisterRequest) -> None:
@@ -67,9 +101,47 @@ class PortableEngine:
     def close(self) -> None:
         pass
 
-    def prepare(self, state: ModelState, request: ChatCompletionRequest) -> Job:
-        """Render the prompt and check the budget; ValueError (a 400) when the request asks too much."""
-        prompt = prompt_ids(state.tokenizer, request.messages, request.tools)
+    async def aclose(self) -> None:
+        pass
+
+    # -- the OpenAI route ----------------------------------------------------------------------------------------
+
+    async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:
+        """Sample one request in the next batch; `hold` (its share of the device gate) ends with its sampling."""
+        try:
+            request = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise invalid_request(exc) from exc
+        job = self.prepare(served.state, request, None if served.step == served.state.step else served.step)
+        if self._queue is None:
+            self._queue = _BatchQueue(self)
+        if request.stream:
+            job.stream = _Events(asyncio.get_running_loop())
+        done = self._queue.submit(job)
+        done.add_done_callback(lambda _: hold.release())  # once the job has left the sampler, never before
+        if not request.stream:
+            return json.dumps(await asyncio.shield(done) | {"model": served.name}).encode()
+
+        async def close() -> None:
+            job.cancelled = True  # the sampler drops this job's rows at its next token
+            self._queue.withdraw(job)
+
+        return SSE(_StreamWriter(job, served.name).chunks(done), close)
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+
+    def prepare(self, state: ModelState, request: ChatCompletionRequest, step: int | None = None) -> Job:
+        """Render the prompt and check the request; ValueError (a 400) when it asks what this engine cannot do."""
+        if request.response_format is not None and request.response_format.get("type") != "text":
+            raise OpenAIError(400, f"response_format {request.response_format.get('type')!r} is not supported by "
+                                   "the portable engine (it cannot constrain sampling to JSON): ask for JSON in the "
+                                   "prompt and parse it, or serve with vLLM (ART_SKY_ENGINE=vllm)",
+                              param="response_format")
+        if request.parallel_tool_calls is False:
+            raise OpenAIError(400, "parallel_tool_calls=false is not supported by the portable engine: leave it "
+                                   "unset and use the first tool call", param="parallel_tool_calls")
+        tools = _tools_shown(request)
+        prompt = prompt_ids(state.tokenizer, request.messages, tools)
         asked = request.max_completion_tokens or request.max_tokens
         room = state.request.config.max_seq_length - len(prompt)
         if room <= 0:
@@ -78,20 +150,50 @@ class PortableEngine:
         if asked is not None and asked > self.max_new_tokens_limit:
             raise ValueError(f"max_tokens {asked} exceeds this server's limit {self.max_new_tokens_limit} "
                              "(ART_SKY_MAX_NEW_TOKENS_LIMIT)")
-        return Job(state, request, prompt, min(asked or self.max_new_tokens_limit, room))
+        return Job(state, request, prompt, min(asked or self.max_new_tokens_limit, room), step=step, tools=tools)
 
     def complete(self, state: ModelState, request: ChatCompletionRequest) -> ChatCompletion:
-        return self.run([self.prepare(state, request)])[0]
+        return ChatCompletion.model_validate(self.run([self.prepare(state, request)])[0])
 
-    def run(self, jobs: list[Job]) -> list[ChatCompletion]:
-        """Blocking: sample every job (all for one model) in one batch. Run it off the event loop, under the lock."""
-        samples = self._sample(jobs)
-        return [self._response(job, rows) for job, rows in zip(jobs, samples)]
+    def run(self, jobs: list[Job]) -> list[dict | None | OpenAIError]:
+        """Blocking: sample every job (all for one model) in one batch. Run it off the event loop, under the gate.
+        A non-streaming job gets its response; a streaming one got its tokens already (None)."""
+        results: list[dict | None | OpenAIError] = []
+        for job, rows in zip(jobs, self._sample(jobs)):
+            try:
+                results.append(None if job.stream else _response(job, rows))
+            except OpenAIError as exc:  # this request's answer is refused (tool_choice), not the batch's
+                results.append(exc)
+        return results
+
+    def _adapters(self, jobs: list[Job]) -> list[str] | None:
+        """The PEFT adapter of each job: the live one, or an older step's checkpoint loaded beside it (at most
+        max_loaded_steps - 1 older steps at once, least recently used unloaded first, never one this batch uses)."""
+        if all(job.step is None for job in jobs):
+            return None
+        needed = {(id(job.state), job.step) for job in jobs if job.step is not None}
+        for job in jobs:
+            key = (id(job.state), job.step)
+            if job.step is None or key in self._older:
+                continue
+            name = f"step-{job.step}"
+            job.state.model.load_adapter(str(job.state.checkpoints.step_dir(job.step)), adapter_name=name)
+            self._older[key] = (job.state, name)
+            log.info("portable engine loaded step %d of %s", job.step, job.state.name)
+            for old in [k for k in self._older if k not in needed][:max(0, len(self._older) - self.max_older)]:
+                state, evicted = self._older.pop(old)
+                state.model.delete_adapter(evicted)
+        for key in needed:
+            self._older.move_to_end(key)
+        return [ADAPTER if job.step is None else self._older[(id(job.state), job.step)][1] for job in jobs]
 
     @torch.inference_mode()
     def _sample(self, jobs: list[Job]) -> list[list[Sample]]:
         state, dev = jobs[0].state, device()
         rows = [(job, copy) for job in jobs for copy in range(job.request.n)]
+        adapters = self._adapters(jobs)
+        extra = {} if adapters is None else {
+            "adapter_names": [name for job, name in zip(jobs, adapters) for _ in range(job.request.n)]}
         width = max(len(job.prompt) for job in jobs)
         pad = state.tokenizer.pad_token_id or 0
         ids = torch.tensor([[pad] * (width - len(job.prompt)) + job.prompt for job, _ in rows], device=dev)
@@ -106,7 +208,9 @@ class PortableEngine:
         for job in jobs:
             spans.append((start, start + job.request.n))
             start += job.request.n
-        out = state.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        texts = [_Detokenizer(state.tokenizer) if job.stream or job.request.stop_strings else None
+                 for job, _ in rows]
+        out = state.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
         tokens: list[list[int]] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in rows]
@@ -115,10 +219,14 @@ class PortableEngine:
         for step in range(max(job.budget for job in jobs)):
             logits = out.logits[:, -1, :].float()
             logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = torch.cat([self._choose(logits[a:b], job.request, generator)
+            chosen = torch.cat([_choose(logits[a:b], job.request, generator)
                                 for job, generator, (a, b) in zip(jobs, generators, spans)])
-            for row, (job, _) in enumerate(rows):
+            events: dict[int, list] = {}
+            for row, (job, copy) in enumerate(rows):
                 if finish[row] is not None:
+                    continue
+                if job.cancelled:
+                    finish[row] = "cancelled"
                     continue
                 token = int(chosen[row])
                 tokens[row].append(token)
@@ -126,79 +234,79 @@ class PortableEngine:
                 if job.request.top_logprobs:
                     values, indices = logprobs[row].topk(job.request.top_logprobs)
                     tops[row].append(list(zip(indices.tolist(), values.tolist())))
+                delta = texts[row].add(token) if texts[row] else ""
                 stops = job.request.stop_strings
-                if token in eos or (stops and any(s in state.tokenizer.decode(tokens[row]) for s in stops)):
+                if (token in eos and not job.request.ignore_eos) or (
+                        stops and any(s in texts[row].text for s in stops)):
                     finish[row] = "stop"
                 elif step + 1 >= job.budget:
                     finish[row] = "length"
+                if job.stream:
+                    events.setdefault(id(job), []).append(
+                        (copy, token, logps[row][-1], tops[row][-1] if tops[row] else [], delta, finish[row]))
+            for job in jobs:
+                if id(job) in events:
+                    job.stream.put(events[id(job)])
             if all(f is not None for f in finish):
                 break
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
             positions = positions[:, -1:] + 1
             out = state.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
-                              past_key_values=out.past_key_values, use_cache=True)
+                              past_key_values=out.past_key_values, use_cache=True, **extra)
         samples = [Sample(tokens[r], logps[r], tops[r], finish[r] or "length") for r in range(len(rows))]
         return [samples[a:b] for a, b in spans]
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, request: ChatCompletionRequest, generator: torch.Generator) -> torch.Tensor:
-        if request.temperature == 0:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits / request.temperature, dim=-1)
-        if request.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            outside = sorted_probs.cumsum(dim=-1) - sorted_probs > request.top_p
-            sorted_probs[outside] = 0.0
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
-    def _response(self, job: Job, samples: list[Sample]) -> ChatCompletion:
-        request, tokenizer, prompt_len = job.request, job.state.tokenizer, len(job.prompt)
-        choices = []
-        for index, sample in enumerate(samples):
-            text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            for stop in request.stop_strings:
-                if stop in text:
-                    text = text[: text.index(stop)]
-            message: dict = {"role": "assistant", "content": text}
-            finish = sample.finish_reason
-            calls = _tool_calls(text) if request.tools else []
-            if calls:
-                message["content"] = _TOOL_CALL.sub("", text).strip() or None
-                message["tool_calls"] = calls
-                finish = "tool_calls"
-            choice: dict = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
-            if request.wants_token_ids:  # vLLM's fields, and the prompt on each choice: a Choice carries its context
-                choice |= {"token_ids": sample.token_ids, "prompt_token_ids": job.prompt}
-            if request.logprobs:
-                choice["logprobs"] = {"content": [
-                    self._token_logprob(tokenizer, token, logprob, request.return_tokens_as_token_ids,
-                                        sample.top[i] if sample.top else [])
-                    for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs))
-                ]}
-            choices.append(choice)
-        completion_tokens = sum(len(s.token_ids) for s in samples)
-        completion = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": request.model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_len + completion_tokens},
-        }
-        if request.wants_token_ids:
-            completion["prompt_token_ids"] = job.prompt
-        return ChatCompletion.model_validate(completion)
+def _choose(logits: torch.Tensor, request: ChatCompletionRequest, generator: torch.Generator) -> torch.Tensor:
+    if request.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / request.temperature
+    if request.top_k and request.top_k > 0:
+        kth = logits.topk(min(request.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if request.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > request.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
-    @staticmethod
-    def _token_logprob(tokenizer, token: int, logprob: float, as_ids: bool, top: list[tuple[int, float]]) -> dict:
-        def entry(t: int, lp: float) -> dict:
-            text = tokenizer.decode([t], skip_special_tokens=False)
-            return {"token": f"token_id:{t}" if as_ids else text, "logprob": lp, "bytes": list(text.encode())}
 
-        return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+def _tools_shown(request: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the chat template shows the model: none for tool_choice "none", only the named one when named."""
+    choice = request.tool_choice
+    if choice is not None and not request.tools:
+        raise OpenAIError(400, "tool_choice is set but the request has no tools: add tools or drop tool_choice",
+                          param="tool_choice")
+    if choice == "none":
+        return None
+    if choice is not None and not isinstance(choice, str):
+        named = [t for t in request.tools if t.get("function", {}).get("name") == choice.function.name]
+        if not named:
+            raise OpenAIError(400, f"tool_choice names function {choice.function.name!r}, which is not among the "
+                                   "request's tools", param="tool_choice")
+        return named
+    return request.tools
+
+
+def _content_and_calls(job: Job, text: str) -> tuple[str | None, list[dict]]:
+    """Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks as OpenAI tool calls, and
+    the text around them. tool_choice required / named: no such call is an error (422) naming what came back."""
+    calls = _tool_calls(text) if job.parses_tools else []
+    must = job.must_call
+    if must is not None and not any(must in ("*", c["function"]["name"]) for c in calls):
+        wanted = "a tool call" if must == "*" else f"a call of {must!r}"
+        raise OpenAIError(422, f"the model did not produce {wanted} although tool_choice asks for one (the portable "
+                               "engine instructs the model but cannot constrain it); it answered: "
+                               f"{text[:200]!r}. Retry, or serve with vLLM, which constrains tool calls",
+                          param="tool_choice", type="model_output_error")
+    if not calls:
+        return text, []
+    return _TOOL_CALL.sub("", text).strip() or None, calls
 
 
 def _tool_calls(text: str) -> list[dict]:
-    """Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, as OpenAI tool calls."""
     calls = []
     for match in _TOOL_CALL.finditer(text):
         try:
@@ -209,3 +317,239 @@ def _tool_calls(text: str) -> list[dict]:
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": str(name), "arguments": json.dumps(arguments)}})
     return calls
+
+
+def _final_text(job: Job, sample: Sample) -> str:
+    text = job.state.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    for stop in job.request.stop_strings:
+        if stop in text:
+            text = text[: text.index(stop)]
+    return text
+
+
+def _response(job: Job, samples: list[Sample]) -> dict:
+    """The chat completion, with the prompt and sampled token ids the trainer needs (vLLM's names)."""
+    request, prompt_len = job.request, len(job.prompt)
+    choices = []
+    for index, sample in enumerate(samples):
+        content, calls = _content_and_calls(job, _final_text(job, sample))
+        message: dict = {"role": "assistant", "content": content}
+        finish = sample.finish_reason
+        if calls:
+            message["tool_calls"] = calls
+            finish = "tool_calls"
+        choice: dict = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+        if request.wants_token_ids:  # vLLM's fields, and the prompt on each choice: a Choice carries its context
+            choice |= {"token_ids": sample.token_ids, "prompt_token_ids": job.prompt}
+        if request.logprobs:
+            choice["logprobs"] = {"content": [
+                _token_logprob(job, token, logprob, sample.top[i] if sample.top else [])
+                for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs))]}
+        choices.append(choice)
+    completion_tokens = sum(len(s.token_ids) for s in samples)
+    completion = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": request.model, "choices": choices,
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_len + completion_tokens},
+    }
+    return completion | ({"prompt_token_ids": job.prompt} if request.wants_token_ids else {})
+
+
+def _token_logprob(job: Job, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+    tokenizer, as_ids = job.state.tokenizer, job.request.return_tokens_as_token_ids
+
+    def entry(t: int, lp: float) -> dict:
+        text = tokenizer.decode([t], skip_special_tokens=False)
+        return {"token": f"token_id:{t}" if as_ids else text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+
+
+class _Detokenizer:
+    """Text of a growing token list, one delta per token (held back while a character is incomplete)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read, self.text = tokenizer, [], 0, 0, ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += after[len(before):]
+        return after[len(before):]
+
+
+class _Events:
+    """Sampled tokens from the sampler thread to the request's stream on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, events: list) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, events)
+
+
+class _StreamWriter:
+    """One streaming job's server-sent events, in OpenAI's chunk format with vLLM's token id fields."""
+
+    def __init__(self, job: Job, model: str):
+        self.job, self.model = job, model
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        n = job.request.n
+        self.sent = [""] * n  # content already sent per choice
+        self.text = [""] * n
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.finished = [False] * n
+        self.holds = [s for s in job.request.stop_strings] + ([_TOOL_TAG] if job.parses_tools else [])
+
+    def _chunk(self, choices: list[dict], **extra) -> bytes:
+        return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": choices, **extra})
+
+    async def chunks(self, done: asyncio.Future) -> AsyncIterator[bytes]:
+        job = self.job
+        first = {"prompt_token_ids": job.prompt} if job.request.wants_token_ids else {}
+        yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(job.request.n)], **first)
+        while not all(self.finished):
+            if done.done():  # every event of a finished batch is queued before its future resolves
+                events = [] if job.stream.queue.empty() else job.stream.queue.get_nowait()
+                if not events:
+                    if not done.cancelled() and done.exception() is not None:
+                        yield sse({"error": _error_body(done.exception())})
+                    return
+            else:
+                getter = asyncio.ensure_future(job.stream.queue.get())
+                await asyncio.wait([getter, done], return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                events = getter.result()
+            for event in events:
+                for piece in self._token(*event):
+                    yield piece
+        if job.request.stream_options is not None and job.request.stream_options.include_usage:
+            completion = sum(len(t) for t in self.tokens)
+            yield self._chunk([], usage={"prompt_tokens": len(job.prompt), "completion_tokens": completion,
+                                         "total_tokens": len(job.prompt) + completion})
+        yield b"data: [DONE]\n\n"
+
+    def _token(self, index: int, token: int, logprob: float, top: list, delta: str, finish: str | None):
+        job = self.job
+        self.tokens[index].append(token)
+        self.text[index] += delta
+        choice: dict = {"index": index, "delta": {}, "logprobs": None, "finish_reason": None}
+        if job.request.wants_token_ids:
+            choice["token_ids"] = [token]
+        if job.request.logprobs:
+            choice["logprobs"] = {"content": [_token_logprob(job, token, logprob, top)]}
+        if finish is None:
+            choice["delta"]["content"] = self._releasable(index)
+            yield self._chunk([choice])
+            return
+        self.finished[index] = True
+        sample = Sample(self.tokens[index], [], [], finish)
+        try:
+            content, calls = _content_and_calls(job, _final_text(job, sample))
+        except OpenAIError as exc:
+            yield self._chunk([choice | {"delta": {"content": ""}}])
+            yield sse({"error": _error_body(exc)})
+            self.finished = [True] * len(self.finished)
+            return
+        rest = (content or "")[len(self.sent[index]):] if (content or "").startswith(self.sent[index]) else ""
+        choice["delta"]["content"] = rest
+        if calls:
+            choice["delta"]["tool_calls"] = [call | {"index": i} for i, call in enumerate(calls)]
+            finish = "tool_calls"
+        choice["finish_reason"] = finish
+        yield self._chunk([choice])
+
+    def _releasable(self, index: int) -> str:
+        """New text that can no longer turn into a stop string or a tool call."""
+        text = self.text[index]
+        if _TOOL_TAG in self.holds and _TOOL_TAG in text:
+            text = text[: text.index(_TOOL_TAG)]
+        for hold in self.holds:
+            for size in range(min(len(hold) - 1, len(text)), 0, -1):
+                if text.endswith(hold[:size]):
+                    text = text[:-size]
+                    break
+        if not text.startswith(self.sent[index]) or len(text) <= len(self.sent[index]):
+            return ""
+        new, self.sent[index] = text[len(self.sent[index]):], text
+        return new
+
+
+def _error_body(exc: BaseException) -> dict:
+    if isinstance(exc, OpenAIError):
+        return exc.body()
+    return {"message": f"sampling failed: {exc}", "type": "server_error", "param": None, "code": 500}
+
+
+@dataclass
+class _BatchQueue:
+    """Collects completion requests that arrive together so the engine samples them as one batch.
+
+    Each request holds its share of the device gate until it is sampled: requests wait while a model trains, and
+    when training ends they go out in one batch.
+    """
+
+    engine: PortableEngine
+    pending: list[tuple[Job, asyncio.Future]] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    worker: asyncio.Task | None = None
+
+    def submit(self, job: Job) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((job, future))
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.create_task(self._work())
+        self.wake.set()
+        return future
+
+    async def _work(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while self.pending:
+                await asyncio.sleep(0.005)  # let requests sent together join this batch
+                batch = self._take()
+                if not batch:
+                    continue
+                try:
+                    results = await asyncio.to_thread(self.engine.run, [job for job, _ in batch])
+                except Exception as exc:  # one bad batch fails its requests, not the server
+                    log.exception("inference failed")
+                    results = [exc] * len(batch)
+                for (_, future), result in zip(batch, results):
+                    if not future.done():
+                        (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
+
+    def withdraw(self, job: Job) -> None:
+        """A job whose client went away before its batch started is dropped (one in a batch stops at its next
+        token, and its future resolves when the batch ends)."""
+        for pending in self.pending:
+            if pending[0] is job:
+                self.pending.remove(pending)
+                pending[1].cancel()
+                return
+
+    def _take(self) -> list[tuple[Job, asyncio.Future]]:
+        """The oldest request and those after it for the same model, up to max_batch_rows sampled rows."""
+        self.pending = [(job, future) for job, future in self.pending if not future.done()]
+        if not self.pending:
+            return []
+        state = self.pending[0][0].state
+        batch, rest, rows = [], [], 0
+        for job, future in self.pending:
+            if job.state is state and (not batch or rows + job.request.n <= self.engine.max_batch_rows):
+                batch.append((job, future))
+                rows += job.request.n
+            else:
+                rest.append((job, future))
+        self.pending = rest
+        return batch

@@ -71,7 +71,7 @@ def select_engine(settings: Settings, art_path: Path, api_key: str) -> Engine:
         if shares_gpu_with_unsloth(settings):
             return SharedGpuEngine(settings, art_path, api_key)
         return VllmEngine(settings, art_path, api_key)
-    return PortableEngine(settings.max_new_tokens_limit)
+    return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras)
 
 
 def select_trainer(settings: Settings) -> PeftTrainer:

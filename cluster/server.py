@@ -1,8 +1,8 @@
 """The cluster server: art-sky's control API and an OpenAI-compatible endpoint, one FastAPI app.
 
 Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key.
-One lock serialises the device between inference and training, ART's semantics: while a model trains,
-completions wait.
+The OpenAI surface (/v1) is cluster/openai_api.py. The device gate (cluster/gate.py) keeps inference and training
+apart, ART's semantics: while a model trains, completions wait.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from jinja2 import TemplateError
 
 import art_sky
 from art_sky.checkpoints import history_entry, steps_to_keep
@@ -27,7 +26,6 @@ from art_sky.errors import CheckpointStoreError, ConfigError, EngineError, Token
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
-    ChatCompletionRequest,
     CheckpointInfo,
     DeleteCheckpointsRequest,
     HealthResponse,
@@ -40,71 +38,19 @@ from art_sky.wire import (
     TrainRequest,
 )
 
+from . import openai_api
+from .gate import DeviceGate
 from .gpu_sharing import sharing_of
 from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device
-from .portable_engine import Job
-from .selection import Engine, select_engine, select_trainer
 from .peft_trainer import Progress
+from .selection import select_engine, select_trainer
 from .sequences import Built, Sequence, build_sequences, sft_sequence
 from .stack import installed_versions, stack_status
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
 _LOGGED_SKIPS = 100  # skipped trajectories named one by one in the log and the step's result
-
-
-class InferenceQueue:
-    """Collects completion requests that arrive together so the engine samples them as one batch.
-
-    Requests wait while a model trains (the device lock); when training ends they go out in one batch.
-    """
-
-    def __init__(self, engine: Engine, lock: asyncio.Lock, max_rows: int):
-        self.engine, self.lock, self.max_rows = engine, lock, max_rows
-        self.pending: list[tuple[Job, asyncio.Future]] = []
-        self.wake = asyncio.Event()
-        self.worker: asyncio.Task | None = None
-
-    async def submit(self, job: Job):
-        future = asyncio.get_running_loop().create_future()
-        self.pending.append((job, future))
-        if self.worker is None or self.worker.done():
-            self.worker = asyncio.create_task(self._work())
-        self.wake.set()
-        return await future
-
-    async def _work(self) -> None:
-        while True:
-            await self.wake.wait()
-            self.wake.clear()
-            while self.pending:
-                async with self.lock:
-                    await asyncio.sleep(0.005)  # let requests sent together join this batch
-                    batch = self._take()
-                    try:
-                        results = await asyncio.to_thread(self.engine.run, [job for job, _ in batch])
-                    except Exception as exc:  # one bad batch fails its requests, not the server
-                        log.exception("inference failed")
-                        results = [exc] * len(batch)
-                for (_, future), result in zip(batch, results):
-                    if not future.done():
-                        (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
-
-    def _take(self) -> list[tuple[Job, asyncio.Future]]:
-        """The oldest request and those after it for the same model, up to max_rows sampled rows."""
-        state = self.pending[0][0].state
-        batch, rest, rows = [], [], 0
-        for job, future in self.pending:
-            if future.done():
-                continue
-            if job.state is state and (not batch or rows + job.request.n <= self.max_rows):
-                batch.append((job, future))
-                rows += job.request.n
-            else:
-                rest.append((job, future))
-        self.pending = rest
-        return batch
 
 
 class BodySizeLimit:
@@ -153,21 +99,20 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     store = CheckpointStore.from_settings(settings)
     sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
     states: dict[str, ModelState] = {}
-    lock = asyncio.Lock()
-    inference = InferenceQueue(engine, lock, settings.max_batch_rows)
+    gate = DeviceGate()
     background: set[asyncio.Task] = set()
     bearer = HTTPBearer(auto_error=False)
 
     def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
-            raise HTTPException(401, "missing or wrong API key: send the server's key as a bearer token "
-                                     "(model.openai_client() and the backends do this for you)")
+            raise HTTPException(401, openai_api.UNAUTHORIZED)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
             yield
         finally:
+            await engine.aclose()  # connections made on this event loop
             await asyncio.to_thread(engine.close)  # a child engine (vLLM) stops with the server
 
     app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan)
@@ -189,28 +134,14 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     async def health() -> HealthResponse:
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
                               device=str(device()), models=sorted(states),
-                              inference_port=engine.inference_port, versions=versions, stack=stack,
+                              engine_port=engine.engine_port, versions=versions, stack=stack,
                               gpu_sharing=sharing_of(engine))
 
-    @app.get("/v1/models", dependencies=guarded)
-    async def list_models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "art-sky"} for name in sorted(states)]}
-
-    @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: ChatCompletionRequest) -> dict:
-        if body.stream:
-            raise HTTPException(400, "stream=True is not supported by the portable engine: request without "
-                                     "streaming")
-        try:
-            job = engine.prepare(model(body.model), body)
-        except (ValueError, TemplateError) as exc:
-            raise HTTPException(400, str(exc)) from exc
-        return (await inference.submit(job)).model_dump(exclude_none=True)
+    openai_api.install(app, engine, states, gate, api_key, guarded)
 
     @app.post("/art/models", dependencies=guarded)
     async def register(body: RegisterRequest) -> ModelInfo:
-        async with lock:
+        async with gate.exclusive():
             if body.name in states:
                 existing = states[body.name].request
                 if (existing.project, existing.base_model) != (body.project, body.base_model):
@@ -265,7 +196,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             return metrics
 
         async def run() -> None:
-            async with lock:
+            async with gate.exclusive():
                 try:
                     metrics = await asyncio.to_thread(step)
                 except Exception as exc:  # reported to the client; the server keeps serving
@@ -354,7 +285,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     @app.post("/art/models/{name}/checkpoints/delete", dependencies=guarded)
     async def delete_checkpoints(name: str, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
         state = model(name)
-        async with lock:
+        async with gate.exclusive():
             steps = state.checkpoints.steps()
             keep = (set(body.keep_steps) if body.keep_steps is not None else
                     steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last))

@@ -1,15 +1,22 @@
-"""The vLLM engine: vLLM's own OpenAI server as a child process, serving each model's newest LoRA under its name.
+"""The vLLM engine: vLLM's own OpenAI server as a child process, behind the cluster server's /v1.
 
-Users sample from vLLM's port directly (tunnelled like the control port), so inference pays no proxy; the health
-route reports that port. vLLM starts at the first registration, when the base model is known, and serves that
-one base model. After every training step the new checkpoint is loaded under the model's name; `name@step`
-resolves any checkpoint on disk on first use (vLLM's filesystem LoRA resolver over a folder of links).
-While a model trains, vLLM is paused (requests queue, ART's semantics) and on CUDA put to sleep, so the trainer
-gets its GPU memory back; it wakes and resumes after the step.
+The cluster server's /v1 is an async streaming proxy in front of vLLM (one port and one tunnel for the laptop):
+it routes a model's name to its newest step, refuses what vLLM would silently ignore, and passes vLLM's
+responses and server-sent events through, with the prompt and sampled token ids the trainer needs. vLLM starts
+at the first registration, when the base model is known, and serves that one base model.
+
+Each trained step is its own LoRA adapter in vLLM, named `name@step`, never reloaded under a name it had before:
+vLLM's prefix cache keys KV blocks by adapter, and an adapter swapped under one name can reuse blocks computed
+with the old weights (vLLM issue #42125). After a step the new adapter is loaded, the model's name routes to it
+and the previous one is unloaded; older steps load on demand as `name@step`, at most ART_SKY_VLLM_MAX_LORAS at
+once (least recently used ones are unloaded first). While a model trains, vLLM is paused (requests wait at the
+proxy, ART's semantics) and on CUDA put to sleep, so the trainer gets its GPU memory back.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import signal
@@ -17,21 +24,21 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, OrderedDict
 from pathlib import Path
 
+import aiohttp
 import httpx
-from fastapi import HTTPException
-from openai.types.chat import ChatCompletion
 
 from art_sky.backends.local import tail
 from art_sky.checkpoints import step_name
 from art_sky.errors import ConfigError, EngineError
 from art_sky.settings import Settings
-from art_sky.wire import ChatCompletionRequest, RegisterRequest
+from art_sky.wire import RegisterRequest
 
+from .gate import Hold
 from .model_state import ModelState, device, resolve_base_model
-from .portable_engine import Job
+from .openai_api import SSE, OpenAIError, Served
 
 log = logging.getLogger("art_sky.cluster")
 
@@ -45,13 +52,18 @@ class VllmEngine:
     def __init__(self, settings: Settings, art_path: Path, api_key: str):
         self.settings, self.api_key = settings, api_key
         self.log_path = Path(art_path) / "logs" / "vllm.log"
-        self.links = Path(art_path) / "vllm-adapters"  # <name>@<step> -> checkpoint dir, for the resolver
         self.sleep_mode = device().type == "cuda"  # vLLM's sleep mode needs CUDA's memory allocator
-        self.inference_port: int | None = None
+        self.engine_port: int | None = None
         self.base_model: str | None = None
         self.max_lora_rank = 0
+        self.honoured: frozenset[str] = frozenset()  # vLLM's own chat request fields, read from its OpenAPI schema
         self._process: subprocess.Popen | None = None
-        self._http: httpx.Client | None = None
+        self._http: httpx.Client | None = None  # control calls, from the server's worker threads
+        self._http_async: aiohttp.ClientSession | None = None  # completions, on the event loop
+        self._loaded: OrderedDict[str, None] = OrderedDict()  # adapters in vLLM, least recently used first
+        self._current: dict[str, str] = {}  # model name -> the adapter of its newest step
+        self._inflight: Counter[str] = Counter()  # adapter -> completions using it now
+        self._loading: asyncio.Lock | None = None
 
     # -- the server's hooks ------------------------------------------------------------------------------------
 
@@ -71,45 +83,25 @@ class VllmEngine:
         """Serve a newly registered model: start vLLM on its base model if needed, load its current step."""
         if self._process is None:
             self._start(state)
-        self._publish(state)
+        self._serve_newest(state)
 
     def pause(self) -> None:
-        """Before a training step: hold new requests, let running ones finish, free GPU memory on CUDA."""
+        """Before a training step (no completion in flight: the gate drained them): hold vLLM, free GPU memory on
+        CUDA."""
         if self.sleep_mode:
             self._post("/sleep", params={"level": 1, "mode": "wait"})
         else:
             self._post("/pause", params={"mode": "wait"})
 
     def resume(self, state: ModelState, trained: bool) -> None:
-        """After a training step: wake up, serve the new checkpoint under the model's name, release requests."""
+        """After a training step: wake up, serve the new step's adapter under the model's name, resume."""
         try:
             if self.sleep_mode:
                 self._post("/wake_up")
             if trained:
-                self._publish(state)
+                self._serve_newest(state)
         finally:
             self._post("/resume")
-
-    # The control server's own /v1 route forwards to vLLM (users get vLLM's port and skip this hop).
-    def prepare(self, state: ModelState, request: ChatCompletionRequest) -> Job:
-        return Job(state, request, prompt=[], budget=0)  # vLLM renders the prompt and checks the budget itself
-
-    def run(self, jobs: list[Job]) -> list[ChatCompletion | HTTPException]:
-        """Blocking: forward a batch concurrently; a request vLLM refuses gets vLLM's status and message."""
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            return list(pool.map(self._forward, jobs))
-
-    def _forward(self, job: Job) -> ChatCompletion | HTTPException:
-        """art-sky's contract on top of vLLM's: ids unless refused, and the prompt ids on every choice."""
-        body = job.request.model_dump(exclude_unset=True) | {"return_token_ids": job.request.wants_token_ids}
-        response = self._client().post("/v1/chat/completions", json=body)
-        if response.status_code >= 400:
-            return HTTPException(response.status_code, f"vLLM: {_detail(response)}")
-        completion = response.json()
-        if completion.get("prompt_token_ids") is not None:
-            for choice in completion["choices"]:
-                choice["prompt_token_ids"] = completion["prompt_token_ids"]
-        return ChatCompletion.model_validate(completion)
 
     def close(self) -> None:
         """Stop vLLM and its engine processes (its own process group)."""
@@ -127,25 +119,120 @@ class VllmEngine:
             process.wait()
         log.info("vLLM stopped")
 
+    # -- the OpenAI route: a streaming proxy ---------------------------------------------------------------------
+
+    async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:
+        """Forward one chat completion to vLLM under the served step's adapter. Non-streaming: the response, with
+        the prompt's token ids copied onto each choice (a trajectory keeps choices, not completions). Streaming:
+        vLLM's events as they come (the prompt ids ride on the first one)."""
+        adapter = await self._use(served)
+        done = False
+
+        def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                hold.release()
+                self._inflight[adapter] -= 1
+
+        body["model"] = adapter
+        if body.get("return_token_ids") is None:  # ids unless refused: any client's choices then train exactly
+            body["return_token_ids"] = True
+        stream = bool(body.get("stream"))
+        try:
+            try:
+                response = await self._session().post("/v1/chat/completions", data=json.dumps(body).encode(),
+                                                      headers={"content-type": "application/json"})
+            except (aiohttp.ClientError, OSError) as exc:
+                raise OpenAIError(503, f"vLLM did not answer ({exc!r}); see {self.log_path}",
+                                  type="server_error") from exc
+            if response.status >= 400:
+                text = await response.text()
+                response.release()
+                raise OpenAIError(response.status, f"vLLM: {_message(text)}", param=_param(text), type="vllm_error")
+            if not stream:
+                content = await response.read()
+                finish()
+                completion = json.loads(content)
+                if completion.get("prompt_token_ids") is None:
+                    return content
+                for choice in completion.get("choices", []):
+                    choice["prompt_token_ids"] = completion["prompt_token_ids"]
+                return json.dumps(completion).encode()
+        except BaseException:
+            finish()
+            raise
+
+        async def close() -> None:
+            finish()
+            response.close()  # drops the connection: vLLM aborts a request whose client went away
+
+        async def chunks():
+            try:
+                async for raw in response.content.iter_any():
+                    yield raw
+            finally:
+                await close()
+
+        return SSE(chunks(), close)
+
+    async def aclose(self) -> None:
+        """Close the completions' connection pool (on the event loop that made it)."""
+        session, self._http_async = self._http_async, None
+        if session is not None:
+            await session.close()
+
     # -- adapters ----------------------------------------------------------------------------------------------
 
-    def _publish(self, state: ModelState) -> None:
-        """Link every checkpoint for `name@step`, drop links (and adapters) of deleted steps, swap `name`."""
-        self.links.mkdir(parents=True, exist_ok=True)
-        for link in self.links.glob(f"{state.name}@*"):
-            if not link.exists():  # its checkpoint was deleted: nothing refers to that adapter any more
-                link.unlink()
-                self._unload(link.name)
-        for step in state.checkpoints.steps():
-            link = self.links / f"{state.name}@{step}"
-            if not link.is_symlink():
-                link.symlink_to(state.checkpoints.step_dir(step).resolve(), target_is_directory=True)
-        # An unload and a load, not vLLM's load_inplace: the request an in-place load stores keeps that flag, and
-        # vLLM's worker re-reads such an adapter from disk whenever it activates it.
-        path = state.checkpoints.step_dir(state.step).resolve()
-        self._unload(state.name)
-        self._post("/v1/load_lora_adapter", json={"lora_name": state.name, "lora_path": str(path)})
-        log.info("vLLM serves %s at step %d (%s)", state.name, state.step, step_name(state.step))
+    def _serve_newest(self, state: ModelState) -> None:
+        """(Worker thread, the device gate held alone.) Load the newest step as `name@step`, route the model's name
+        to it, unload the adapter it replaces."""
+        adapter, previous = f"{state.name}@{state.step}", self._current.get(state.name)
+        if adapter not in self._loaded:
+            self._post("/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": self._path(state,
+                                                                                                    state.step)})
+            self._loaded[adapter] = None
+        self._current[state.name] = adapter
+        if previous is not None and previous != adapter:
+            self._unload(previous)
+            self._loaded.pop(previous, None)
+        log.info("vLLM serves %s as %s (%s)", state.name, adapter, step_name(state.step))
+
+    async def _use(self, served: Served) -> str:
+        """The adapter of the served step, loaded (an older step on first use) and counted as in use."""
+        adapter = served.name
+        if adapter not in self._loaded:
+            if self._loading is None:
+                self._loading = asyncio.Lock()
+            async with self._loading:
+                if adapter not in self._loaded:
+                    await self._load_older(served)
+        self._loaded.move_to_end(adapter)
+        self._inflight[adapter] += 1
+        return adapter
+
+    async def _load_older(self, served: Served) -> None:
+        pinned = set(self._current.values())
+        while len(self._loaded) >= self.settings.vllm_max_loras:
+            idle = [a for a in self._loaded if a not in pinned and not self._inflight[a]]
+            if not idle:
+                break  # every loaded adapter is in use: vLLM's own LRU makes room on the device
+            async with self._session().post("/v1/unload_lora_adapter", json={"lora_name": idle[0]}) as response:
+                if response.status not in (200, 404):
+                    raise OpenAIError(503, f"vLLM refused to unload adapter {idle[0]!r}: "
+                                           f"{_message(await response.text())}", type="server_error")
+            del self._loaded[idle[0]]
+        async with self._session().post("/v1/load_lora_adapter", json={
+                "lora_name": served.name, "lora_path": self._path(served.state, served.step)}) as response:
+            if response.status >= 400:
+                raise OpenAIError(503, f"vLLM could not load {served.name!r}: {_message(await response.text())}",
+                                  type="server_error")
+        self._loaded[served.name] = None
+        log.info("vLLM loaded %s on demand", served.name)
+
+    @staticmethod
+    def _path(state: ModelState, step: int) -> str:
+        return str(state.checkpoints.step_dir(step).resolve())
 
     def _unload(self, lora_name: str) -> None:
         response = self._client().post("/v1/unload_lora_adapter", json={"lora_name": lora_name})
@@ -178,12 +265,11 @@ class VllmEngine:
         else:
             log.info("vLLM sleep mode needs CUDA: on %s vLLM keeps its memory while training (paused only)",
                      device().type)
-        self.links.mkdir(parents=True, exist_ok=True)
         env = os.environ | {
             "VLLM_API_KEY": self.api_key,  # not on argv, where `ps` shows it
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /sleep, /wake_up
-            "VLLM_LORA_RESOLVER_CACHE_DIR": str(self.links),
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",  # the proxy's pool drops idle connections first (30 s)
         }
         if not on_cuda:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
@@ -192,7 +278,7 @@ class VllmEngine:
         with open(self.log_path, "ab") as out:
             self._process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
-        self.inference_port, self.base_model, self.max_lora_rank = port, state.request.base_model, rank
+        self.engine_port, self.base_model, self.max_lora_rank = port, state.request.base_model, rank
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -207,6 +293,7 @@ class VllmEngine:
             try:
                 if self._client().get("/health", timeout=5).status_code == 200:
                     log.info("vLLM ready in %.0fs", time.monotonic() - started)
+                    self._read_parameters()
                     return
             except httpx.TransportError:
                 pass
@@ -217,10 +304,38 @@ class VllmEngine:
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.inference_port}",
+            self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.engine_port}",
                                       headers={"authorization": f"Bearer {self.api_key}"},
                                       timeout=httpx.Timeout(self.settings.request_timeout, connect=10.0))
         return self._http
+
+    def _session(self) -> aiohttp.ClientSession:
+        """One pooled client for every completion: no connection limit (vLLM batches whatever comes), idle
+        connections kept 30 s (vLLM keeps them 75 s, so none is reused while vLLM closes it). aiohttp, not httpx:
+        its C parser and pool cost a fraction of httpx's CPU per request, which a proxy on the GPU node's few
+        cores must not take from vLLM's own API server."""
+        if self._http_async is None:
+            self._http_async = aiohttp.ClientSession(
+                base_url=f"http://127.0.0.1:{self.engine_port}",
+                headers={"authorization": f"Bearer {self.api_key}"},
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout, sock_connect=10),
+                auto_decompress=False)
+        return self._http_async
+
+    def _read_parameters(self) -> None:
+        """The chat completion fields this vLLM knows, from its OpenAPI schema: whatever version is installed,
+        the proxy refuses exactly what vLLM would silently ignore."""
+        response = self._client().get("/openapi.json", timeout=30)
+        if response.status_code != 200:
+            raise EngineError(f"vLLM did not serve its OpenAPI schema ({response.status_code}): art-sky reads the "
+                              "chat parameters vLLM honours from it. See {self.log_path}")
+        schemas = response.json().get("components", {}).get("schemas", {})
+        fields = schemas.get("ChatCompletionRequest", {}).get("properties")
+        if not fields:
+            raise EngineError("vLLM's OpenAPI schema has no ChatCompletionRequest: this vLLM version is not one "
+                              "art-sky knows; use the [gpu] extra's pinned vLLM")
+        self.honoured = frozenset(fields)
 
     def _post(self, path: str, **kwargs) -> None:
         response = self._client().post(path, **kwargs)
@@ -250,13 +365,26 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _detail(response: httpx.Response) -> str:
+def _error(text: str) -> dict:
     try:
-        body = response.json()
+        body = json.loads(text)
     except ValueError:
-        return response.text
-    error = body.get("error") if isinstance(body, dict) else None
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _param(text: str) -> str | None:
+    error = _error(text).get("error")
+    return error.get("param") if isinstance(error, dict) else None
+
+
+def _message(text: str) -> str:
+    body = _error(text)
+    error = body.get("error", body) if body else text
     if isinstance(error, dict):
         return str(error.get("message", error))
-    return str(error or body)
+    return str(error or text)
 
+
+def _detail(response: httpx.Response) -> str:
+    return _message(response.text)

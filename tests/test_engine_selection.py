@@ -56,7 +56,7 @@ def test_health_reports_the_selected_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("ART_SKY_TRAINER", "auto")
     with TestClient(create_app(tmp_path, "key", Settings())) as client:
         health = client.get("/health").json()
-    assert (health["engine"], health["trainer"], health["inference_port"]) == ("portable", "peft", None)
+    assert (health["engine"], health["trainer"], health["engine_port"]) == ("portable", "peft", None)
 
 
 async def test_backend_points_inference_at_the_engine_port():
@@ -76,7 +76,7 @@ def test_vllm_beside_unsloth_on_one_gpu_shares_it(installed, tmp_path, monkeypat
     monkeypatch.setattr(selection, "require_tested", lambda component, allow: None)
     shared = selection.select_engine(Settings(engine="auto", trainer="auto"), tmp_path, "key")
     assert isinstance(shared, gpu_sharing.SharedGpuEngine)
-    assert (shared.name, gpu_sharing.sharing_of(shared), shared.inference_port) == ("vllm", "pending", None)
+    assert (shared.name, gpu_sharing.sharing_of(shared), shared.engine_port) == ("vllm", "pending", None)
     beside_peft = selection.select_engine(Settings(engine="auto", trainer="peft"), tmp_path, "key")
     assert type(beside_peft) is VllmEngine
     asleep = selection.select_engine(Settings(engine="auto", trainer="auto", gpu_sharing="sleep"), tmp_path, "key")

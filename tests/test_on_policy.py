@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from openai.types.chat import ChatCompletion
+
 from art_sky.cluster.model_state import create_model_state
 from art_sky.cluster.peft_trainer import _token_logprobs
 from art_sky.cluster.portable_engine import PortableEngine
@@ -45,7 +47,8 @@ def test_batched_requests_sample_as_they_would_alone(tmp_path):
                                  n=1, max_tokens=9, logprobs=True, return_tokens_as_token_ids=True, seed=6,
                                  temperature=0.7, top_p=0.9)
     alone = [engine.complete(state, short), engine.complete(state, long)]
-    together = engine.run([engine.prepare(state, short), engine.prepare(state, long)])
+    together = [ChatCompletion.model_validate(c)
+                for c in engine.run([engine.prepare(state, short), engine.prepare(state, long)])]
     for a, b in zip(alone, together):
         for ca, cb in zip(a.choices, b.choices):
             assert [t.token for t in ca.logprobs.content] == [t.token for t in cb.logprobs.content]

