@@ -38,6 +38,14 @@ class EngineError(ArtSkyError):
     """The inference engine failed (vLLM did not start, refused an adapter); the message points at its log."""
 
 
+class EngineRequestError(EngineError):
+    """The engine refused one request (vLLM's status and message); the server answers with that status."""
+
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+
+
 class SSHError(BackendUnavailableError):
     """An SSH connection, login, remote command or file transfer failed."""
 

@@ -2,15 +2,14 @@
 
     python bench/bench_engine.py                      # vLLM (from .venv-vllm) on the tiny model, this machine
     python bench/bench_engine.py --engine portable    # the portable engine in this Python
-    python bench/bench_engine.py --tunnel             # the same through SSH tunnels to a throwaway local sshd
+    python bench/bench_engine.py --tunnel             # the same through the SSH tunnel to a throwaway local sshd
     python bench/bench_engine.py --base-model /models/Qwen2.5-0.5B-Instruct --python /opt/venv/bin/python
 
 One run starts a LocalBackend (or, with --tunnel, an SSHBackend to this machine's own sshd), registers a model
 and, at each concurrency, sends the same chat completions (logprobs and token ids on, as rollouts ask) to:
   engine     the engine's own port, plain HTTP (for the portable engine that is the server's /v1)
-  tunnel     the same through the SSH tunnel the backend opened to the engine's port (--tunnel only)
-  endpoint   model.openai_client(): what users sample from (vLLM's port, tunnelled with --tunnel)
-  control    the control server's /v1 route (forwards to vLLM under the server's lock; tunnelled with --tunnel)
+  endpoint   model.openai_client(): what users sample from (the server's /v1, tunnelled with --tunnel)
+  control    the server's /v1 route with a plain HTTP client (in front of vLLM; tunnelled with --tunnel)
 and prints completions/s, tokens/s and each target's ratio to the engine. Then one GRPO step, and the time from
 train() returning to the first completion served by the new adapter.
 """
@@ -43,7 +42,7 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="completions per level and target")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--gpu-memory", default="0.3", help="ART_SKY_ENGINE_GPU_MEMORY for vLLM")
-    parser.add_argument("--tunnel", action="store_true", help="go through SSH tunnels to a throwaway local sshd "
+    parser.add_argument("--tunnel", action="store_true", help="go through the SSH tunnel to a throwaway local sshd "
                                                               "(OpenSSH: tests/setup/10-openssh.sh)")
     args = parser.parse_args()
     python = args.python or (str(ROOT / ".venv-vllm" / "bin" / "python") if args.engine == "vllm" else sys.executable)
@@ -61,7 +60,7 @@ def ssh_backend(stack: contextlib.ExitStack, python: str, env: dict[str, str]) -
     sys.path.insert(0, str(ROOT / "tests"))
     from sshd import Sshd
 
-    from art_sky.bootstrap import BootstrapOptions
+    from art_sky.remote.install import BootstrapOptions
 
     root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="art-sky-bench-sshd-")))
     os.environ["ART_SKY_HOME"] = str(root / "home")  # its throwaway host key stays out of ~/.art-sky/known_hosts
@@ -84,8 +83,6 @@ async def bench(backend: art.Backend, args: argparse.Namespace) -> None:
         engine_url = (f"http://127.0.0.1:{health.inference_port}/v1" if health.inference_port
                       else f"{backend.base_url}/v1")
         targets = {"engine": raw_sender(engine_url, backend.api_key)}
-        if args.tunnel and health.inference_port:
-            targets["tunnel"] = raw_sender(model.inference_base_url, backend.api_key)
         targets["endpoint"] = openai_sender(model)
         if health.inference_port:  # (the portable engine is the control server's /v1 already)
             targets["control"] = raw_sender(f"{backend.base_url}/v1", backend.api_key)

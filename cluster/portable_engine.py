@@ -17,6 +17,7 @@ from openai.types.chat import ChatCompletion
 
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
+from .engine import Job
 from .model_state import ModelState, device
 from .sequences import prompt_ids
 
@@ -29,16 +30,6 @@ class Sample:
     logprobs: list[float]
     top: list[list[tuple[int, float]]]
     finish_reason: str
-
-
-@dataclass
-class Job:
-    """One validated chat completion request: its prompt ids and its completion budget."""
-
-    state: ModelState
-    request: ChatCompletionRequest
-    prompt: list[int]
-    budget: int
 
 
 class PortableEngine:

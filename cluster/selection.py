@@ -12,12 +12,12 @@ from pathlib import Path
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
+from .engine import Engine
 from .model_state import device
 from .peft_trainer import PeftTrainer
 from .portable_engine import PortableEngine
 from .vllm_engine import VllmEngine
 
-Engine = PortableEngine | VllmEngine
 ENGINES = ("auto", "vllm", "portable")
 TRAINERS = ("auto", "unsloth", "peft")
 

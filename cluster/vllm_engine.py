@@ -21,17 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from fastapi import HTTPException
 from openai.types.chat import ChatCompletion
 
-from art_sky.backends.local import tail
-from art_sky.checkpoints import step_name
-from art_sky.errors import ConfigError, EngineError
+from art_sky.errors import ConfigError, EngineError, EngineRequestError
+from art_sky.files import tail
+from art_sky.layout import step_name
 from art_sky.settings import Settings
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
+from .engine import Job
 from .model_state import ModelState, device, resolve_base_model
-from .portable_engine import Job
 
 log = logging.getLogger("art_sky.cluster")
 
@@ -94,15 +93,15 @@ class VllmEngine:
     def prepare(self, state: ModelState, request: ChatCompletionRequest) -> Job:
         return Job(state, request, prompt=[], budget=0)  # vLLM renders the prompt and checks the budget itself
 
-    def run(self, jobs: list[Job]) -> list[ChatCompletion | HTTPException]:
+    def run(self, jobs: list[Job]) -> list[ChatCompletion | EngineRequestError]:
         """Blocking: forward a batch concurrently; a request vLLM refuses gets vLLM's status and message."""
         with ThreadPoolExecutor(len(jobs)) as pool:
             return list(pool.map(self._forward, jobs))
 
-    def _forward(self, job: Job) -> ChatCompletion | HTTPException:
+    def _forward(self, job: Job) -> ChatCompletion | EngineRequestError:
         response = self._client().post("/v1/chat/completions", json=job.request.model_dump(exclude_unset=True))
         if response.status_code >= 400:
-            return HTTPException(response.status_code, f"vLLM: {_detail(response)}")
+            return EngineRequestError(response.status_code, f"vLLM: {_detail(response)}")
         return ChatCompletion.model_validate(response.json())
 
     def close(self) -> None:

@@ -22,10 +22,10 @@ import pytest
 import yaml
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 
-from art_sky.ci_job import EXIT_MARKER, START_MARKER
-from art_sky.cli_ci import parse_duration
+from art_sky.ci.job import EXIT_MARKER, START_MARKER
+from art_sky.ci.workdir import files_to_sync
+from art_sky.cli.ci import parse_duration
 from art_sky.errors import ConfigError
-from art_sky.workdir import files_to_sync
 
 LIMIT = 420  # seconds any one `art-sky ci run` may take before the test fails instead of hanging
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"

