@@ -40,16 +40,18 @@ T = TypeVar("T")
 class CheckpointStore:
     """Checkpoints of every project and model under one URI: list, upload, verified download, delete."""
 
-    def __init__(self, uri: str, *, endpoint: str | None = None):
+    def __init__(self, uri: str, *, endpoint: str | None = None, credentials: dict[str, str] | None = None):
+        """`credentials`: the store's variables (AWS_*, GOOGLE_*; Settings.store_credentials) over the environment's."""
         self.uri = uri.rstrip("/")
-        self._store = _open(self.uri, endpoint)
+        self._store = _open(self.uri, endpoint, credentials or {})
 
     @classmethod
     def from_settings(cls, settings: Settings) -> CheckpointStore | None:
         """The store ART_SKY_CHECKPOINT_URI names, or None when checkpoints stay on the cluster only."""
         if not settings.checkpoint_uri:
             return None
-        return cls(settings.checkpoint_uri, endpoint=settings.checkpoint_endpoint)
+        return cls(settings.checkpoint_uri, endpoint=settings.checkpoint_endpoint,
+                   credentials=settings.store_credentials)
 
     def where(self, project: str, name: str, step: int | None = None) -> str:
         """The URI of a model's checkpoints, or of one step, for messages and listings."""
@@ -282,7 +284,7 @@ def _absent(exc: FileNotFoundError) -> bool:
     return "NoSuchBucket" not in str(exc)
 
 
-def _open(uri: str, endpoint: str | None):
+def _open(uri: str, endpoint: str | None, credentials: dict[str, str]):
     """The obstore store a URI names; ConfigError for a URI art-sky cannot use."""
     parsed = urlparse(uri)
     usage = "use s3://bucket/prefix (AWS, R2, S3-compatible), gs://bucket/prefix or file:///absolute/path"
@@ -297,11 +299,13 @@ def _open(uri: str, endpoint: str | None):
             raise ConfigError(f"checkpoint store URI {uri!r} names no bucket: {usage}")
         prefix = parsed.path.strip("/") or None
         if parsed.scheme == "gs":
-            return GCSStore(parsed.netloc, prefix=prefix)
-        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
+            return GCSStore(parsed.netloc, prefix=prefix,
+                            config={k: v for k, v in credentials.items() if k.startswith("GOOGLE_")})
+        endpoint = endpoint or credentials.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
         options = {"endpoint": endpoint} if endpoint else {}
         client = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None
-        return S3Store(parsed.netloc, prefix=prefix, client_options=client, **options)
+        config = {k: v for k, v in credentials.items() if k.startswith("AWS_") and k != "AWS_ENDPOINT_URL"}
+        return S3Store(parsed.netloc, prefix=prefix, client_options=client, config=config, **options)
     except (BaseError, OSError) as exc:
         raise CheckpointStoreError(f"checkpoint store {uri}: cannot open it: {str(exc).splitlines()[0]}") from exc
 
@@ -313,7 +317,7 @@ def server_env(settings: Settings, uri: str | None = None) -> dict[str, str]:
     uri = uri or settings.checkpoint_uri
     if not uri:
         return {}
-    CheckpointStore(uri, endpoint=settings.checkpoint_endpoint)
+    CheckpointStore(uri, endpoint=settings.checkpoint_endpoint, credentials=settings.store_credentials)
     env = {"ART_SKY_CHECKPOINT_URI": uri, "ART_SKY_CHECKPOINT_STRICT": str(settings.checkpoint_strict).lower()}
     if settings.checkpoint_endpoint:
         env["ART_SKY_CHECKPOINT_ENDPOINT"] = settings.checkpoint_endpoint

@@ -113,9 +113,15 @@ async def test_server_that_never_gets_healthy(sshd, prepared, tmp_path, art_sky_
     """The error names the timeout and carries the server log's last lines; the stuck server is stopped."""
     pid_file = tmp_path / "stuck.pid"
     fake = tmp_path / "python"
+    # A server that never listens: it starts detached as `python -m art_sky.cluster --detach --run-dir D` does
+    # (its pid in D/server.pid, its output in D/server.log), then only loads weights.
     fake.write_text(f"""#!/bin/sh
 case "$*" in
-  *art_sky.cluster*) echo "loading weights, slowly"; echo $$ > {pid_file}; exec sleep 600;;
+  *art_sky.cluster*)
+    while [ $# -gt 0 ]; do [ "$1" = --run-dir ] && run="$2"; shift; done
+    mkdir -p "$run"
+    setsid sh -c 'echo "loading weights, slowly"; exec sleep 600' >"$run/server.log" 2>&1 </dev/null &
+    echo $! >"$run/server.pid"; echo $! >{pid_file}; exit 0;;
 esac
 exec {BASE_PYTHON} "$@"
 """)

@@ -30,7 +30,7 @@ def _store(uri: str | None) -> CheckpointStore:
     uri = uri or settings.checkpoint_uri
     if not uri:
         raise ConfigError("no checkpoint store: pass --uri s3://bucket/prefix or set ART_SKY_CHECKPOINT_URI")
-    return CheckpointStore(uri, endpoint=settings.checkpoint_endpoint)
+    return CheckpointStore(uri, endpoint=settings.checkpoint_endpoint, credentials=settings.store_credentials)
 
 
 def _bar(description: str, total: int) -> tqdm:
