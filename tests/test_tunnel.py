@@ -117,25 +117,26 @@ def test_wrong_key(sshd, echo_port, art_sky_home):  # noqa: F811
 
 def test_missing_key_file(sshd, tmp_path, art_sky_home):  # noqa: F811
     with pytest.raises(SSHError, match="does not exist"):
-        SSHRunner(sshd.target(key=tmp_path / "nope"), Settings())
+        SSHRunner(sshd.target(key=tmp_path / "nope"), Settings()).run("true", timeout=10)
 
 
 def test_unreachable_host(sshd, art_sky_home):  # noqa: F811
     target = sshd.target().model_copy(update={"port": free_port()})
     started = time.monotonic()
     with pytest.raises(SSHError, match="cannot reach .*check the host, port"):
-        SSHRunner(target, Settings(ssh_connect_timeout=5))
+        SSHRunner(target, Settings(ssh_connect_timeout=5)).run("true", timeout=10)
     assert time.monotonic() - started < 10
 
 
 def test_changed_host_key_is_refused(sshd, art_sky_home):  # noqa: F811
     known_hosts = art_sky_home / "known_hosts"
-    SSHRunner(sshd.target(), Settings()).close()
+    with SSHRunner(sshd.target(), Settings()) as runner:
+        runner.run("true", timeout=10)
     line = known_hosts.read_text().split()
     other = (sshd.root / "other_key.pub").read_text().split()
     known_hosts.write_text(f"{line[0]} {other[0]} {other[1]}\n")
     with pytest.raises(SSHError, match="host key of .* changed"):
-        SSHRunner(sshd.target(), Settings())
+        SSHRunner(sshd.target(), Settings()).run("true", timeout=10)
 
 
 def test_run_captures_output_exit_code_and_stdin(sshd, art_sky_home):  # noqa: F811

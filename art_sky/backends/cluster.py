@@ -60,7 +60,7 @@ class ClusterBackend(Backend):
         """Close what `_reach` opened."""
 
     async def _launch(self, api_key: str) -> ServerLayout:
-        """Get a server starting on the machine; return its layout. Kinds that start it themselves use `start`."""
+        """Get a server starting on the machine; return its layout. Kinds that start it use `_launch_server`."""
         raise NotImplementedError
 
     waits_for_start: ClassVar[bool] = False  # the server may not have started yet when `_launch` returns
@@ -80,7 +80,7 @@ class ClusterBackend(Backend):
         self.server = RemoteServer(layout=record.layout, port=record.port, pid=record.pid)
         return self
 
-    def start(self, runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict[str, str],
+    def _launch_server(self, runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict[str, str],
               port: int = 0, pythonpath: str | None = None) -> None:
         """Start the server detached with this backend's key and the store's settings in its environment."""
         assert self.api_key is not None

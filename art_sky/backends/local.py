@@ -59,7 +59,7 @@ class LocalBackend(ClusterBackend):
         return f"http://127.0.0.1:{port}"
 
     async def _launch(self, api_key: str) -> ServerLayout:
-        self.start(LocalRunner(), self.layout, python=self.python, env=self.env, port=self.port)
+        self._launch_server(LocalRunner(), self.layout, python=self.python, env=self.env, port=self.port)
         return self.layout
 
     def shell_argv(self, command: list[str]) -> list[str]:

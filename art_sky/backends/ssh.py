@@ -75,7 +75,7 @@ class SSHBackend(ClusterBackend):
     def _install_and_start(self) -> ServerLayout:
         with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp, self.runner() as runner:
             installed = install(runner, build_wheel(Path(tmp)), self.options, self.settings.remote_install_timeout)
-            self.start(runner, installed.layout, python=installed.python, env=self.options.env,
+            self._launch_server(runner, installed.layout, python=installed.python, env=self.options.env,
                        port=self.options.port, pythonpath=installed.pythonpath)
             return installed.layout
 

@@ -97,10 +97,8 @@ def up(
         if not force_restart and asyncio.run(_answers(attach(name, settings=settings))):
             console.print(f"cluster {name!r} is already up (same version); --force-restart restarts it")
             return
-    if backend.kind == "sky":
-        console.print(f"launching or reusing SkyPilot cluster {name!r} (SkyPilot's progress follows) ...")
-    with console.status(f"starting the cluster server on {backend.where} ..."):
-        record = asyncio.run(_start(backend, name))
+    console.print(f"starting the cluster server on {backend.where} ...")  # (SkyPilot streams its own progress)
+    record = asyncio.run(_start(backend, name))
     console.print(f"cluster {name!r} up on {record.where}, server port {record.port} (127.0.0.1 there).\n"
                   f"Use it from Python with `art_sky.attach({name!r})`, or hold a tunnel with "
                   f"`art-sky tunnel --name {name}`.")

@@ -96,13 +96,20 @@ def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exce
 
 
 class SSHRunner:
-    """A `CommandRunner` over one SSH connection, used for a series of commands and uploads."""
+    """A `CommandRunner` over one SSH connection, opened at the first command or upload and used for the rest."""
 
     def __init__(self, target: SSHTarget, settings: Settings):
         self.target = target
         self.where = str(target)
+        self.settings = settings
         self.known_hosts = known_hosts_file(settings)
-        self.client = connect(target, settings)
+        self._client: paramiko.SSHClient | None = None
+
+    @property
+    def client(self) -> paramiko.SSHClient:
+        if self._client is None:
+            self._client = connect(self.target, self.settings)
+        return self._client
 
     def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
         """Run a POSIX sh script (whatever the login shell is) and wait at most `timeout` seconds.
@@ -158,7 +165,8 @@ class SSHRunner:
         return argv + [f"{target.user}@{target.host}", *([shlex.join(command)] if command else [])]
 
     def close(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
 
     def __enter__(self) -> SSHRunner:
         return self
