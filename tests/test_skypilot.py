@@ -42,6 +42,9 @@ def prepared_python(sky_slurm, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("ART_SKY_REMOTE_PYTHON", sys.executable)
         patch.setenv("ART_SKY_SERVER_START_TIMEOUT", "300")
+        # Each SSH connection to a job is an `srun ... sshd -i` through the API server: on 2 loaded cores its banner
+        # has taken over 20 s.
+        patch.setenv("ART_SKY_SSH_CONNECT_TIMEOUT", "90")
         patch.setenv("ART_SKY_HOME", str(tmp_path_factory.mktemp("art-sky-home")))
         patch.delenv("ART_SKY_API_KEY", raising=False)
         yield sys.executable

@@ -40,6 +40,7 @@ class ClusterBackend(Backend):
         self.server: RemoteServer | None = None  # the running server, once started or attached
         self.target: SSHTarget | None = None  # how to reach the machine over SSH, where it is another one
         self._api_key = api_key
+        self._machine: CommandRunner | None = None  # the runner every lifecycle step uses, kept until close
 
     # -- what a kind provides ----------------------------------------------------------------------------------
 
@@ -49,7 +50,7 @@ class ClusterBackend(Backend):
         raise NotImplementedError
 
     def runner(self) -> CommandRunner:
-        """A command runner on the machine (blocking; a context manager)."""
+        """A new command runner on the machine (blocking; a context manager)."""
         raise NotImplementedError
 
     def _reach(self, port: int) -> str:
@@ -74,6 +75,12 @@ class ClusterBackend(Backend):
 
     # -- the one path for every kind ---------------------------------------------------------------------------
 
+    def machine_runner(self) -> CommandRunner:
+        """The machine's runner, made once and kept until `close()`: one SSH connection for every lifecycle step."""
+        if self._machine is None:
+            self._machine = self.runner()
+        return self._machine
+
     def _attached(self, record: clusters.ClusterRecord) -> ClusterBackend:
         self.keep_server = True
         self._api_key = record.api_key.get_secret_value()
@@ -92,13 +99,16 @@ class ClusterBackend(Backend):
         self.api_key = self._api_key or (settings.api_key.get_secret_value() if settings.api_key
                                          else secrets.token_urlsafe(32))
         attached = self.server is not None
+        ours = not attached and self.stops_its_server  # a server started here is stopped when its start fails
+        layout = self.server.layout if self.server else None
         try:
-            layout = self.server.layout if self.server else await self._launch(self.api_key)
+            layout = layout or await self._launch(self.api_key)
             timeout = ATTACH_TIMEOUT if attached else settings.server_start_timeout
-            stop = not attached and self.stops_its_server
-            self.server = await asyncio.to_thread(self._wait_ready, layout, timeout, stop, attached)
+            self.server = await asyncio.to_thread(self._wait_ready, layout, timeout, ours, attached)
         except BaseException:
-            await self._shutdown(stop_server=not attached and self.stops_its_server)
+            await self._shutdown(stop_server=False)
+            if ours and layout is not None:
+                await asyncio.to_thread(self._stop, layout)  # a half-started server is of no use to anyone
             raise
 
     def _wait_ready(self, layout: ServerLayout, timeout: float, stop: bool, attached: bool) -> RemoteServer:
@@ -108,9 +118,8 @@ class ClusterBackend(Backend):
             self.base_url = self._reach(port)
             return self.base_url
 
-        with self.runner() as runner:
-            return lifecycle.wait_ready(runner, layout, timeout=timeout, reach=reach, stop_on_timeout=stop,
-                                        waits_for_start=self.waits_for_start and not attached, hint=hint)
+        return lifecycle.wait_ready(self.machine_runner(), layout, timeout=timeout, reach=reach, stop_on_timeout=stop,
+                                    waits_for_start=self.waits_for_start and not attached, hint=hint)
 
     async def machine(self) -> dict[str, str]:
         """The machine for `art-sky status`: where (and, where known, accelerators and cost)."""
@@ -120,11 +129,7 @@ class ClusterBackend(Backend):
         """The last lines of the server's log (it need not be running)."""
         layout = self._layout()
 
-        def read() -> str:
-            with self.runner() as runner:
-                return lifecycle.log(runner, layout, lines)
-
-        return await asyncio.to_thread(read)
+        return await asyncio.to_thread(lifecycle.log, self.machine_runner(), layout, lines)
 
     def follow_argv(self, lines: int) -> list[str]:
         """argv (for exec) that follows the server's log (`art-sky logs --follow`)."""
@@ -145,8 +150,7 @@ class ClusterBackend(Backend):
         return await asyncio.to_thread(self._stop, layout)
 
     def _stop(self, layout: ServerLayout) -> bool:
-        with self.runner() as runner:
-            return lifecycle.stop(runner, layout)
+        return lifecycle.stop(self.machine_runner(), layout)
 
     async def close(self, force: bool = False) -> None:
         """Close the connection and, unless `keep_server`, stop the server once its checkpoints are in the store."""
@@ -190,3 +194,6 @@ class ClusterBackend(Backend):
         await asyncio.to_thread(self._unreach)
         if stop_server:
             await self.stop_server()
+        machine, self._machine = self._machine, None
+        if machine is not None:
+            machine.close()

@@ -106,11 +106,8 @@ class SkyPilotBackend(SSHBackend):
                                             timeout=self.settings.server_start_timeout)
         self.target = await provisioner.ssh_target(self.cluster_name)
 
-        def server_dir() -> str:
-            with self.runner() as runner:
-                return runner.run(f'echo "$HOME/{SERVER_DIR}"', timeout=30).stdout.strip()
-
-        return ServerLayout.under(await asyncio.to_thread(server_dir))
+        home = await asyncio.to_thread(self.machine_runner().run, f'echo "$HOME/{SERVER_DIR}"', timeout=30)
+        return ServerLayout.under(home.stdout.strip())
 
     async def _end(self, layout: ServerLayout) -> str:
         await provisioner.down(self.cluster_name)

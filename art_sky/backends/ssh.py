@@ -73,7 +73,8 @@ class SSHBackend(ClusterBackend):
         return await asyncio.to_thread(self._install_and_start)
 
     def _install_and_start(self) -> ServerLayout:
-        with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp, self.runner() as runner:
+        runner = self.machine_runner()
+        with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
             installed = install(runner, build_wheel(Path(tmp)), self.options, self.settings.remote_install_timeout)
             self._launch_server(runner, installed.layout, python=installed.python, env=self.options.env,
                        port=self.options.port, pythonpath=installed.pythonpath)

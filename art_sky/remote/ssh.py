@@ -107,7 +107,10 @@ class SSHRunner:
 
     @property
     def client(self) -> paramiko.SSHClient:
-        if self._client is None:
+        """The connection, (re)opened when there is none or it died (a long session outlives network drops)."""
+        transport = self._client.get_transport() if self._client is not None else None
+        if transport is None or not transport.is_active():
+            self.close()
             self._client = connect(self.target, self.settings)
         return self._client
 
@@ -167,6 +170,7 @@ class SSHRunner:
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+            self._client = None
 
     def __enter__(self) -> SSHRunner:
         return self
