@@ -46,8 +46,8 @@ class HealthResponse(BaseModel):
     device: str
     models: list[str] = []
     inference_port: int | None = Field(
-        None, description="the engine's own OpenAI port on the server's host (vLLM), once a model is registered; "
-                          "None: inference is the server's own /v1")
+        None, description="the engine's own OpenAI port on the server's host (vLLM), once a model is registered, "
+                          "for diagnostics: clients always use the server's own /v1")
 
 
 class RegisterRequest(_Strict):

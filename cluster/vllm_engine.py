@@ -1,7 +1,7 @@
 """The vLLM engine: vLLM's own OpenAI server as a child process, serving each model's newest LoRA under its name.
 
-Users sample from vLLM's port directly (tunnelled like the control port), so inference pays no proxy; the health
-route reports that port. vLLM starts at the first registration, when the base model is known, and serves that
+Inference reaches it through the server's own /v1 (one port for everything); the health route reports vLLM's port
+for diagnostics. vLLM starts at the first registration, when the base model is known, and serves that
 one base model. After every training step the new checkpoint is loaded under the model's name; `name@step`
 resolves any checkpoint on disk on first use (vLLM's filesystem LoRA resolver over a folder of links).
 While a model trains, vLLM is paused (requests queue, ART's semantics) and on CUDA put to sleep, so the trainer
@@ -89,7 +89,7 @@ class VllmEngine:
         finally:
             self._post("/resume")
 
-    # The control server's own /v1 route forwards to vLLM (users get vLLM's port and skip this hop).
+    # The server's own /v1 route forwards to vLLM: all inference goes through it.
     def prepare(self, state: ModelState, request: ChatCompletionRequest) -> Job:
         return Job(state, request, prompt=[], budget=0)  # vLLM renders the prompt and checks the budget itself
 

@@ -88,7 +88,7 @@ class ClusterBackend(Backend):
         return self
 
     def _launch_server(self, runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict[str, str],
-              port: int = 0, pythonpath: str | None = None) -> None:
+                       port: int = 0, pythonpath: str | None = None) -> None:
         """Start the server detached with this backend's key and the store's settings in its environment."""
         assert self.api_key is not None
         env = env | {"ART_SKY_API_KEY": self.api_key}
@@ -106,9 +106,9 @@ class ClusterBackend(Backend):
             timeout = ATTACH_TIMEOUT if attached else settings.server_start_timeout
             self.server = await asyncio.to_thread(self._wait_ready, layout, timeout, ours, attached)
         except BaseException:
-            await self._shutdown(stop_server=False)
             if ours and layout is not None:
                 await asyncio.to_thread(self._stop, layout)  # a half-started server is of no use to anyone
+            await self._shutdown(stop_server=False)
             raise
 
     def _wait_ready(self, layout: ServerLayout, timeout: float, stop: bool, attached: bool) -> RemoteServer:
@@ -127,9 +127,7 @@ class ClusterBackend(Backend):
 
     async def logs(self, lines: int = 30) -> str:
         """The last lines of the server's log (it need not be running)."""
-        layout = self._layout()
-
-        return await asyncio.to_thread(lifecycle.log, self.machine_runner(), layout, lines)
+        return await asyncio.to_thread(lifecycle.log, self.machine_runner(), self._layout(), lines)
 
     def follow_argv(self, lines: int) -> list[str]:
         """argv (for exec) that follows the server's log (`art-sky logs --follow`)."""
@@ -168,9 +166,13 @@ class ClusterBackend(Backend):
             except ArtSkyError as exc:
                 raise ConfigError(f"not stopping the server on {self.where}: {exc}. Fix it, or stop it anyway with "
                                   "force=True (`art-sky down --force`)") from exc
-        await self._shutdown(stop_server=False)
+        await Backend.close(self)
+        await asyncio.to_thread(self._unreach)
         self.server = None
-        return await self._end(layout)
+        try:
+            return await self._end(layout)
+        finally:
+            await self._shutdown(stop_server=False)  # and the machine's runner, once `_end` is done with it
 
     async def _end(self, layout: ServerLayout) -> str:
         """What `down` does once the checkpoints are safe: stop the server."""
