@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "Backend": "art_sky.backends", "LocalBackend": "art_sky.backends", "SSHBackend": "art_sky.backends",
-    "SkyPilotBackend": "art_sky.backends", "attach": "art_sky.backends",
+    "SkyPilotBackend": "art_sky.backends", "TrainResult": "art_sky.backends", "attach": "art_sky.backends",
     "BootstrapOptions": "art_sky.remote.install",
     "Model": "art_sky.client", "ModelConfig": "art_sky.client", "TrainableModel": "art_sky.client",
     "TrainConfig": "art_sky.client", "Trajectory": "art_sky.client", "TrajectoryGroup": "art_sky.client",
@@ -22,7 +22,7 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
 if TYPE_CHECKING:
-    from art_sky.backends import Backend, LocalBackend, SkyPilotBackend, SSHBackend, attach
+    from art_sky.backends import Backend, LocalBackend, SkyPilotBackend, SSHBackend, TrainResult, attach
     from art_sky.client import (
         Model,
         ModelConfig,

@@ -12,6 +12,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -136,15 +137,26 @@ class CheckpointDir:
         return [json.loads(line) for line in lines if line.strip()]
 
 
+_SECTIONS = {"reward", "loss", "offpolicy", "pipeline", "throughput", "costs", "time", "data", "train", "val", "test"}
+
+
+def history_entry(step: int, split: str, metrics: dict[str, float]) -> dict:
+    """One line of history.jsonl in ART's own format (what ART's `model.log` writes, so ART's frontend and this
+    server can share the file): flat `<split>/<metric>` keys (a key already under a section keeps its name),
+    `step` and `recorded_at`."""
+    flat = {key if "/" in key and key.split("/", 1)[0] in _SECTIONS else f"{split}/{key}": value
+            for key, value in metrics.items()}
+    return flat | {"step": step, "recorded_at": datetime.now().isoformat()}
+
+
 def steps_to_keep(steps: list[int], history: list[dict], best_metric: str | None, keep_last: int) -> set[int]:
     """ART's retention: the newest `keep_last` steps and the step with the highest `best_metric` in the history."""
     keep = set(sorted(steps)[-keep_last:])
     if best_metric:
         scores: dict[int, float] = {}
         for entry in history:
-            for key, value in entry.get("metrics", {}).items():
-                if f"{entry.get('split')}/{key}" == best_metric and entry.get("step") in steps:
-                    scores[entry["step"]] = value
+            if isinstance(entry.get(best_metric), int | float) and entry.get("step") in steps:
+                scores[entry["step"]] = entry[best_metric]
         if scores:
             keep.add(max(scores, key=lambda step: (scores[step], step)))
     return keep

@@ -19,12 +19,20 @@ class _Strict(BaseModel):
 
 
 class TrainConfig(_Strict):
-    """Hyper-parameters of one `train()` call (ART's names: `learning_rate`, `beta`)."""
+    """Hyper-parameters of one `train()` call, with ART's names (`learning_rate`, `beta`, and ART 0.5's
+    `loss_fn`, `epsilon`, `epsilon_high`, `kl_penalty_coef`, `scale_rewards`)."""
 
     learning_rate: float = Field(5e-6, gt=0, le=1)
+    loss_fn: Literal["ppo", "cispo"] = Field(
+        "ppo", description="ppo: clipped ratio times advantage; cispo: clipped, detached ratio times advantage "
+                           "times the logprob (ART 0.5's default)")
     beta: float = Field(0.0, ge=0, description="weight of KL(ref || policy) against the base model (k3 estimator)")
-    epsilon: float = Field(0.2, gt=0, le=1, description="lower PPO clip: ratio >= 1 - epsilon")
-    epsilon_high: float | None = Field(None, gt=0, description="upper PPO clip: ratio <= 1 + epsilon_high (default epsilon)")
+    kl_penalty_coef: float = Field(
+        0.0, ge=0, description="ART 0.5's KL-penalised advantage: each token's advantage gains coef * (mean KL - "
+                               "its KL) against the base model")
+    epsilon: float = Field(0.2, gt=0, le=1, description="lower clip: ratio >= 1 - epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="upper clip: ratio <= 1 + epsilon_high (default epsilon)")
+    scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std")
     max_grad_norm: float = Field(1.0, gt=0)
 
 
@@ -91,11 +99,20 @@ class WireChoice(_Strict):
         return self
 
 
+class WireHistory(_Strict):
+    """A further conversation of the same rollout (ART's `additional_histories`): its own training sequence,
+    with the trajectory's advantage."""
+
+    items: list[WireChoice | WireMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+
 class WireTrajectory(_Strict):
     items: list[WireChoice | WireMessage] = Field(min_length=1)
     reward: float
     metrics: dict[str, float] = {}
     tools: list[dict[str, Any]] | None = None
+    additional_histories: list[WireHistory] = []
 
     @field_validator("reward")
     @classmethod
@@ -124,6 +141,27 @@ class TrainRequest(_Strict):
     config: TrainConfig = TrainConfig()
 
 
+class SFTRequest(_Strict):
+    """ART's `_train_sft`: next-token loss on the assistant turns, one optimizer step per batch of
+    `batch_size` trajectories at that batch's learning rate; the whole request is one training step."""
+
+    trajectories: list[WireTrajectory] = Field(min_length=1)
+    batch_size: int = Field(2, ge=1)
+    learning_rates: list[float] = Field(min_length=1, description="one per batch, or one for all")
+    max_grad_norm: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_rate_per_batch(self) -> SFTRequest:
+        batches = -(-len(self.trajectories) // self.batch_size)
+        if len(self.learning_rates) not in (1, batches):
+            raise ValueError(f"{len(self.trajectories)} trajectories in batches of {self.batch_size} make {batches} "
+                             f"batches, but {len(self.learning_rates)} learning rates were given: give one per "
+                             "batch or a single one")
+        if not all(0 < lr <= 1 for lr in self.learning_rates):
+            raise ValueError(f"learning rates must be in (0, 1], got {self.learning_rates}")
+        return self
+
+
 class TrainProgress(BaseModel):
     """One line of the streamed training response (newline-delimited JSON)."""
 
@@ -132,6 +170,7 @@ class TrainProgress(BaseModel):
     done: int = 0
     total: int = 0
     metrics: dict[str, float] = {}
+    batches: list[dict[str, float]] = Field([], description="SFT: each batch's metrics, in order")
     message: str | None = None
 
 
@@ -152,6 +191,9 @@ class DeleteCheckpointsRequest(_Strict):
 
     best_checkpoint_metric: str | None = "val/reward"
     keep_last: int = Field(1, ge=1)
+    keep_steps: list[int] | None = Field(
+        None, description="keep exactly these steps (and the current one) instead: ART 0.5's "
+                          "`_delete_checkpoint_files`, whose client picks the steps")
 
 
 class ErrorResponse(BaseModel):

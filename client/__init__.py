@@ -4,7 +4,7 @@ from art_sky.wire import ModelConfig, TrainConfig
 
 from .gather import TooManyRolloutErrors, gather_trajectory_groups
 from .model import Model, TrainableModel
-from .trajectories import Trajectory, TrajectoryGroup
+from .trajectories import History, Trajectory, TrajectoryGroup
 
-__all__ = ["Model", "ModelConfig", "TooManyRolloutErrors", "TrainConfig", "TrainableModel", "Trajectory",
+__all__ = ["History", "Model", "ModelConfig", "TooManyRolloutErrors", "TrainConfig", "TrainableModel", "Trajectory",
            "TrajectoryGroup", "gather_trajectory_groups"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import httpx
@@ -15,6 +15,11 @@ from art_sky.settings import Settings
 from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig
 
 from .trajectories import TrajectoryGroup, summarize
+
+
+class StepResult(Protocol):
+    step: int
+    metrics: dict[str, float]
 
 
 class Backend(Protocol):
@@ -29,14 +34,14 @@ class Backend(Protocol):
     @property
     def request_timeout(self) -> float: ...
 
-    async def register(self, model: TrainableModel) -> ModelInfo: ...
+    async def register(self, model: TrainableModel) -> ModelInfo | None: ...
 
     async def model_info(self, model: Model) -> ModelInfo: ...
 
     async def log(self, model: Model, split: str, metrics: dict[str, float]) -> None: ...
 
-    async def train(self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: TrainConfig,
-                    verbose: bool = False) -> dict[str, float]: ...
+    async def train(self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], *,
+                    config: TrainConfig | None = None, verbose: bool = False) -> StepResult: ...
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]: ...
 
@@ -109,9 +114,10 @@ class TrainableModel(Model):
 
     async def train(self, trajectory_groups: Iterable[TrajectoryGroup], config: TrainConfig = TrainConfig(),
                     *, verbose: bool = False) -> dict[str, float]:
-        """One GRPO step on these groups; returns the step's metrics. Inference waits while it trains."""
-        groups = [g for g in trajectory_groups if len(g) > 0]
-        return await self._require_backend().train(self, groups, config, verbose=verbose)
+        """One GRPO step on these groups (ART 0.4's `model.train`); returns the step's metrics and `step`.
+        Inference waits while it trains. `backend.train(model, groups, ...)` is ART 0.5's form of the same."""
+        result = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose)
+        return result.metrics | {"step": float(result.step)}
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[CheckpointInfo]:
         """Keep the newest step and the best by `best_checkpoint_metric`; delete the rest."""

@@ -37,10 +37,8 @@ class PeftTrainer:
               progress: Progress = lambda done, total: None) -> dict[str, float]:
         """Blocking: run it off the event loop, under the server's model lock."""
         model = state.model
-        if state.optimizer is None:
-            params = [p for p in model.parameters() if p.requires_grad]
-            state.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
-        for group in state.optimizer.param_groups:
+        optimizer = _optimizer(state)
+        for group in optimizer.param_groups:
             group["lr"] = config.learning_rate
         total_tokens = sum(s.trained_tokens for s in sequences)
         batches = self._microbatches(sequences)
@@ -82,26 +80,72 @@ class PeftTrainer:
                 batches.append([seq])
         return batches
 
+    def sft(self, state: ModelState, batches: list[list[Sequence]], learning_rates: list[float],
+            max_grad_norm: float, progress: Progress = lambda done, total: None) -> list[dict[str, float]]:
+        """ART's SFT: per batch, one optimizer step on the mean next-token loss of its trained tokens (the
+        assistant turns), micro-batched like `train`. Returns each batch's metrics. Blocking, under the lock."""
+        model = state.model
+        optimizer = _optimizer(state)
+        trainable = [p for group in optimizer.param_groups for p in group["params"]]
+        results = []
+        model.train()
+        try:
+            for done, (batch, lr) in enumerate(zip(batches, learning_rates), start=1):
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                tokens = sum(s.trained_tokens for s in batch)
+                loss_sum = 0.0
+                for micro in self._microbatches(batch):
+                    new, trained, _, _ = self._logprobs(state, micro)
+                    nll = -(new * trained).sum()
+                    (nll / tokens).backward()
+                    loss_sum += float(nll.detach())
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                results.append({"loss": loss_sum / tokens, "grad_norm": grad_norm, "learning_rate": lr,
+                                "trained_tokens": float(tokens), "sequences": float(len(batch))})
+                progress(done, len(batches))
+        finally:
+            state.optimizer.zero_grad(set_to_none=True)
+            model.eval()
+        return results
+
+    def _logprobs(self, state: ModelState, batch: list[Sequence]):
+        """A micro-batch's new logprobs and trained mask (shifted by one token), and its padded ids and mask."""
+        pad = state.tokenizer.pad_token_id or 0
+        ids = _padded([s.token_ids for s in batch], pad)
+        attention = _padded([[1] * len(s.token_ids) for s in batch], 0)
+        trained = _padded([s.trained for s in batch], False)[:, 1:]
+        new = _token_logprobs(state.model(input_ids=ids, attention_mask=attention).logits, ids)
+        return new, trained, ids, attention
+
     def _loss(self, state: ModelState, batch: list[Sequence], config: TrainConfig):
         dev = device()
-        width = max(len(s.token_ids) for s in batch)
-        pad = state.tokenizer.pad_token_id or 0
-
-        def padded(values, fill):
-            return [v + [fill] * (width - len(v)) for v in values]
-
-        ids = torch.tensor(padded([s.token_ids for s in batch], pad), device=dev)
-        attention = torch.tensor(padded([[1] * len(s.token_ids) for s in batch], 0), device=dev)
-        trained = torch.tensor(padded([s.trained for s in batch], False), device=dev)[:, 1:]
-        old = torch.tensor(padded([s.old_logprobs for s in batch], float("nan")), device=dev)[:, 1:]
+        new, trained, ids, attention = self._logprobs(state, batch)
+        old = _padded([s.old_logprobs for s in batch], float("nan"))[:, 1:]
         advantages = torch.tensor([[s.advantage] for s in batch], device=dev)
-        new = _token_logprobs(state.model(input_ids=ids, attention_mask=attention).logits, ids)
         ref = None
-        if config.beta > 0:
+        if config.beta > 0 or config.kl_penalty_coef > 0:
             with torch.no_grad(), state.model.disable_adapter():
                 ref = _token_logprobs(state.model(input_ids=ids, attention_mask=attention).logits, ids)
         return grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
-                              epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref)
+                              epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
+                              loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
+
+
+def _optimizer(state: ModelState) -> torch.optim.Optimizer:
+    """The model's AdamW over its LoRA parameters, made on first use and kept (with its moments) across steps."""
+    if state.optimizer is None:
+        params = [p for p in state.model.parameters() if p.requires_grad]
+        state.optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+    return state.optimizer
+
+
+def _padded(rows: list[list], fill) -> torch.Tensor:
+    """Right-padded to the longest row, on the training device."""
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [fill] * (width - len(row)) for row in rows], device=device())
 
 
 def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,8 @@ class PortableEngine:
                 message["tool_calls"] = calls
                 finish = "tool_calls"
             choice: dict = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
-            if request.logprobs:
+            if request.logprobs:  # the sampled ids too, named as vLLM's `return_token_ids` names them
+                choice["token_ids"] = sample.token_ids
                 choice["logprobs"] = {"content": [
                     self._token_logprob(tokenizer, token, logprob, request.return_tokens_as_token_ids,
                                         sample.top[i] if sample.top else [])
@@ -170,6 +171,7 @@ class PortableEngine:
         return ChatCompletion.model_validate({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": request.model, "choices": choices,
+            **({"prompt_token_ids": job.prompt} if request.logprobs else {}),
             "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_len + completion_tokens},
         })

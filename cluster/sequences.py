@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from art_sky.errors import TokenizationError
-from art_sky.wire import WireChoice, WireMessage, WireTrajectory
+from art_sky.wire import WireChoice, WireHistory, WireMessage, WireTrajectory
 
 
 @dataclass
@@ -38,7 +38,7 @@ def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -
 
 
 def tokenize_trajectory(
-    tokenizer: Any, trajectory: WireTrajectory, advantage: float, max_length: int
+    tokenizer: Any, trajectory: WireTrajectory | WireHistory, advantage: float, max_length: int
 ) -> Sequence:
     """One training sequence: template-rendered context (masked) around the choices' sampled ids (trained)."""
     messages: list[dict] = []
@@ -85,6 +85,35 @@ def tokenize_trajectory(
             "rollout or register the model with a larger max_seq_length"
         )
     return Sequence(ids, trained, old, advantage)
+
+
+def sft_sequence(tokenizer: Any, trajectory: WireTrajectory, max_length: int) -> Sequence:
+    """ART's SFT sequence: the whole conversation rendered by the chat template; the tokens of every assistant
+    turn (a choice or a written assistant message, with its end-of-turn marker) are trained, the rest masked."""
+    messages = [_as_message(item) if isinstance(item, WireChoice) else item.model_dump(exclude_none=True)
+                for item in trajectory.items]
+    ids: list[int] = []
+    trained: list[bool] = []
+    rendered_upto = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(tokenizer, messages[:index], trajectory.tools, generation_prompt=True)
+        full = render(tokenizer, messages[: index + 1], trajectory.tools, generation_prompt=False)
+        if not prompt.startswith(rendered_upto) or not full.startswith(prompt):
+            raise TokenizationError(
+                f"the chat template renders earlier turns differently once item {index} is added, so its assistant "
+                "turn cannot be located; use a model whose template keeps earlier turns unchanged")
+        context, turn = _encode(tokenizer, prompt[len(rendered_upto):]), _encode(tokenizer, full[len(prompt):])
+        ids += context + turn
+        trained += [False] * len(context) + [True] * len(turn)
+        rendered_upto = full
+    if not any(trained):
+        raise TokenizationError("trajectory has no assistant turn to learn from: SFT trains on assistant messages")
+    if len(ids) > max_length:
+        raise TokenizationError(f"trajectory is {len(ids)} tokens, longer than the model's max_seq_length "
+                                f"{max_length}: shorten it or register the model with a larger max_seq_length")
+    return Sequence(ids, trained, [math.nan] * len(ids), 0.0)
 
 
 def _as_message(choice: WireChoice) -> dict:

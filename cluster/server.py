@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from jinja2 import TemplateError
 
 import art_sky
-from art_sky.checkpoints import CheckpointDir, steps_to_keep
+from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
 from art_sky.errors import (
     ArtSkyError,
     CheckpointStoreError,
@@ -40,6 +40,7 @@ from art_sky.wire import (
     LogRequest,
     ModelInfo,
     RegisterRequest,
+    SFTRequest,
     SyncStatus,
     TrainProgress,
     TrainRequest,
@@ -48,8 +49,9 @@ from art_sky.wire import (
 from .engine import Engine, Job
 from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device, restore_from_store
+from .peft_trainer import Progress
 from .selection import select_engine, select_trainer
-from .sequences import Sequence, tokenize_trajectory
+from .sequences import Sequence, sft_sequence, tokenize_trajectory
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
@@ -236,15 +238,12 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     async def model_info(name: str) -> ModelInfo:
         return model(name).info()
 
-    @app.post("/art/models/{name}/train", dependencies=guarded)
-    async def train(name: str, body: TrainRequest) -> StreamingResponse:
-        state = model(name)
+    def stream_step(name: str, state: ModelState, work: Callable[[Progress], dict[str, float]],
+                    batches: Callable[[], list[dict[str, float]]] = list) -> StreamingResponse:
+        """Run one training step (`work(progress)` returns its metrics) with inference paused, commit it as the next
+        checkpoint, and stream progress lines then the result (or the error)."""
         if sync and (problem := sync.blocking_error()):
             raise HTTPException(502, problem)
-        try:
-            sequences, skipped, summary = _prepare(state, body)
-        except TokenizationError as exc:
-            raise HTTPException(422, f"invalid trajectory: {exc}") from exc
         queue: asyncio.Queue[TrainProgress] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -255,15 +254,13 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             engine.pause()  # inference waits while training (a vLLM engine also frees its GPU memory)
             trained = False
             try:
-                metrics = trainer.train(state, sequences, body.config, progress) if sequences else {}
-                metrics |= summary | {"num_groups_skipped": float(skipped)}
+                metrics = work(progress)
                 state.step += 1
                 state.save_checkpoint(metrics)
                 trained = True
             finally:
                 engine.resume(state, trained)  # serves the new step before inference resumes
-            state.checkpoints.append_history({"step": state.step, "split": "train", "metrics": metrics,
-                                              "time": time.time()})
+            state.checkpoints.append_history(history_entry(state.step, "train", metrics))
             return metrics
 
         async def run() -> None:
@@ -276,7 +273,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                     return
             if sync:
                 sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
-            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics))
+            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics, batches=batches()))
 
         task = asyncio.create_task(run())  # runs to the end even if the client goes away
         background.add(task)
@@ -285,16 +282,64 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         async def lines():
             while True:
                 item = await queue.get()
-                yield item.model_dump_json(exclude_none=True) + "\n"
+                yield item.model_dump_json(exclude_defaults=True) + "\n"
                 if item.type != "progress":
                     return
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    @app.post("/art/models/{name}/train", dependencies=guarded)
+    async def train(name: str, body: TrainRequest) -> StreamingResponse:
+        state = model(name)
+        try:
+            sequences, skipped, summary = _prepare(state, body)
+        except TokenizationError as exc:
+            raise HTTPException(422, f"invalid trajectory: {exc}") from exc
+
+        def work(progress: Progress) -> dict[str, float]:
+            metrics = (trainer.train(state, sequences, body.config, progress) if sequences else
+                       {"trained_tokens": 0.0, "sequences": 0.0})  # every group equal: nothing to learn
+            return metrics | summary | {"num_groups_skipped": float(skipped)}
+
+        return stream_step(name, state, work)
+
+    @app.post("/art/models/{name}/sft", dependencies=guarded)
+    async def sft(name: str, body: SFTRequest) -> StreamingResponse:
+        """ART's `_train_sft`: one optimizer step per batch, one checkpoint (one step) for the request."""
+        state = model(name)
+        size, count = body.batch_size, len(body.trajectories)
+        rates = body.learning_rates * -(-count // size) if len(body.learning_rates) == 1 else body.learning_rates
+        batches, batch_rates, dropped = [], [], []
+        for start, rate in zip(range(0, count, size), rates):  # as ART: batches of the list given, each its rate
+            batch = []
+            for index in range(start, min(start + size, count)):
+                try:
+                    batch.append(sft_sequence(state.tokenizer, body.trajectories[index],
+                                              state.request.config.max_seq_length))
+                except TokenizationError as exc:  # skipped and reported, as ART drops it from its batch
+                    dropped.append(f"trajectory {index}: {exc}")
+            if batch:
+                batches.append(batch)
+                batch_rates.append(rate)
+        if not batches:
+            raise HTTPException(422, "no trajectory can be trained: " + "; ".join(dropped[:3]))
+        for problem in dropped:
+            log.warning("SFT of %s skips %s", name, problem)
+        per_batch: list[dict[str, float]] = []
+
+        def work(progress: Progress) -> dict[str, float]:
+            per_batch.extend(trainer.sft(state, batches, batch_rates, body.max_grad_norm, progress))
+            tokens = sum(b["trained_tokens"] for b in per_batch)
+            return {"loss": sum(b["loss"] * b["trained_tokens"] for b in per_batch) / tokens,
+                    "trained_tokens": tokens, "num_trajectories": float(count - len(dropped)),
+                    "num_dropped_trajectories": float(len(dropped)), "num_batches": float(len(batches))}
+
+        return stream_step(name, state, work, lambda: per_batch)
+
     @app.post("/art/models/{name}/log", dependencies=guarded)
     async def log_metrics(name: str, body: LogRequest) -> dict:
         state = model(name)
-        entry = {"step": state.step, "split": body.split, "metrics": body.metrics, "time": time.time()}
+        entry = history_entry(state.step, body.split, body.metrics)
         state.checkpoints.append_history(entry)
         return entry
 
@@ -308,11 +353,13 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         state = model(name)
         async with lock:
             steps = state.checkpoints.steps()
-            keep = steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last)
+            keep = (set(body.keep_steps) if body.keep_steps is not None else
+                    steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last))
             keep.add(state.step)  # the adapter being served and trained stays
             state.checkpoints.delete([s for s in steps if s not in keep])
         if sync:
-            sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step)
+            sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step,
+                                  body.keep_steps)
         return [_checkpoint_info(state.checkpoints, step) for step in state.checkpoints.steps()]
 
     @app.get("/art/checkpoints/sync", dependencies=guarded)
@@ -348,18 +395,24 @@ def _prepare(state: ModelState, body: TrainRequest) -> tuple[list[Sequence], int
     """Tokenize every trajectory (so bad input fails before training), keep those with an advantage."""
     sequences, skipped, rewards = [], 0, []
     metric_sums: dict[str, list[float]] = {}
-    for group in body.groups:
+    for g, group in enumerate(body.groups):
         group_rewards = [t.reward for t in group.trajectories]
         rewards += group_rewards
-        advantages = group_advantages(group_rewards)
+        advantages = group_advantages(group_rewards, body.config.scale_rewards)
         skipped += advantages is None
-        for trajectory, advantage in zip(group.trajectories, advantages or [0.0] * len(group_rewards)):
+        for t, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages or [0.0] * len(group_rewards))):
             for key, value in trajectory.metrics.items():
                 metric_sums.setdefault(key, []).append(value)
-            sequence = tokenize_trajectory(state.tokenizer, trajectory, advantage,
-                                           state.request.config.max_seq_length)
-            if advantage != 0.0:
-                sequences.append(sequence)
+            # ART's additional_histories: further sequences of the same rollout, with its advantage
+            for h, history in enumerate([trajectory, *trajectory.additional_histories]):
+                try:
+                    sequence = tokenize_trajectory(state.tokenizer, history, advantage,
+                                                   state.request.config.max_seq_length)
+                except TokenizationError as exc:
+                    where = f"group {g}, trajectory {t}" + (f", additional_histories[{h - 1}]" if h else "")
+                    raise TokenizationError(f"{where}: {exc}") from exc
+                if advantage != 0.0:
+                    sequences.append(sequence)
     summary = {"reward": sum(rewards) / len(rewards), "num_groups": float(len(body.groups)),
                "num_trajectories": float(len(rewards))}
     summary |= {key: sum(values) / len(values) for key, values in metric_sums.items() if key not in summary}

@@ -51,13 +51,15 @@ class CheckpointSync:
         self._put(f"upload {checkpoints.name} step {step}", upload)
 
     def submit_retention(self, checkpoints: CheckpointDir, best_metric: str | None, keep_last: int,
-                         current: int) -> None:
-        """Apply `delete_checkpoints` to the store too: keep the newest `keep_last`, the best, and `current`."""
+                         current: int, keep_steps: list[int] | None = None) -> None:
+        """Apply `delete_checkpoints` to the store too: keep the newest `keep_last`, the best, and `current`
+        (or exactly `keep_steps` and `current`)."""
 
         async def prune() -> None:
             try:
                 steps = [m.step for m in await self.store.manifests(checkpoints.project, checkpoints.name)]
-                keep = steps_to_keep(steps, checkpoints.history(), best_metric, keep_last) | {current}
+                keep = (set(keep_steps) if keep_steps is not None else
+                        steps_to_keep(steps, checkpoints.history(), best_metric, keep_last)) | {current}
                 await self.store.delete_steps(checkpoints.project, checkpoints.name,
                                               [s for s in steps if s not in keep])
             except CheckpointStoreError as exc:

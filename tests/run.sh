@@ -11,7 +11,7 @@ if ! python3 -c "import ensurepip, venv" 2>/dev/null; then  # Debian's own Pytho
 fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "torch==2.13.0" -e ".[cluster,dev]"
+"$VENV/bin/python" -m pip install -q "torch==2.13.0" -e ".[cluster,dev,art]"
 export PATH="$PWD/$VENV/bin:$PATH"  # `python` in the setup scripts and tests is this venv's
 for step in tests/setup/*.sh; do
   echo "== $step"

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, steps_to_keep, verify
+from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, history_entry, steps_to_keep, verify
 
 
 def write_adapter(payload: bytes):
@@ -50,9 +50,8 @@ def test_flipped_byte_is_caught(tmp_path):
 
 
 def test_retention_keeps_newest_and_best():
-    history = [{"step": 1, "split": "val", "metrics": {"reward": 0.9}},
-               {"step": 2, "split": "val", "metrics": {"reward": 0.2}},
-               {"step": 3, "split": "train", "metrics": {"reward": 1.0}}]
+    history = [history_entry(1, "val", {"reward": 0.9}), history_entry(2, "val", {"reward": 0.2}),
+               history_entry(3, "train", {"reward": 1.0}), {"step": 4, "val/reward": None}]
     assert steps_to_keep([0, 1, 2, 3, 4], history, "val/reward", keep_last=1) == {4, 1}
     assert steps_to_keep([0, 1, 2, 3, 4], history, "val/reward", keep_last=2) == {3, 4, 1}
     assert steps_to_keep([0, 1, 2], [], "val/reward", keep_last=1) == {2}

@@ -32,7 +32,7 @@ def test_push_ls_pull_rm(s3_env, tmp_path, monkeypatch):
     for step in (1, 2, 3):
         local.save(step, lambda tmp: (tmp / "adapter_model.safetensors").write_bytes(os.urandom(300_000)),
                    base_model="art-sky/tiny", metrics={"reward": step / 4})
-        local.append_history({"step": step, "split": "val", "metrics": {"reward": [0.1, 0.9, 0.5][step - 1]}})
+        local.append_history({"step": step, "val/reward": [0.1, 0.9, 0.5][step - 1]})
 
     pushed = invoke("push", "proj", "agent", "--path", str(tmp_path / ".art"))
     assert pushed.exit_code == 0 and pushed.output.count("sent") == 3

@@ -70,3 +70,32 @@ def test_k3_kl_against_reference():
     parts = _loss([math.log(0.25)], [math.log(0.25)], 0.0, [True], ref=[math.log(0.5)])
     assert float(parts.kl) == pytest.approx(0.3068528, abs=1e-6)
     assert float(parts.policy) == pytest.approx(0.0)
+
+
+def test_advantages_without_scaling_are_only_centred():
+    assert group_advantages([1.0, 2.0, 3.0], scale=False) == [-1.0, 0.0, 1.0]
+
+
+def test_cispo_weights_the_logprob_by_the_clipped_detached_ratio():
+    # ratios 2 and 1, A=1, clip [0, 1.5]: loss = -(1.5 * log 0.5 + 1 * log 0.5) = 2.5 * 0.693147 = 1.732868
+    new = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[math.log(0.25), math.log(0.5)]], dtype=torch.float64)
+    parts = grpo_loss_sums(new, old, torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[True, True]]),
+                           epsilon=1.0, epsilon_high=0.5, loss_fn="cispo")
+    assert float(parts.policy) == pytest.approx(1.7328680, abs=1e-6)
+    assert float(parts.clipped) == 1.0
+    parts.policy.backward()
+    assert new.grad[0].tolist() == pytest.approx([-1.5, -1.0])  # the ratio carries no gradient
+
+
+def test_kl_penalty_shifts_advantages_towards_the_mean_kl():
+    # token KLs (new - ref) 0.2 and 0.0, mean 0.1; coef 1 -> advantages 1 - 0.1 = 0.9 and 1 + 0.1 = 1.1.
+    # ratios 1 (old = new): ppo loss = -(0.9 + 1.1) = -2.0, but the gradient weights the tokens 0.9 and 1.1.
+    new = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.2, -2.0]], dtype=torch.float64)
+    parts = grpo_loss_sums(new, torch.full((1, 2), math.nan, dtype=torch.float64),
+                           torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[True, True]]),
+                           epsilon=0.2, epsilon_high=0.2, ref_logprobs=ref, kl_penalty_coef=1.0)
+    assert float(parts.policy) == pytest.approx(-2.0, abs=1e-5)
+    parts.policy.backward()
+    assert new.grad[0].tolist() == pytest.approx([-0.9, -1.1], abs=1e-5)

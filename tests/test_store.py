@@ -68,7 +68,7 @@ async def test_round_trip_is_byte_identical_and_resync_sends_nothing(store, tmp_
 async def test_restore_takes_newest_step_and_history(store, tmp_path):
     local = make_step(tmp_path / "a", 1, 1000)
     make_step(tmp_path / "a", 2, 1000)
-    local.append_history({"step": 2, "split": "val", "metrics": {"reward": 1.0}})
+    local.append_history({"step": 2, "val/reward": 1.0})
     for step in (1, 2):
         await store.upload_step(local, step)
     await store.upload_history(local)

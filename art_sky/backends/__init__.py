@@ -6,6 +6,7 @@ from __future__ import annotations
 from art_sky import clusters
 from art_sky.settings import Settings
 
+from .art_protocol import TrainResult
 from .base import Backend
 from .cluster import ClusterBackend
 from .local import LocalBackend
@@ -24,4 +25,5 @@ def attach(name: str, *, local_port: int = 0, settings: Settings | None = None) 
     return KINDS[record.kind].from_record(record, local_port=local_port, settings=settings)
 
 
-__all__ = ["Backend", "ClusterBackend", "KINDS", "LocalBackend", "SSHBackend", "SkyPilotBackend", "attach"]
+__all__ = ["Backend", "ClusterBackend", "KINDS", "LocalBackend", "SSHBackend", "SkyPilotBackend", "TrainResult",
+           "attach"]

@@ -1,12 +1,16 @@
 """`Backend`: the HTTP client of a cluster server. Every backend (local, SSH host, SkyPilot) is this plus a way
 to get the server running; after that they share this one code path.
+
+It serves art-sky's own client and openpipe-art 0.5's: it implements ART's Backend protocol (`register`,
+`_prepare_backend_for_training`, `_model_inference_name`, `_get_step`, `_delete_checkpoint_files`,
+`train(model, groups, **kwargs) -> TrainResult`, `_train_sft`, `close`), translating with art_protocol.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from tqdm.auto import tqdm
@@ -27,17 +31,21 @@ from art_sky.wire import (
     DeleteCheckpointsRequest,
     HealthResponse,
     LogRequest,
-    ModelConfig,
     ModelInfo,
     RegisterRequest,
+    SFTRequest,
     SyncStatus,
     TrainConfig,
     TrainProgress,
     TrainRequest,
 )
 
+from art_sky.client.trajectories import wire_groups, wire_trajectory
+
+from .art_protocol import TrainResult, model_config, sft_settings, train_config
+
 if TYPE_CHECKING:  # the backend serves the client's models; the client knows backends only by a protocol
-    from art_sky.client import Model, TrainableModel, TrajectoryGroup
+    from art_sky.client import Model, TrainableModel
 
 _RETRIES = 5  # idempotent requests survive a dropped connection (a reconnecting tunnel) this many times
 
@@ -92,12 +100,31 @@ class Backend:
         await self._ensure_started()
         return HealthResponse.model_validate(await self._request("GET", "/health"))
 
-    async def register(self, model: TrainableModel) -> ModelInfo:
+    async def register(self, model: TrainableModel) -> ModelInfo | None:
+        """Load a trainable model (art-sky's or ART's) on the server; a model that is not trainable needs nothing."""
         await self._ensure_started()
+        if not getattr(model, "trainable", False):
+            return None
         request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
-                                  config=model.config or ModelConfig())
+                                  config=model_config(model))
         return ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             idempotent=True))
+
+    async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
+        """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses."""
+        if config:
+            raise ConfigError("register(_openai_client_config=...) is not supported by art-sky: the engine runs on "
+                              "the cluster server, set with ART_SKY_* variables there")
+        await self.register(model)  # idempotent: ART registered it a moment ago
+        assert self.api_key is not None
+        return self.inference_base_url, self.api_key
+
+    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
+        """The model's name serves its newest step; `name@step` an earlier one."""
+        return model.name if step is None else f"{model.name}@{step}"
+
+    async def _get_step(self, model: Model) -> int:
+        return (await self.model_info(model)).step
 
     async def models(self) -> list[ModelInfo]:
         """Every model the server has registered, with its step (what `art-sky status` shows)."""
@@ -119,10 +146,16 @@ class Backend:
                 await self._request("GET", f"/art/models/{model.name}/checkpoints")]
 
     async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]:
+        return await self._delete(model, DeleteCheckpointsRequest(best_checkpoint_metric=best_checkpoint_metric))
+
+    async def _delete_checkpoint_files(self, model: Model, steps_to_keep: list[int]) -> None:
+        """ART's `delete_checkpoints` picks the steps (from its own history); the server deletes the rest."""
+        await self._delete(model, DeleteCheckpointsRequest(keep_steps=steps_to_keep))
+
+    async def _delete(self, model: Model, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
         await self._ensure_started()
-        body = DeleteCheckpointsRequest(best_checkpoint_metric=best_checkpoint_metric).model_dump()
         return [CheckpointInfo.model_validate(c) for c in
-                await self._request("POST", f"/art/models/{model.name}/checkpoints/delete", json=body,
+                await self._request("POST", f"/art/models/{model.name}/checkpoints/delete", json=body.model_dump(),
                                     idempotent=True)]
 
     async def flush_checkpoints(self) -> SyncStatus:
@@ -148,16 +181,48 @@ class Backend:
                 f"{exc}. The server is still running: fix the store and close again, or `close(force=True)` to stop "
                 f"it anyway (the steps stay in {where})") from exc
 
-    async def train(self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: TrainConfig,
-                    verbose: bool = False) -> dict[str, float]:
-        """One training step; progress streams from the server. Returns the step's metrics."""
-        await self._ensure_started()
+    async def train(self, model: TrainableModel, trajectory_groups: Iterable[Any], *,
+                    config: TrainConfig | None = None, verbose: bool = False, **kwargs: Any) -> TrainResult:
+        """One training step on these groups (art-sky's or openpipe-art's), ART 0.5's `backend.train`: ART's
+        keywords (`learning_rate`, `loss_fn`, `epsilon`, `kl_penalty_coef`, ...; see art_protocol.py) or
+        art-sky's `config=TrainConfig(...)`. Inference waits while it trains; progress streams from the server."""
+        config = train_config(config, kwargs)
+        groups = wire_groups(trajectory_groups)
         if not groups:
             raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
-        body = TrainRequest(groups=[g.to_wire() for g in groups], config=config).model_dump_json()
-        bar = tqdm(desc=f"train {model.name}", unit="batch", disable=not verbose)
+        result = await self._stream_step(model, "train", TrainRequest(groups=groups, config=config), verbose)
+        assert result.step is not None
+        return TrainResult(step=result.step, metrics=result.metrics)
+
+    async def _train_sft(self, model: TrainableModel, trajectories: Iterable[Any], config: Any,
+                         dev_config: dict | None = None, verbose: bool = False) -> AsyncIterator[dict[str, float]]:
+        """ART's SFT on the model's LoRA: next-token loss on the assistant turns, one optimizer step per batch
+        of `config.batch_size` trajectories ("auto": 2, as ART's LocalBackend), one training step per call.
+        Yields each batch's metrics with ART's names."""
+        batch_size, rates = sft_settings(config, dev_config)
+        wired = [wire_trajectory(t, f"trajectory {i}") for i, t in enumerate(trajectories)]
+        if not wired:
+            raise ConfigError("_train_sft() got no trajectories")
         try:
-            async with self._client().stream("POST", f"/art/models/{model.name}/train", content=body,
+            request = SFTRequest(trajectories=wired, batch_size=batch_size, learning_rates=rates)
+        except ValueError as exc:
+            raise ConfigError(f"train_sft: {exc}") from exc
+        result = await self._stream_step(model, "sft", request, verbose)
+        for batch in result.batches:
+            yield {"loss/train": batch["loss"], "loss/learning_rate": batch["learning_rate"],
+                   "loss/grad_norm": batch["grad_norm"], "data/step_trainer_tokens": batch["trained_tokens"],
+                   "data/step_num_trajectories": result.metrics["num_trajectories"],
+                   "data/step_num_dropped_trajectories": result.metrics["num_dropped_trajectories"],
+                   "data/step_num_gradient_steps": float(len(result.batches))}
+
+    async def _stream_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
+                           verbose: bool) -> TrainProgress:
+        """POST a training request and follow its progress stream to the result."""
+        await self._ensure_started()
+        bar = tqdm(desc=f"{route} {model.name}", unit="batch", disable=not verbose)
+        try:
+            async with self._client().stream("POST", f"/art/models/{model.name}/{route}",
+                                             content=request.model_dump_json(),
                                              headers={"content-type": "application/json"}) as response:
                 if response.status_code >= 400:
                     await response.aread()
@@ -173,7 +238,7 @@ class Backend:
                     elif event.type == "error":
                         raise ServerError(500, event.message or "training failed")
                     else:
-                        return event.metrics | {"step": float(event.step)}
+                        return event
         except httpx.TransportError as exc:
             raise BackendUnavailableError(
                 f"connection to the cluster server lost during training ({exc!r}); the server finishes the step "

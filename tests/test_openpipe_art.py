@@ -1,0 +1,229 @@
+"""openpipe-art 0.5 programs run unchanged but for the backend line, on LocalBackend and SSHBackend.
+
+The programs (tests/art_programs/) run in their own Python process, as a user's would: `import art` (the real
+openpipe-art, installed by the `art` extra) loads litellm, weave and patches transformers, none of which belongs in
+the test process. Each prints what it saw as JSON on its last line; the tests check that and the files the server
+and ART's frontend wrote. The in-process tests below check the same features deterministically on the real server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import train_lines
+from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
+
+import art_sky
+from art_sky.backends.art_protocol import model_config, train_config
+from art_sky.remote.install import BootstrapOptions
+from art_sky.client.trajectories import History, wire_groups
+from art_sky.errors import ConfigError
+from art_sky.wire import ModelConfig, TrainConfig
+
+PROGRAMS = Path(__file__).parent / "art_programs"
+LOCAL_LINE = "    backend = art_sky.LocalBackend()  # BACKEND"
+
+
+def run_program(name: str, cwd: Path, backend_line: str | None = None) -> dict:
+    """Run an ART program (its BACKEND line replaced, if given) in `cwd` with this venv's Python."""
+    source = (PROGRAMS / f"{name}.py").read_text()
+    if backend_line is not None:
+        line = next(line for line in source.splitlines() if line.startswith(LOCAL_LINE))
+        source = source.replace(line, f"    backend = {backend_line}")
+    program = cwd / f"{name}.py"
+    program.write_text(source)
+    env = os.environ | {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "WANDB_MODE": "disabled"}
+    env.pop("WANDB_API_KEY", None)
+    done = subprocess.run([sys.executable, str(program)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def history(model_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (model_dir / "history.jsonl").read_text().splitlines() if line.strip()]
+
+
+def check_multiply(seen: dict, server_dir: Path, frontend_dir: Path) -> None:
+    assert seen["steps"] == [1, 2] and seen["get_step"] == 2
+    assert sum(seen["trained_tokens"]) > 0  # ART's own client (just logprobs=True) gave trainable choices
+    assert seen["inference_name"] == "multiply"
+    # ART's delete_checkpoints kept the newest step (2, also the only one with val/reward); SFT added 3 and 4.
+    assert sorted(p.name for p in (server_dir / "checkpoints").iterdir()) == ["0002", "0003", "0004"]
+    assert seen["step_after_sft"] == 4
+    lora = json.loads((server_dir / "checkpoints" / "0004" / "adapter_config.json").read_text())
+    assert (lora["r"], lora["lora_alpha"]) == (4, 8)  # from ART's _internal_config, not the user's config
+    sft_losses = [e["loss/train"] for e in history(frontend_dir) if "loss/train" in e]
+    assert len(sft_losses) == 2 and sft_losses[1] < sft_losses[0]  # the second SFT call starts lower: it learned
+    assert list((frontend_dir / "trajectories" / "train").glob("*.parquet"))  # ART's model.log wrote parquet
+
+
+@pytest.mark.slow
+def test_art_programs_on_local_backend(tmp_path):
+    seen = run_program("multiply", tmp_path)
+    model_dir = tmp_path / ".art" / "art-compat" / "models" / "multiply"  # ART's default and LocalBackend's
+    check_multiply(seen, model_dir, model_dir)
+
+    echo = run_program("echo", tmp_path)
+    assert echo["get_step"] == 2
+    assert "adam_params" in echo["refused"] and echo["refused"].startswith("ConfigError")
+    trained = [m for m in echo["metrics"] if m.get("trained_tokens", 0) > 0]
+    assert trained and all(m["kl"] >= 0 for m in trained)
+
+
+@pytest.mark.slow
+def test_art_program_on_ssh_backend(sshd, tmp_path, art_sky_home):  # noqa: F811
+    remote = tmp_path / "remote"
+    options = f"__import__({BootstrapOptions.__module__!r}, fromlist=['_']).BootstrapOptions"  # a prepared python
+    line = (f"art_sky.SSHBackend('{sshd.target().user}@127.0.0.1:{sshd.port}', key_path='{sshd.client_key}', "
+            f"options={options}(remote_dir='{remote}', python='{sys.executable}'))")
+    seen = run_program("multiply", tmp_path, line)
+    server_dir = remote / "art" / "art-compat" / "models" / "multiply"
+    check_multiply(seen, server_dir, tmp_path / ".art" / "art-compat" / "models" / "multiply")
+
+
+# -- ART's keywords, internal config and trajectories, translated ----------------------------------------------
+def test_art_train_keywords_map_to_train_config():
+    assert train_config(None, {}) == TrainConfig(loss_fn="cispo", epsilon=1.0, epsilon_high=4.0)  # ART's defaults
+    config = train_config(None, {"learning_rate": 1e-4, "loss_fn": "ppo", "kl_penalty_coef": 0.1,
+                                 "epsilon_high": 0.3, "normalize_advantages": False, "advantage_balance": 0.0})
+    assert config == TrainConfig(learning_rate=1e-4, loss_fn="ppo", kl_penalty_coef=0.1, epsilon_high=0.3,
+                                 scale_rewards=False)
+    assert train_config(TrainConfig(beta=0.1), {"learning_rate": 1e-3}) == TrainConfig(beta=0.1, learning_rate=1e-3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"adam_params": {"beta1": 0.8}}, "adam_params"),
+    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+    ({"save_checkpoint": False}, "save_checkpoint"),
+    ({"kl_penalty_reference_step": 3}, "kl_penalty_reference_step"),
+    ({"loss_fn": "dro"}, "loss_fn"),
+    ({"learning_rate": -1.0}, "learning_rate"),
+])
+def test_art_train_keywords_the_trainer_cannot_honour_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        train_config(None, kwargs)
+
+
+def test_unknown_train_keyword_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="'learning_rte'"):
+        train_config(None, {"learning_rte": 1e-5})
+
+
+class _ArtLikeModel:
+    """Only the fields art-sky reads from an `art.TrainableModel`."""
+
+    def __init__(self, config=None, internal=None):
+        self.config, self._internal_config = config, internal
+
+
+def test_lora_settings_come_from_art_internal_config_never_the_user_config():
+    assert model_config(_ArtLikeModel(config={"lora_rank": 64})) == ModelConfig()  # the user's own config
+    internal = {"peft_args": {"r": 16, "lora_alpha": 32, "bias": "none"}, "init_args": {"max_seq_length": 4096},
+                "engine_args": {"gpu_memory_utilization": 0.7}}
+    assert model_config(_ArtLikeModel(internal=internal)) == ModelConfig(lora_rank=16, lora_alpha=32,
+                                                                         max_seq_length=4096)
+    assert model_config(_ArtLikeModel(config=ModelConfig(lora_rank=2))).lora_rank == 2  # art-sky's own option
+    with pytest.raises(ConfigError, match="'peft_args'.*'use_rslora'"):
+        model_config(_ArtLikeModel(internal={"peft_args": {"use_rslora": True}}))
+    with pytest.raises(ConfigError, match="'chat_template'"):
+        model_config(_ArtLikeModel(internal={"chat_template": "{{ messages }}"}))
+
+
+def _group(*trajectories):
+    return art_sky.TrajectoryGroup(list(trajectories))
+
+
+def _trajectory(reward=1.0, items=None, **fields):
+    items = items if items is not None else [{"role": "user", "content": "hi"}]
+    return art_sky.Trajectory(messages_and_choices=items, reward=reward, **fields)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (_trajectory(reward=math.nan), r"group 1, trajectory 1: reward is nan"),
+    (_trajectory(items=[]), r"group 1, trajectory 1: messages_and_choices is empty"),
+    (_trajectory(items=[{"role": "user", "content": "x"}, {"content": "no role"}]),
+     r"group 1, trajectory 1, messages_and_choices\[1\]\): role: Field required"),
+    (_trajectory(metrics={"score": math.inf}), r"group 1, trajectory 1: metrics\['score'\] is inf"),
+    (_trajectory(additional_histories=[History(
+        messages_and_choices=[{"role": "wizard", "content": "x"}])]),
+     r"group 1, trajectory 1, additional_histories\[0\], messages_and_choices\[0\]\): role"),
+])
+def test_malformed_trajectory_names_its_group_index_and_field(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        wire_groups([_group(_trajectory(), _trajectory(0.0)), _group(_trajectory(), bad)])
+
+
+def test_art_fields_on_art_sky_trajectories():
+    history = History(messages_and_choices=[{"role": "user", "content": "aside"}])
+    trajectory = _trajectory(additional_histories=[history], metadata={"scenario": "s1"}).finish()
+    assert trajectory.metrics["duration"] >= 0 and history.messages() == [{"role": "user", "content": "aside"}]
+    group = art_sky.TrajectoryGroup([trajectory], metrics={"judge_cost": 0.1}, metadata={"split": "a"})
+    group.log("scored")
+    assert (group.metrics, group.metadata, group.logs) == ({"judge_cost": 0.1}, {"split": "a"}, ["scored"])
+    with pytest.raises(ConfigError, match="group 0 is empty"):
+        wire_groups([art_sky.TrajectoryGroup([])])
+
+
+# -- the server side: additional histories, SFT and ART's checkpoint deletion, on the real in-process server ----
+async def _sampled(server, content: str) -> dict:
+    response = await server.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "logprobs": True})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["content"])  # ids come with plain logprobs=True
+    return {"kind": "choice", "content": choice["message"]["content"], "token_ids": choice["token_ids"],
+            "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}
+
+
+async def test_additional_histories_train_as_further_sequences(server):
+    async def trajectory(reward: float, histories: int) -> dict:
+        return {"items": [{"role": "user", "content": "a"}, await _sampled(server, "a")], "reward": reward,
+                "additional_histories": [{"items": [{"role": "user", "content": "b"}, await _sampled(server, "b")]}
+                                         for _ in range(histories)]}
+
+    status, lines = await train_lines(server, "tiny", {"groups": [
+        {"trajectories": [await trajectory(1.0, 2), await trajectory(0.0, 1)]}]})
+    assert status == 200, lines
+    assert lines[-1]["metrics"]["sequences"] == 5.0  # 1 + 2 and 1 + 1
+
+    bad = await trajectory(1.0, 0)
+    bad["additional_histories"] = [{"items": [{"role": "user", "content": "nothing sampled"}]}]
+    status, lines = await train_lines(server, "tiny", {"groups": [
+        {"trajectories": [await trajectory(0.0, 0), bad]}]})
+    assert status == 422 and "group 0, trajectory 1, additional_histories[0]" in lines[0]["detail"]
+
+
+async def test_sft_is_one_step_with_one_optimizer_step_per_batch(server):
+    step = (await server.get("/art/models/tiny")).json()["step"]
+    chat = [{"role": "user", "content": "2 * 3?"}, {"role": "assistant", "content": "6"}]
+    body = {"trajectories": [{"items": chat, "reward": 0.0}] * 3 + [{"items": chat[:1], "reward": 0.0}],
+            "batch_size": 2, "learning_rates": [1e-2, 1e-3]}
+    response = await server.post("/art/models/tiny/sft", json=body)
+    lines = [json.loads(line) for line in response.text.splitlines()]
+    result = lines[-1]
+    assert result["type"] == "result" and result["step"] == step + 1
+    assert [b["learning_rate"] for b in result["batches"]] == [1e-2, 1e-3]  # 2 batches of the 4, each its rate
+    assert [b["sequences"] for b in result["batches"]] == [2.0, 1.0]
+    assert result["metrics"]["num_dropped_trajectories"] == 1.0  # no assistant turn: skipped and reported
+    assert all(b["trained_tokens"] > 0 and math.isfinite(b["loss"]) for b in result["batches"])
+
+    response = await server.post("/art/models/tiny/sft", json=body | {"learning_rates": [1e-3] * 3})
+    assert response.status_code == 422 and "give one per batch" in response.json()["detail"]
+
+
+async def test_art_delete_checkpoint_files_keeps_exactly_the_given_steps(server):
+    for _ in range(2):
+        await server.post("/art/models/tiny/sft", json={
+            "trajectories": [{"items": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                              "reward": 0.0}], "learning_rates": [1e-4]})
+    steps = [c["step"] for c in (await server.get("/art/models/tiny/checkpoints")).json()]
+    current = steps[-1]
+    response = await server.post("/art/models/tiny/checkpoints/delete", json={"keep_steps": [steps[0]]})
+    assert [c["step"] for c in response.json()] == [steps[0], current]  # the current step always stays
