@@ -1,17 +1,15 @@
-"""The one checkpoint layout, used by the cluster server, the object store and the CLI.
+"""Checkpoints on a filesystem, used by the cluster server, the object store and the CLI (layout: art_sky.layout).
 
-`<root>/<project>/models/<name>/checkpoints/<step:04d>/` holds a PEFT LoRA and `manifest.json` (sha256 and size
-of every file, step, base model, time, metrics). A step is written in a temp dir and renamed into place, so a
-step directory that exists is complete; the manifest is what makes it trustworthy.
+A step directory holds a PEFT LoRA and `manifest.json` (sha256 and size of every file, step, base model, time,
+metrics). A step is written in a temp dir and renamed into place, so a step directory that exists is complete; the
+manifest is what makes it trustworthy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -20,9 +18,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from art_sky.errors import ArtSkyError
-
-MANIFEST = "manifest.json"
-HISTORY = "history.jsonl"
+from art_sky.files import atomic_dir
+from art_sky.layout import HISTORY, MANIFEST, model_key, step_name
 
 
 class FileEntry(BaseModel):
@@ -50,11 +47,7 @@ class CorruptCheckpointError(ArtSkyError):
 
 
 def model_dir(root: Path, project: str, name: str) -> Path:
-    return Path(root) / project / "models" / name
-
-
-def step_name(step: int) -> str:
-    return f"{step:04d}"
+    return Path(root) / model_key(project, name)
 
 
 def sha256_file(path: Path) -> str:
@@ -120,20 +113,12 @@ class CheckpointDir:
     def save(self, step: int, write: Callable[[Path], None], *, base_model: str,
              metrics: dict[str, float] | None = None) -> Manifest:
         """`write(tmp_dir)` writes the adapter; the manifest is added and the directory renamed into place."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{step_name(step)}-", dir=self.path))
-        try:
+        with atomic_dir(self.step_dir(step)) as tmp:  # replaces a stale copy of the step (an interrupted run)
             write(tmp)
             manifest = build_manifest(tmp, project=self.project, model=self.name, step=step,
                                       base_model=base_model, metrics=metrics)
             (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
-            target = self.step_dir(step)
-            if target.exists():  # a stale copy of the same step (e.g. an interrupted earlier run)
-                shutil.rmtree(target)
-            os.rename(tmp, target)
-            return manifest
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        return manifest
 
     def delete(self, steps: list[int]) -> None:
         for step in steps:

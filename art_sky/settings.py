@@ -1,11 +1,23 @@
-"""Settings from `ART_SKY_*` environment variables and `.env` (see .env.example). Secrets are never logged."""
+"""Settings from `ART_SKY_*` environment variables, then `.env` in the working directory (see .env.example).
+
+Each entry point (a backend, a CLI command, the cluster server) reads them once, with `Settings()`, and passes them
+down; nothing below reads the environment itself. Secrets are never logged.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from dotenv import dotenv_values
+from pydantic import Field, PrivateAttr, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from art_sky.errors import ConfigError
+
+# The object store's credentials and settings under their usual names (not ART_SKY_*): what a remote server gets.
+STORE_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+                   "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_KEY")
 
 
 class Settings(BaseSettings):
@@ -44,8 +56,26 @@ class Settings(BaseSettings):
         None, description="endpoint of an S3-compatible store (R2, MinIO, SeaweedFS); default AWS or AWS_ENDPOINT_URL")
     checkpoint_strict: bool = Field(
         False, description="a failed checkpoint upload fails training and flush_checkpoints() instead of warning")
+    _store_credentials: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def model_post_init(self, context: object) -> None:
+        """The store's variables keep their usual names (AWS_*, GOOGLE_*): read them here, environment then .env."""
+        from_file = dotenv_values(".env") if Path(".env").is_file() else {}
+        for name in STORE_VARIABLES:
+            value = os.environ.get(name) or from_file.get(name)
+            if value:
+                self._store_credentials[name] = value
+
+    @property
+    def store_credentials(self) -> dict[str, str]:
+        """The object store's credentials and settings set here (never log them)."""
+        return dict(self._store_credentials)
 
 
-def settings() -> Settings:
-    """Read the settings now (the environment may change between calls, e.g. in tests)."""
-    return Settings()
+def read_env_file(path: str | Path | None) -> dict[str, str]:
+    """The variables of a .env file the user names (`env_path=`, `--env-file`)."""
+    if path is None:
+        return {}
+    if not Path(path).is_file():
+        raise ConfigError(f"env file {path} does not exist: give a .env file (KEY=value lines)")
+    return {k: v for k, v in dotenv_values(path).items() if v is not None}

@@ -3,7 +3,7 @@
 obstore (Rust's `object_store`) does the transfers: native async, multipart uploads and ranged downloads in
 parallel, one API for every cloud. A step's files go up first and its `manifest.json` last, so a step is visible
 (listed, restorable) only once it is complete; a download lands only after every file matches the manifest.
-Keys are `<prefix>/<project>/models/<name>/checkpoints/<step:04d>/<file>`, as on disk.
+Keys are the checkpoint layout's (art_sky.layout) under the URI's prefix, as on disk.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -25,8 +23,10 @@ import obstore
 from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import GCSStore, LocalStore, S3Store
 
-from art_sky.checkpoints import HISTORY, MANIFEST, CheckpointDir, CorruptCheckpointError, Manifest, step_name
+from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, Manifest
 from art_sky.errors import CheckpointStoreError, ConfigError
+from art_sky.files import atomic_dir
+from art_sky.layout import HISTORY, MANIFEST, model_key, step_key, step_name
 from art_sky.settings import Settings
 
 log = logging.getLogger("art_sky.store")
@@ -40,20 +40,22 @@ T = TypeVar("T")
 class CheckpointStore:
     """Checkpoints of every project and model under one URI: list, upload, verified download, delete."""
 
-    def __init__(self, uri: str, *, endpoint: str | None = None):
+    def __init__(self, uri: str, *, endpoint: str | None = None, credentials: dict[str, str] | None = None):
+        """`credentials`: the store's variables (AWS_*, GOOGLE_*; Settings.store_credentials) over the environment's."""
         self.uri = uri.rstrip("/")
-        self._store = _open(self.uri, endpoint)
+        self._store = _open(self.uri, endpoint, credentials or {})
 
     @classmethod
     def from_settings(cls, settings: Settings) -> CheckpointStore | None:
         """The store ART_SKY_CHECKPOINT_URI names, or None when checkpoints stay on the cluster only."""
         if not settings.checkpoint_uri:
             return None
-        return cls(settings.checkpoint_uri, endpoint=settings.checkpoint_endpoint)
+        return cls(settings.checkpoint_uri, endpoint=settings.checkpoint_endpoint,
+                   credentials=settings.store_credentials)
 
     def where(self, project: str, name: str, step: int | None = None) -> str:
         """The URI of a model's checkpoints, or of one step, for messages and listings."""
-        base = f"{self.uri}/{_model_key(project, name)}/checkpoints"
+        base = f"{self.uri}/{model_key(project, name)}/checkpoints"
         return base if step is None else f"{base}/{step_name(step)}"
 
     async def check(self) -> None:
@@ -67,21 +69,21 @@ class CheckpointStore:
         for project in top["common_prefixes"]:
             project = project.rstrip("/").rsplit("/", 1)[-1]
             listing = await self._call("list models", obstore.list_with_delimiter_async(
-                self._store, f"{project}/models/"))
+                self._store, model_key(project, "")))
             found += [(project, name.rstrip("/").rsplit("/", 1)[-1]) for name in listing["common_prefixes"]]
         return sorted(found)
 
     async def manifests(self, project: str, name: str) -> list[Manifest]:
         """Manifests of the complete steps (those whose manifest is there), oldest first."""
         listing = await self._call("list checkpoints", obstore.list_with_delimiter_async(
-            self._store, f"{_model_key(project, name)}/checkpoints/"))
+            self._store, f"{model_key(project, name)}/checkpoints/"))
         steps = [int(p) for p in (p.rstrip("/").rsplit("/", 1)[-1] for p in listing["common_prefixes"]) if p.isdigit()]
         found = await asyncio.gather(*(self.manifest(project, name, step) for step in sorted(steps)))
         return [manifest for manifest in found if manifest is not None]
 
     async def manifest(self, project: str, name: str, step: int) -> Manifest | None:
         """A step's manifest; None when the step is absent, partial, or its manifest unreadable."""
-        data = await self._get_optional(f"{_step_key(project, name, step)}/{MANIFEST}", "read a manifest")
+        data = await self._get_optional(f"{step_key(project, name, step)}/{MANIFEST}", "read a manifest")
         try:
             return None if data is None else Manifest.model_validate_json(data)
         except ValueError:
@@ -93,7 +95,7 @@ class CheckpointStore:
         local = checkpoints.manifest(step)
         if local is None:
             raise CheckpointStoreError(f"step {step} of {checkpoints.path} has no manifest: nothing to upload")
-        key = _step_key(checkpoints.project, checkpoints.name, step)
+        key = step_key(checkpoints.project, checkpoints.name, step)
         remote = await self.manifest(checkpoints.project, checkpoints.name, step)
         if remote == local:
             return 0
@@ -117,10 +119,8 @@ class CheckpointStore:
         if manifest is None:
             raise CheckpointStoreError(f"{where} is not in the store (no manifest): `art-sky checkpoints ls` "
                                        "lists the steps there")
-        key, dest = _step_key(project, name, step), Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".download-{step_name(step)}-", dir=dest.parent))
-        try:
+        key = step_key(project, name, step)
+        with atomic_dir(dest) as tmp:
             report = progress or (lambda n: None)
             digests = await asyncio.gather(*(self._get_file(f"{key}/{rel}", tmp / rel, entry.size, where, report)
                                              for rel, entry in manifest.files.items()))
@@ -129,12 +129,7 @@ class CheckpointStore:
                     raise CorruptCheckpointError(f"{where}/{rel} does not match its manifest (sha256 differs): the "
                                                  "stored step is corrupt; `art-sky checkpoints rm` deletes it")
             (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.rename(tmp, dest)
-            return manifest
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        return manifest
 
     async def restore(self, checkpoints: CheckpointDir) -> int | None:
         """Download the newest step that verifies (and the history); corrupt steps are skipped with a warning."""
@@ -149,7 +144,7 @@ class CheckpointStore:
             restored = manifest.step
             break
         history = checkpoints.model_dir / HISTORY
-        data = await self._get_optional(f"{_model_key(checkpoints.project, checkpoints.name)}/{HISTORY}",
+        data = await self._get_optional(f"{model_key(checkpoints.project, checkpoints.name)}/{HISTORY}",
                                         "read the history")
         if data is not None and not history.exists():
             history.parent.mkdir(parents=True, exist_ok=True)
@@ -161,15 +156,15 @@ class CheckpointStore:
         history = checkpoints.model_dir / HISTORY
         if history.exists():
             await self._call("upload the history", obstore.put_async(
-                self._store, f"{_model_key(checkpoints.project, checkpoints.name)}/{HISTORY}", history.read_bytes()))
+                self._store, f"{model_key(checkpoints.project, checkpoints.name)}/{HISTORY}", history.read_bytes()))
 
     async def history(self, project: str, name: str) -> bytes | None:
-        return await self._get_optional(f"{_model_key(project, name)}/{HISTORY}", "read the history")
+        return await self._get_optional(f"{model_key(project, name)}/{HISTORY}", "read the history")
 
     async def delete_steps(self, project: str, name: str, steps: list[int]) -> None:
         """Delete steps, manifest first so a half-deleted step is never listed as complete."""
         for step in steps:
-            key = _step_key(project, name, step)
+            key = step_key(project, name, step)
             await self._delete_optional(f"{key}/{MANIFEST}")
             listing = await self._call("list a step", obstore.list(self._store, f"{key}/").collect_async())
             paths = [entry["path"] for entry in listing]
@@ -289,15 +284,7 @@ def _absent(exc: FileNotFoundError) -> bool:
     return "NoSuchBucket" not in str(exc)
 
 
-def _model_key(project: str, name: str) -> str:
-    return f"{project}/models/{name}"
-
-
-def _step_key(project: str, name: str, step: int) -> str:
-    return f"{_model_key(project, name)}/checkpoints/{step_name(step)}"
-
-
-def _open(uri: str, endpoint: str | None):
+def _open(uri: str, endpoint: str | None, credentials: dict[str, str]):
     """The obstore store a URI names; ConfigError for a URI art-sky cannot use."""
     parsed = urlparse(uri)
     usage = "use s3://bucket/prefix (AWS, R2, S3-compatible), gs://bucket/prefix or file:///absolute/path"
@@ -312,28 +299,26 @@ def _open(uri: str, endpoint: str | None):
             raise ConfigError(f"checkpoint store URI {uri!r} names no bucket: {usage}")
         prefix = parsed.path.strip("/") or None
         if parsed.scheme == "gs":
-            return GCSStore(parsed.netloc, prefix=prefix)
-        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
+            return GCSStore(parsed.netloc, prefix=prefix,
+                            config={k: v for k, v in credentials.items() if k.startswith("GOOGLE_")})
+        endpoint = endpoint or credentials.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
         options = {"endpoint": endpoint} if endpoint else {}
         client = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None
-        return S3Store(parsed.netloc, prefix=prefix, client_options=client, **options)
+        config = {k: v for k, v in credentials.items() if k.startswith("AWS_") and k != "AWS_ENDPOINT_URL"}
+        return S3Store(parsed.netloc, prefix=prefix, client_options=client, config=config, **options)
     except (BaseError, OSError) as exc:
         raise CheckpointStoreError(f"checkpoint store {uri}: cannot open it: {str(exc).splitlines()[0]}") from exc
 
 
-_FORWARDED = ("ART_SKY_CHECKPOINT_ENDPOINT", "ART_SKY_CHECKPOINT_STRICT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-              "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "GOOGLE_SERVICE_ACCOUNT",
-              "GOOGLE_SERVICE_ACCOUNT_KEY")
-
-
-def server_env(uri: str | None) -> dict[str, str]:
-    """The environment a remote cluster server needs to sync checkpoints to `uri` (default ART_SKY_CHECKPOINT_URI):
-    the URI, the store's settings and the credentials set here. Empty when no store is configured.
-
-    A malformed URI fails here, on the laptop, not later in a remote server's log.
-    """
-    uri = uri or os.environ.get("ART_SKY_CHECKPOINT_URI")
+def server_env(settings: Settings, uri: str | None = None) -> dict[str, str]:
+    """What a cluster server needs to sync checkpoints to `uri` (default: the settings' ART_SKY_CHECKPOINT_URI): the
+    URI, the store's settings and the credentials set here (environment or .env). Every backend forwards this same
+    environment. Empty when no store is configured; a malformed URI fails here, not in a remote server's log."""
+    uri = uri or settings.checkpoint_uri
     if not uri:
         return {}
-    CheckpointStore(uri)
-    return {"ART_SKY_CHECKPOINT_URI": uri} | {k: os.environ[k] for k in _FORWARDED if os.environ.get(k)}
+    CheckpointStore(uri, endpoint=settings.checkpoint_endpoint, credentials=settings.store_credentials)
+    env = {"ART_SKY_CHECKPOINT_URI": uri, "ART_SKY_CHECKPOINT_STRICT": str(settings.checkpoint_strict).lower()}
+    if settings.checkpoint_endpoint:
+        env["ART_SKY_CHECKPOINT_ENDPOINT"] = settings.checkpoint_endpoint
+    return env | settings.store_credentials

@@ -53,8 +53,6 @@ class HealthResponse(BaseModel):
     trainer: str
     device: str
     models: list[str] = []
-    inference_port: int | None = Field(
-        None, description="always None: inference is the server's own /v1 (kept for clients that still read it)")
     engine_port: int | None = Field(
         None, description="vLLM's own port on the server's host, for benchmarks and debugging: clients sample from "
                           "the server's /v1, which routes names to steps and checks parameters")

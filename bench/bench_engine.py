@@ -67,7 +67,7 @@ def ssh_backend(stack: contextlib.ExitStack, python: str, env: dict[str, str]) -
     sys.path.insert(0, str(ROOT / "tests"))
     from sshd import Sshd
 
-    from art_sky.bootstrap import BootstrapOptions
+    from art_sky.remote.install import BootstrapOptions
 
     root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="art-sky-bench-sshd-")))
     os.environ["ART_SKY_HOME"] = str(root / "home")  # its throwaway host key stays out of ~/.art-sky/known_hosts
@@ -79,7 +79,8 @@ def ssh_backend(stack: contextlib.ExitStack, python: str, env: dict[str, str]) -
 
 
 async def bench(backend: art.Backend, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
-    from art_sky.tunnel import Tunnel
+    from art_sky.remote.tunnel import Tunnel
+    from art_sky.settings import Settings
 
     model = art.TrainableModel(name="bench", project="bench", base_model=args.base_model,
                                config=art.ModelConfig(max_seq_length=1024))
@@ -95,7 +96,7 @@ async def bench(backend: art.Backend, args: argparse.Namespace, stack: contextli
         if tunnel is not None:  # the server runs on this machine: its port is reachable without the tunnel too
             targets["endpoint"] = (f"http://127.0.0.1:{tunnel.remote[1]}/v1", model.name)
             targets["tunnel"] = (f"{backend.base_url}/v1", model.name)
-            engine_tunnel = Tunnel(tunnel.target, health.engine_port)
+            engine_tunnel = Tunnel(tunnel.target, health.engine_port, Settings())
             await asyncio.to_thread(engine_tunnel.start)
             stack.callback(engine_tunnel.close)
             targets["vllm-tunnel"] = (f"{engine_tunnel.base_url}/v1", f"{model.name}@{step}")

@@ -4,19 +4,48 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from art_sky.errors import ConfigError
-from art_sky.wire import CheckpointInfo, ModelConfig, TrainConfig
+from art_sky.settings import Settings
+from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig
 
 from .trajectories import TrajectoryGroup, summarize
 
-if TYPE_CHECKING:
-    from art_sky.backends.base import Backend
+
+class StepResult(Protocol):
+    step: int
+    metrics: dict[str, float]
+
+
+class Backend(Protocol):
+    """What a model needs of the backend it is registered with (art_sky.backends implements it; the client does
+    not import them)."""
+
+    api_key: str | None
+
+    @property
+    def inference_base_url(self) -> str: ...
+
+    @property
+    def request_timeout(self) -> float: ...
+
+    async def register(self, model: TrainableModel) -> ModelInfo | None: ...
+
+    async def model_info(self, model: Model) -> ModelInfo: ...
+
+    async def log(self, model: Model, split: str, metrics: dict[str, float]) -> None: ...
+
+    async def train(self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], *,
+                    config: TrainConfig | None = None, verbose: bool = False) -> StepResult: ...
+
+    async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]: ...
+
+    async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]: ...
 
 
 class Model(BaseModel):
@@ -38,14 +67,16 @@ class Model(BaseModel):
         self._openai = None
 
     def openai_client(self) -> AsyncOpenAI:
-        """An AsyncOpenAI client for this model's endpoint and key (one per model, reused)."""
+        """An AsyncOpenAI client for this model's endpoint and key (one per model, reused). Its timeout is the
+        backend's request timeout (ART_SKY_REQUEST_TIMEOUT)."""
         if self.inference_base_url is None:
             raise ConfigError(f"model {self.name!r} has no endpoint yet: `await model.register(backend)` first")
         if self._openai is None:
             transport = _TrainingDefaults(httpx.AsyncHTTPTransport()) if self.trainable else None
+            seconds = self._backend.request_timeout if self._backend else Settings().request_timeout
             self._openai = AsyncOpenAI(
                 base_url=self.inference_base_url, api_key=self.inference_api_key or "none", max_retries=3,
-                http_client=httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0, connect=30.0)))
+                http_client=httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(seconds, connect=30.0)))
         return self._openai
 
     def get_inference_name(self) -> str:

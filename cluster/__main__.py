@@ -1,4 +1,10 @@
-"""`python -m art_sky.cluster`: start the cluster server. The API key comes from ART_SKY_API_KEY (never argv)."""
+"""`python -m art_sky.cluster`: start the cluster server. The API key comes from ART_SKY_API_KEY (never argv).
+
+With `--run-dir` the server keeps its run files there (art_sky.layout: server.pid, port.json, server.log) and
+logs to server.log; `--detach` also puts it in its own session and returns at once. Every way of starting a server
+goes through here: the laptop's lifecycle (art_sky.remote.lifecycle: this machine, an SSH host) and the SkyPilot
+task (templates/cluster.yaml). Nothing that starts threads (torch, uvicorn) is imported before the fork.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,8 @@ import socket
 import sys
 from pathlib import Path
 
-import uvicorn
-
+from art_sky.files import atomic_write
+from art_sky.layout import ServerLayout
 from art_sky.settings import Settings
 
 
@@ -20,11 +26,52 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: reach it by tunnel)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     parser.add_argument("--art-path", type=Path, default=Path(".art"), help="root of the checkpoint tree")
-    parser.add_argument("--port-file", type=Path, help="write {\"port\": N} here once listening")
+    parser.add_argument("--run-dir", type=Path, help="keep server.pid, port.json and server.log here")
+    parser.add_argument("--detach", action="store_true", help="with --run-dir: run in a new session, return at once")
     args = parser.parse_args(argv)
     settings = Settings()
     if settings.api_key is None:
         sys.exit("ART_SKY_API_KEY is not set: the server refuses to start without an API key")
+    if args.detach and not args.run_dir:
+        sys.exit("--detach needs --run-dir (where the detached server's pid, port and log go)")
+    layout = None
+    if args.run_dir:
+        layout = ServerLayout(run_dir=str(args.run_dir.resolve()), art_path=str(args.art_path.resolve()))
+        _take_run_dir(layout, args.detach)
+    _serve(settings, args.host, args.port, args.art_path, layout)
+
+
+def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
+    """Start the run files afresh (the last log kept as server.log.1), record this server's pid, log to server.log.
+    Detached: fork; the parent records the child's pid and exits, the child leads a new session."""
+    run = Path(layout.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    Path(layout.port_file).unlink(missing_ok=True)
+    log = Path(layout.log_file)
+    if log.exists():
+        log.replace(log.with_name(log.name + ".1"))
+    if detach:
+        child = os.fork()
+        if child:
+            atomic_write(layout.pid_file, str(child))
+            os._exit(0)
+        os.setsid()
+    else:
+        atomic_write(layout.pid_file, str(os.getpid()))
+        print(f"art-sky: the cluster server logs to {log}", flush=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    sys.stdout.reconfigure(line_buffering=True)
+
+
+def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: ServerLayout | None) -> None:
+    import uvicorn
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request forwarded to vLLM is too many
     import torch
@@ -35,32 +82,25 @@ def main(argv: list[str] | None = None) -> None:
     from .server import create_app
 
     try:
-        app = create_app(args.art_path, settings.api_key.get_secret_value(), settings)
+        app = create_app(art_path, settings.api_key.get_secret_value(), settings)
     except ConfigError as exc:  # a setting or the installed stack: the message says what to change
         sys.exit(f"the cluster server cannot start: {exc}")
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((host, port))
     except OSError as exc:
-        sys.exit(f"cannot bind {args.host}:{args.port}: {exc}. Pick another --port or stop what uses it")
-    port = sock.getsockname()[1]
+        sys.exit(f"cannot bind {host}:{port}: {exc}. Pick another --port or stop what uses it")
+    bound = sock.getsockname()[1]
     # No access log: a line per completion costs the event loop what rollouts need (and no proxy headers: the
     # server is reached through a tunnel, never a proxy). A long keep-alive: clients (httpx: 5 s) drop idle
     # connections before the server does, so none reuses one the server is closing.
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False,
                                            proxy_headers=False, timeout_keep_alive=75))
-    if args.port_file:
-        _write_port_file(args.port_file, port)
-    logging.getLogger("art_sky.cluster").info("listening on %s:%d", args.host, port)
+    if layout is not None:
+        atomic_write(layout.port_file, json.dumps({"port": bound, "pid": os.getpid()}))
+    logging.getLogger("art_sky.cluster").info("listening on %s:%d", host, bound)
     server.run(sockets=[sock])
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
-    tmp.replace(path)
 
 
 if __name__ == "__main__":

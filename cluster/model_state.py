@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,15 +100,14 @@ def load_peft(request: RegisterRequest, settings: Settings, checkpoint: Path | N
     return get_peft_model(base, lora, adapter_name=ADAPTER), tokenizer
 
 
-def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings,
-                       store: CheckpointStore | None = None, load: Loader = load_peft) -> ModelState:
-    """The newest intact checkpoint of this model if there is one (local, or else, on a fresh cluster,
-    downloaded from the checkpoint store), else a fresh LoRA (saved as step 0).
+def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings, load: Loader = load_peft,
+                       downloaded: tuple[int, str] | None = None) -> ModelState:
+    """The newest intact checkpoint of this model if there is one, else a fresh LoRA (saved as step 0).
 
     `load` is the trainer's: it builds the model the trainer can train (PEFT, or Unsloth's patched model).
+    `downloaded`: (step, its URI) when `restore_from_store` just fetched that step, so the model says where from.
     """
     checkpoints = CheckpointDir(art_path, request.project, request.name)
-    from_store = restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
     for step in reversed(checkpoints.steps()):
         manifest = checkpoints.manifest(step)
         if manifest.base_model != request.base_model:
@@ -123,7 +121,7 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
             log.warning("skipping step %d: %s", step, exc)
             continue
         model, tokenizer = load(request, settings, checkpoints.step_dir(step))
-        origin = store.where(request.project, request.name, step) if step == from_store else checkpoints.step_dir(step)
+        origin = downloaded[1] if downloaded and downloaded[0] == step else checkpoints.step_dir(step)
         state = ModelState(request, model, tokenizer, checkpoints, step=step, restored_from=str(origin))
         log.info("model %s restored at step %d", request.name, step)
         break
@@ -135,21 +133,24 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
     return state
 
 
-def restore_from_store(store: CheckpointStore, checkpoints: CheckpointDir, strict: bool) -> int | None:
-    """On a cluster without local checkpoints of this model, download the newest verified step from the store.
+async def restore_from_store(store: CheckpointStore, checkpoints: CheckpointDir,
+                             strict: bool) -> tuple[int, str] | None:
+    """On a cluster without local checkpoints of this model, download the newest verified step from the store, on
+    the server's event loop: (step, its URI), or None when nothing was downloaded.
 
     A store that cannot be read is a warning (training starts from what is local) unless in strict mode.
     """
     if checkpoints.steps():
         return None
     try:
-        step = asyncio.run(store.restore(checkpoints))
+        step = await store.restore(checkpoints)
     except CheckpointStoreError as exc:
         if strict:
             raise
         log.warning("not restoring %s from the checkpoint store: %s", checkpoints.name, exc)
         return None
-    if step is not None:
-        log.info("downloaded step %d of %s from %s", step, checkpoints.name, store.where(checkpoints.project,
-                                                                                   checkpoints.name, step))
-    return step
+    if step is None:
+        return None
+    where = store.where(checkpoints.project, checkpoints.name, step)
+    log.info("downloaded step %d of %s from %s", step, checkpoints.name, where)
+    return step, where

@@ -20,20 +20,23 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
+from art_sky.errors import ArtSkyError
+
 from .chat_parameters import honoured_only, refused
 from .gate import DeviceGate
 from .model_state import ModelState
 
 if TYPE_CHECKING:
-    from .selection import Engine
+    from .engine import Engine
 
 
 UNAUTHORIZED = ("missing or wrong API key: send the server's key as a bearer token (model.openai_client() and the "
                 "backends do this for you)")
 
 
-class OpenAIError(Exception):
-    """A refused request, answered as OpenAI answers: {"error": {"message", "type", "param", "code"}}."""
+class OpenAIError(ArtSkyError):
+    """A refused completion, answered as OpenAI answers: {"error": {"message", "type", "param", "code"}} (and
+    `detail`, as the rest of the server). Engines raise it; the /v1 routes answer it."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, type: str = "invalid_request_error"):
         super().__init__(message)

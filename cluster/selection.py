@@ -14,6 +14,7 @@ from pathlib import Path
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
+from .engine import Engine
 from .gpu_sharing import SharedGpuEngine, enable_standby
 from .model_state import device
 from .peft_trainer import PeftTrainer
@@ -21,7 +22,6 @@ from .portable_engine import PortableEngine
 from .stack import is_gpu_vllm, require_tested
 from .vllm_engine import VllmEngine
 
-Engine = PortableEngine | VllmEngine | SharedGpuEngine
 ENGINES = ("auto", "vllm", "portable")
 TRAINERS = ("auto", "unsloth", "peft")
 SHARING = ("auto", "sleep")

@@ -21,8 +21,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import art_sky
-from art_sky.checkpoints import history_entry, steps_to_keep
-from art_sky.errors import CheckpointStoreError, ConfigError, EngineError, TokenizationError
+from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
+from art_sky.errors import (
+    ArtSkyError,
+    CheckpointStoreError,
+    ConfigError,
+    EngineError,
+    TokenizationError,
+)
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
@@ -42,7 +48,7 @@ from . import openai_api
 from .gate import DeviceGate
 from .gpu_sharing import sharing_of
 from .grpo import group_advantages
-from .model_state import ModelState, create_model_state, device
+from .model_state import ModelState, create_model_state, device, restore_from_store
 from .peft_trainer import Progress
 from .selection import select_engine, select_trainer
 from .sequences import Built, Sequence, build_sequences, sft_sequence
@@ -119,6 +125,10 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     guarded = [Depends(authorized)]
 
+    @app.exception_handler(ArtSkyError)
+    async def _art_sky_error(request: Request, exc: ArtSkyError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=http_status(exc))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
@@ -148,17 +158,12 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                     raise HTTPException(409, f"model {body.name!r} is already registered with project "
                                              f"{existing.project!r} and base model {existing.base_model!r}")
                 return states[body.name].info()
-            try:
-                engine.check(body)  # before loading anything (or writing a step 0 checkpoint)
-                state = await asyncio.to_thread(create_model_state, body, art_path, settings, store,
-                                                trainer.load_model)
-                await asyncio.to_thread(engine.attach, state)
-            except ConfigError as exc:
-                raise HTTPException(422, str(exc)) from exc
-            except CheckpointStoreError as exc:
-                raise HTTPException(502, str(exc)) from exc
-            except EngineError as exc:
-                raise HTTPException(503, str(exc)) from exc
+            engine.check(body)  # before loading anything (or writing a step 0 checkpoint)
+            checkpoints = CheckpointDir(art_path, body.project, body.name)
+            downloaded = await restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
+            state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model,
+                                            downloaded)
+            await asyncio.to_thread(engine.attach, state)
             states[body.name] = state
         if sync:
             sync.submit(states[body.name].checkpoints, states[body.name].step)
@@ -306,6 +311,15 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         return await sync.flush() if sync else SyncStatus()
 
     return app
+
+
+def http_status(exc: ArtSkyError) -> int:
+    """The one mapping from art-sky's errors to HTTP: the client's fault 4xx, the engine's or the store's 5xx."""
+    for kind, status in ((ConfigError, 422), (TokenizationError, 422), (CheckpointStoreError, 502),
+                         (EngineError, 503)):
+        if isinstance(exc, kind):
+            return status
+    return 500
 
 
 def _checkpoint_info(store, step: int) -> CheckpointInfo:

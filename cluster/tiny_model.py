@@ -6,10 +6,9 @@ weights from a fixed seed. head_dim is 64 so vLLM can serve it too. Built once, 
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from art_sky.files import atomic_dir
 
 TINY_MODEL_NAME = "art-sky/tiny"
 _VERSION = "v1"
@@ -78,19 +77,12 @@ def tiny_model_path(cache_dir: Path) -> Path:
 
 
 def _build(path: Path) -> None:
-    """Build into a temp dir, then rename: concurrent builders never see half a model."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
-    try:
+    """Build into a temp dir, then rename: concurrent builders never see half a model. When another process
+    finished first, its build (identical) is kept."""
+    with atomic_dir(path, replace=False) as tmp:
         tokenizer = _tokenizer()
         tokenizer.save_pretrained(tmp)
         _model(tokenizer).save_pretrained(tmp)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process finished first: theirs is identical
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tokenizer():

@@ -30,9 +30,9 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from art_sky.backends.local import tail
-from art_sky.checkpoints import step_name
 from art_sky.errors import ConfigError, EngineError
+from art_sky.files import tail
+from art_sky.layout import step_name
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from art_sky.provisioners import SSHTarget
+from art_sky.remote.ssh import SSHTarget
 
 SSHD = "/usr/sbin/sshd"
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"

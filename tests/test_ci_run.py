@@ -22,10 +22,10 @@ import pytest
 import yaml
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 
-from art_sky.ci_job import EXIT_MARKER, START_MARKER
-from art_sky.cli_ci import parse_duration
+from art_sky.ci.job import EXIT_MARKER, START_MARKER
+from art_sky.ci.workdir import files_to_sync
+from art_sky.cli.ci import ci_spec, parse_duration
 from art_sky.errors import ConfigError
-from art_sky.workdir import files_to_sync
 
 LIMIT = 420  # seconds any one `art-sky ci run` may take before the test fails instead of hanging
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -140,6 +140,22 @@ def test_the_ci_template_marks_start_and_exit_as_the_runner_reads_them():
     assert all(r.use_spot and r.autostop_config.down and r.autostop_config.idle_minutes == 5 for r in task.resources)
     assert task.envs["ART_SKY_CI_COMMAND"] == "pytest -x" and task.envs["ART_SKY_CI_TIMEOUT"] == "600"
     assert task.workdir == str(TEMPLATES) and "hf-secret" not in str(task.envs)
+
+
+def test_gpu_none_runs_on_cpus(project):
+    """`--gpu none` is no accelerator (as for `art-sky up`), not an accelerator named "none"."""
+    from art_sky.provisioners.sky_task import render_ci_task
+
+    options = dict(spot=False, timeout_s=60, workdir=project, env={}, setup="", infra=None, cpus="2", memory=None,
+                   autodown=True)
+    for gpu in ("none", "None", None):
+        spec = ci_spec("true", gpu=gpu, **options)
+        assert spec.gpu is None
+        resources = render_ci_task(spec)["resources"]
+        assert "accelerators" not in resources and "ordered" not in resources and resources["cpus"] == "2"
+    assert ci_spec("true", gpu="H100,A100-80GB", **options).gpu == ["H100", "A100-80GB"]
+    with pytest.raises(ConfigError, match="`none` alone"):
+        ci_spec("true", gpu="H100,none", **options)
 
 
 def test_the_github_workflow_is_valid_yaml_and_runs_art_sky_ci():

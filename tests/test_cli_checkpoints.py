@@ -9,7 +9,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from art_sky.checkpoints import CheckpointDir
-from art_sky.cli_checkpoints import checkpoints_app
+from art_sky.cli.checkpoints import app as checkpoints_app
 
 pytest_plugins = ["fixtures_s3"]
 
@@ -39,7 +39,7 @@ def test_push_ls_pull_rm(s3_env, tmp_path, monkeypatch):
     again = invoke("push", "proj", "agent", "--path", str(tmp_path / ".art"), "--step", "3")
     assert "already in the store" in again.output
 
-    monkeypatch.setattr("art_sky.cli_checkpoints.console", Console(width=250))
+    monkeypatch.setattr("art_sky.cli.checkpoints.console", Console(width=250))
     listing = invoke("ls")
     assert listing.exit_code == 0
     for step in (1, 2, 3):

@@ -16,10 +16,11 @@ from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
 import art_sky
-from art_sky import cli_remote, clusters
+from art_sky import clusters
 from art_sky.cli import app
-from art_sky.cli_remote import _gpus
+from art_sky.cli.errors import console
 from art_sky.errors import ConfigError
+from art_sky.provisioners.sky_task import parse_gpus
 
 BASE_PYTHON = sys.executable  # a prepared interpreter: the tests' own venv
 
@@ -27,14 +28,14 @@ BASE_PYTHON = sys.executable  # a prepared interpreter: the tests' own venv
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch):
     """Tables and messages on one line each, as in a wide terminal, so the assertions can read them."""
-    monkeypatch.setattr(cli_remote.console, "width", 200)
+    monkeypatch.setattr(console, "width", 200)
 
 
 @pytest.fixture
 def home(art_sky_home):  # noqa: F811
     """A private ART_SKY_HOME; a server a failed test left up is stopped with `art-sky down`."""
     yield art_sky_home
-    for name in clusters.all_names():
+    for name in clusters.all_names(art_sky_home):
         CliRunner().invoke(app, ["down", "--name", name])
 
 
@@ -94,7 +95,7 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, home):  # noqa: F811
             tunnel.kill()
             tunnel.wait(10)
 
-    pid = clusters.load(record.stem).pid
+    pid = clusters.load(home, "box").pid
     result = runner.invoke(app, ["down", "--name", "box"])
     assert result.exit_code == 0 and "server stopped" in result.output, result.output
     assert not alive(pid)
@@ -105,18 +106,23 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, home):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_up_local_is_a_detached_server_that_down_stops(home):
+def test_up_local_is_a_detached_server_that_down_stops(home, tmp_path, monkeypatch):
+    """`up --local` keeps the model's files where `art.LocalBackend()` does: ./.art of the working directory."""
+    monkeypatch.chdir(tmp_path)
     runner = CliRunner()
     result = runner.invoke(app, ["up", "--local", "--name", "here"])
     assert result.exit_code == 0 and "up on this machine" in result.output, result.output
     record = home / "clusters" / "here.json"
-    pid = clusters.load(record.stem).pid
+    pid = clusters.load(home, "here").pid
     assert alive(pid) and record.stat().st_mode & 0o777 == 0o600
     assert "already up" in runner.invoke(app, ["up", "--local", "--name", "here"]).output
     result = runner.invoke(app, ["up", "--host", "someone@example.invalid", "--name", "here"])
     assert result.exit_code == 1 and "runs on this machine (local)" in result.output, result.output
 
     asyncio.run(attached_round("here", "cli-local"))
+    assert art_sky.LocalBackend().path == tmp_path / ".art"
+    assert (tmp_path / ".art" / "cli-local" / "models" / "agent" / "checkpoints" / "0001" / "manifest.json").exists()
+    assert (tmp_path / ".art" / "run" / "here" / "server.log").exists()
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 0 and "this machine" in result.output and "agent (1)" in result.output, result.output
     result = runner.invoke(app, ["logs", "--name", "here", "--lines", "200"])
@@ -130,11 +136,11 @@ def test_up_local_is_a_detached_server_that_down_stops(home):
 
 
 def test_gpu_lists():
-    assert _gpus(["H100:1"]) == "H100:1"
-    assert _gpus(["H100:1", "A100-80GB:1,L40S"]) == ["H100:1", "A100-80GB:1", "L40S"]
-    assert _gpus(["none"]) is None
+    assert parse_gpus(["H100:1"]) == "H100:1"
+    assert parse_gpus(["H100:1", "A100-80GB:1,L40S"]) == ["H100:1", "A100-80GB:1", "L40S"]
+    assert parse_gpus(["none"]) is None
     with pytest.raises(ConfigError, match="`none` alone"):
-        _gpus(["H100", "none"])
+        parse_gpus(["H100", "none"])
 
 
 @pytest.mark.parametrize("command", ["up", "down", "status", "logs", "tunnel", "ssh"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from art_sky.backends.base import Backend
 from art_sky.cluster import selection
 from art_sky.cluster.peft_trainer import PeftTrainer
 from art_sky.cluster.portable_engine import PortableEngine
@@ -58,12 +57,6 @@ def test_health_reports_the_selected_pair(tmp_path, monkeypatch):
         health = client.get("/health").json()
     assert (health["engine"], health["trainer"], health["engine_port"]) == ("portable", "peft", None)
 
-
-async def test_backend_points_inference_at_the_engine_port():
-    backend = Backend(base_url="http://127.0.0.1:8000", api_key="key")
-    assert backend.inference_base_url == "http://127.0.0.1:8000/v1"
-    backend._engine_url = await backend._reach_engine(9001)
-    assert backend.inference_base_url == "http://127.0.0.1:9001/v1"
 
 
 def test_vllm_beside_unsloth_on_one_gpu_shares_it(installed, tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from vllm_cpu import vllm_backend
 
 import art_sky as art
-from art_sky.bootstrap import BootstrapOptions
+from art_sky.remote.install import BootstrapOptions
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list on import otherwise
 import litellm  # noqa: E402

@@ -21,7 +21,7 @@ from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 
 import art_sky
 from art_sky.backends.art_protocol import model_config, train_config
-from art_sky.bootstrap import BootstrapOptions
+from art_sky.remote.install import BootstrapOptions
 from art_sky.client.trajectories import History, wire_groups
 from art_sky.errors import ConfigError
 from art_sky.wire import ModelConfig, TrainConfig

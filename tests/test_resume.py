@@ -115,3 +115,38 @@ async def test_strict_mode_stops_training_when_an_upload_fails(s3_server, tmp_pa
 def test_a_malformed_uri_fails_before_any_server_starts(tmp_path):
     with pytest.raises(Exception, match="gcs://bucket/x.*unknown scheme"):
         LocalBackend(path=tmp_path, checkpoint_uri="gcs://bucket/x")
+
+
+async def test_the_server_restores_from_the_store_on_its_own_event_loop(tmp_path, monkeypatch):
+    """Registration downloads from the store asynchronously on the server's loop (not a second loop in a thread)."""
+    import asyncio
+
+    import httpx
+
+    from art_sky.cluster.server import create_app
+    from art_sky.settings import Settings
+
+    settings = Settings(checkpoint_uri=f"file://{tmp_path / 'store'}")
+    body = {"name": "agent", "project": "resume", "base_model": "art-sky/tiny"}
+
+    async def register(art_path) -> dict:
+        app = create_app(art_path, "key", settings)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
+                                     headers={"authorization": "Bearer key"}, timeout=120) as client:
+            response = await client.post("/art/models", json=body)
+            assert response.status_code == 200, response.text
+            assert (await client.post("/art/checkpoints/flush")).json()["errors"] == []
+            return response.json()
+
+    await register(tmp_path / "first")  # step 0, uploaded
+    loops = []
+    restore = CheckpointStore.restore
+
+    async def recording(self, checkpoints):
+        loops.append(asyncio.get_running_loop())
+        return await restore(self, checkpoints)
+
+    monkeypatch.setattr(CheckpointStore, "restore", recording)
+    info = await register(tmp_path / "second")
+    assert info["restored_from"] == f"{settings.checkpoint_uri}/resume/models/agent/checkpoints/0000"
+    assert loops == [asyncio.get_running_loop()]

@@ -20,11 +20,13 @@ from processes import ssh_and_follow
 from typer.testing import CliRunner
 
 import art_sky
-from art_sky import cli_remote, clusters
+from art_sky import clusters
 from art_sky.backends.skypilot import SkyPilotBackend
 from art_sky.cli import app
+from art_sky.cli.errors import console
 from art_sky.errors import ConfigError
 from art_sky.provisioners import sky as provisioner
+from art_sky.settings import Settings
 
 PREFIX = f"art-sky-test-{secrets.token_hex(3)}"  # every cluster this run launches; torn down at the end
 CLUSTER = f"{PREFIX}-api"
@@ -40,6 +42,9 @@ def prepared_python(sky_slurm, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("ART_SKY_REMOTE_PYTHON", sys.executable)
         patch.setenv("ART_SKY_SERVER_START_TIMEOUT", "300")
+        # Each SSH connection to a job is an `srun ... sshd -i` through the API server: on 2 loaded cores its banner
+        # has taken over 20 s.
+        patch.setenv("ART_SKY_SSH_CONNECT_TIMEOUT", "90")
         patch.setenv("ART_SKY_HOME", str(tmp_path_factory.mktemp("art-sky-home")))
         patch.delenv("ART_SKY_API_KEY", raising=False)
         yield sys.executable
@@ -104,11 +109,11 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
     try:
         # Reached the SkyPilot way: through its ProxyCommand into the Slurm job, the job's HOME set by SetEnv.
         assert backend.target.proxy_command and "slurm-job-ssh-proxy" in backend.target.proxy_command
-        assert "/.sky_clusters/" in backend.server.remote_dir
+        assert "/.sky_clusters/" in backend.server.layout.run_dir
         (slurm_job,) = slurm_harness.slurm_jobs(CLUSTER)
         assert (await backend.health()).version == art_sky.__version__
         await rollout_and_train(backend, project="sky", limit=LIMIT)
-        record = clusters.load(CLUSTER)  # so that other processes reuse the server with its key
+        record = clusters.load(backend.settings.home, CLUSTER)  # so that other processes reuse the server with its key
         assert record.kind == "sky" and record.api_key.get_secret_value() == API_KEY
         assert record.target == backend.target and record.port == backend.server.port
         first_pid = backend.server.pid
@@ -131,7 +136,7 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
     attached = art_sky.attach(CLUSTER)  # what `art-sky tunnel` does: a tunnel to the recorded server
     try:
         assert [(m.name, m.step) for m in await attached.models()] == [("agent", 1)]
-        assert "listening on 127.0.0.1" in await asyncio.to_thread(attached.logs, 200)
+        assert "listening on 127.0.0.1" in await attached.logs(200)
     finally:
         await attached.close()
 
@@ -157,12 +162,12 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
         await asyncio.wait_for(restarted.down(), LIMIT)
     assert not slurm_harness.slurm_jobs(CLUSTER)
     assert await provisioner.cluster_status(CLUSTER) is None
-    assert CLUSTER not in clusters.all_names()
+    assert CLUSTER not in clusters.all_names(restarted.settings.home)
 
 
 @pytest.mark.slow
 def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
-    monkeypatch.setattr(cli_remote.console, "width", 200)
+    monkeypatch.setattr(console, "width", 200)
     runner = CliRunner()
     up = ["up", "--name", CLI_CLUSTER, "--infra", slurm_harness.INFRA, "--gpu", "none", "--cpus", "1",
           "--memory", "1", "--autostop", "0"]
@@ -200,4 +205,4 @@ def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
     assert result.exit_code == 0 and "torn down" in result.output, result.output
     assert not slurm_harness.slurm_jobs(CLI_CLUSTER)
     assert asyncio.run(provisioner.cluster_status(CLI_CLUSTER)) is None
-    assert CLI_CLUSTER not in clusters.all_names()
+    assert CLI_CLUSTER not in clusters.all_names(Settings().home)

@@ -11,9 +11,11 @@ import pytest
 from sshd import art_sky_home, free_port, sshd  # noqa: F401 (fixtures)
 
 import art_sky
-from art_sky.bootstrap import BootstrapOptions
 from art_sky.errors import BackendUnavailableError, SSHError
-from art_sky.ssh import SSHSession
+from art_sky.remote.install import BootstrapOptions
+from art_sky.remote.ssh import SSHRunner
+from art_sky.settings import Settings
+from art_sky.store import CheckpointStore
 
 # A prepared interpreter with torch & co.: the tests' own (the venv tests/run.sh made), never the base one.
 BASE_PYTHON = sys.executable
@@ -45,6 +47,7 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
     try:
         await model.register(backend)
         assert backend.base_url == f"http://127.0.0.1:{backend.tunnel.local_port}"
+        assert model.inference_base_url == f"{backend.base_url}/v1"  # one tunnel, inference included
         assert (await backend.health()).version == art_sky.__version__
         # The server runs the shipped wheel, installed in the venv's lib/, and got its key by environment only.
         assert (remote_dir / "venv" / "bin" / "python").exists()
@@ -110,9 +113,15 @@ async def test_server_that_never_gets_healthy(sshd, prepared, tmp_path, art_sky_
     """The error names the timeout and carries the server log's last lines; the stuck server is stopped."""
     pid_file = tmp_path / "stuck.pid"
     fake = tmp_path / "python"
+    # A server that never listens: it starts detached as `python -m art_sky.cluster --detach --run-dir D` does
+    # (its pid in D/server.pid, its output in D/server.log), then only loads weights.
     fake.write_text(f"""#!/bin/sh
 case "$*" in
-  *art_sky.cluster*) echo "loading weights, slowly"; echo $$ > {pid_file}; exec sleep 600;;
+  *art_sky.cluster*)
+    while [ $# -gt 0 ]; do [ "$1" = --run-dir ] && run="$2"; shift; done
+    mkdir -p "$run"
+    setsid sh -c 'echo "loading weights, slowly"; exec sleep 600' >"$run/server.log" 2>&1 </dev/null &
+    echo $! >"$run/server.pid"; echo $! >{pid_file}; exit 0;;
 esac
 exec {BASE_PYTHON} "$@"
 """)
@@ -129,29 +138,36 @@ async def test_logs_and_stop_reach_the_remote_server(sshd, prepared, art_sky_hom
     backend = art_sky.SSHBackend(sshd.target(), options=prepared, keep_server=True)
     await backend.health()
     pid = backend.server.pid
-    assert "listening on 127.0.0.1" in backend.logs()
+    assert "listening on 127.0.0.1" in await backend.logs()
     await backend.close()
     assert alive(pid)
     assert await backend.stop_server()
     assert not alive(pid)
-    with SSHSession(sshd.target()) as session:
+    with SSHRunner(sshd.target(), Settings()) as session:
         assert session.run(f"test -e {prepared.remote_dir}/run/server.pid", timeout=10, check=False).exit_code == 1
 
 
 @pytest.mark.slow
-async def test_checkpoints_survive_a_lost_host(sshd, prepared, tmp_path, art_sky_home):  # noqa: F811
-    """Train on one "host", lose its whole directory, resume on a fresh one from the object store at the same step."""
+async def test_checkpoints_survive_a_lost_host(sshd, prepared, tmp_path, art_sky_home, monkeypatch):  # noqa: F811
+    """Train on one "host" whose store is configured only in the working directory's .env, lose the host's whole
+    directory, resume on a fresh one from the object store at the same step."""
     import shutil
 
     from loop import rollout_and_train
 
     store = f"file://{tmp_path / 'store'}"
     target = f"{sshd.target().user}@127.0.0.1:{sshd.port}"
-    first = art_sky.SSHBackend(target, key_path=sshd.client_key, options=prepared, checkpoint_uri=store)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / ".env").write_text(f"ART_SKY_CHECKPOINT_URI={store}\n")
+    monkeypatch.delenv("ART_SKY_CHECKPOINT_URI", raising=False)
+    monkeypatch.chdir(project)
+    first = art_sky.SSHBackend(target, key_path=sshd.client_key, options=prepared)
     try:
         model = await rollout_and_train(first, project="lost-host")
     finally:
         await first.close()  # waits until step 1 is in the store, then stops the server
+    assert [m.step for m in await CheckpointStore(store).manifests("lost-host", "agent")] == [0, 1]
     shutil.rmtree(prepared.remote_dir)
     fresh = prepared.model_copy(update={"remote_dir": str(tmp_path / "new-host")})
     second = art_sky.SSHBackend(target, key_path=sshd.client_key, options=fresh, checkpoint_uri=store)

@@ -13,8 +13,9 @@ import pytest
 from sshd import art_sky_home, free_port, sshd  # noqa: F401 (fixtures)
 
 from art_sky.errors import ConfigError, SSHError
-from art_sky.ssh import SSHSession
-from art_sky.tunnel import Tunnel
+from art_sky.remote.ssh import SSHRunner
+from art_sky.remote.tunnel import Tunnel
+from art_sky.settings import Settings
 
 
 class _Echo(socketserver.BaseRequestHandler):
@@ -47,7 +48,7 @@ def roundtrip(port: int, payload: bytes = b"hello") -> bytes:
 
 
 def test_forwards_to_the_remote_port(sshd, echo_port, art_sky_home):  # noqa: F811
-    with Tunnel(sshd.target(), echo_port) as tunnel:
+    with Tunnel(sshd.target(), echo_port, Settings()) as tunnel:
         assert tunnel.base_url == f"http://127.0.0.1:{tunnel.local_port}"
         assert roundtrip(tunnel.local_port) == b"HELLO"
         big = bytes(range(97, 123)) * 40000  # 1 MB: many SSH packets, window adjustments
@@ -56,7 +57,7 @@ def test_forwards_to_the_remote_port(sshd, echo_port, art_sky_home):  # noqa: F8
 
 
 def test_reconnects_after_the_connection_drops(sshd, echo_port, art_sky_home):  # noqa: F811
-    with Tunnel(sshd.target(), echo_port) as tunnel:
+    with Tunnel(sshd.target(), echo_port, Settings()) as tunnel:
         assert roundtrip(tunnel.local_port) == b"HELLO"
         assert sshd.drop_connections() >= 1
         deadline = time.monotonic() + 15
@@ -67,7 +68,7 @@ def test_reconnects_after_the_connection_drops(sshd, echo_port, art_sky_home):  
 
 
 def test_reconnects_when_the_server_goes_silent(sshd, echo_port, art_sky_home):  # noqa: F811
-    with Tunnel(sshd.target(), echo_port, keepalive=1.0) as tunnel:
+    with Tunnel(sshd.target(), echo_port, Settings(), keepalive=1.0) as tunnel:
         assert roundtrip(tunnel.local_port) == b"HELLO"
         frozen = sshd.freeze_connections()
         try:
@@ -87,14 +88,14 @@ def test_through_a_proxy_command(sshd, echo_port, art_sky_home):  # noqa: F811
     proxy = (f"ssh -i {sshd.client_key} -p {sshd.port} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
              f"-o BatchMode=yes -W %h:%p {sshd.target().user}@127.0.0.1")
     target = sshd.target().model_copy(update={"proxy_command": proxy})
-    with Tunnel(target, echo_port) as tunnel:
+    with Tunnel(target, echo_port, Settings()) as tunnel:
         assert roundtrip(tunnel.local_port) == b"HELLO"
     assert not (art_sky_home / "known_hosts").exists()  # a proxied host's key is not pinned
 
 
 def test_remote_port_with_nothing_listening_closes_the_connection(sshd, art_sky_home):  # noqa: F811
     """The client sees its connection closed (EOF or reset), at once, rather than a hang."""
-    with Tunnel(sshd.target(), free_port()) as tunnel:
+    with Tunnel(sshd.target(), free_port(), Settings()) as tunnel:
         try:
             assert roundtrip(tunnel.local_port) == b""
         except ConnectionResetError:
@@ -106,39 +107,40 @@ def test_local_port_in_use(sshd, echo_port, art_sky_home):  # noqa: F811
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1:.*pick another local port"):
-            Tunnel(sshd.target(), echo_port, local_port=busy.getsockname()[1]).start()
+            Tunnel(sshd.target(), echo_port, Settings(), local_port=busy.getsockname()[1]).start()
 
 
 def test_wrong_key(sshd, echo_port, art_sky_home):  # noqa: F811
     with pytest.raises(SSHError, match="refused the login.*authorized_keys"):
-        Tunnel(sshd.target(key=sshd.other_key), echo_port).start()
+        Tunnel(sshd.target(key=sshd.other_key), echo_port, Settings()).start()
 
 
 def test_missing_key_file(sshd, tmp_path, art_sky_home):  # noqa: F811
     with pytest.raises(SSHError, match="does not exist"):
-        SSHSession(sshd.target(key=tmp_path / "nope"))
+        SSHRunner(sshd.target(key=tmp_path / "nope"), Settings()).run("true", timeout=10)
 
 
 def test_unreachable_host(sshd, art_sky_home):  # noqa: F811
     target = sshd.target().model_copy(update={"port": free_port()})
     started = time.monotonic()
     with pytest.raises(SSHError, match="cannot reach .*check the host, port"):
-        SSHSession(target, timeout=5)
+        SSHRunner(target, Settings(ssh_connect_timeout=5)).run("true", timeout=10)
     assert time.monotonic() - started < 10
 
 
 def test_changed_host_key_is_refused(sshd, art_sky_home):  # noqa: F811
     known_hosts = art_sky_home / "known_hosts"
-    SSHSession(sshd.target()).close()
+    with SSHRunner(sshd.target(), Settings()) as runner:
+        runner.run("true", timeout=10)
     line = known_hosts.read_text().split()
     other = (sshd.root / "other_key.pub").read_text().split()
     known_hosts.write_text(f"{line[0]} {other[0]} {other[1]}\n")
     with pytest.raises(SSHError, match="host key of .* changed"):
-        SSHSession(sshd.target())
+        SSHRunner(sshd.target(), Settings()).run("true", timeout=10)
 
 
 def test_run_captures_output_exit_code_and_stdin(sshd, art_sky_home):  # noqa: F811
-    with SSHSession(sshd.target()) as session:
+    with SSHRunner(sshd.target(), Settings()) as session:
         result = session.run("read -r secret; echo out-$secret; echo err >&2; exit 3", timeout=10,
                              stdin=b"s3cret\n", check=False)
         assert (result.exit_code, result.stdout, result.stderr) == (3, "out-s3cret\n", "err\n")

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from vllm_cpu import VLLM_PYTHON, vllm_backend
 
 import art_sky as art
-from art_sky.bootstrap import BootstrapOptions
+from art_sky.remote.install import BootstrapOptions
 from art_sky.checkpoints import CheckpointDir
 from art_sky.cluster.model_state import load_peft, resolve_base_model
 from art_sky.cluster.peft_trainer import _token_logprobs
@@ -204,7 +204,7 @@ async def test_control_route_forwards_to_vllm(served):
         assert choice["prompt_token_ids"] == body["prompt_token_ids"]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) >= 1
         assert not any(t["token"].startswith("token_id:") for t in choice["logprobs"]["content"])
-    assert refused.status_code == 200 and "token_ids" not in refused.json()["choices"][0]
+    assert refused.status_code == 200 and refused.json()["choices"][0].get("token_ids") is None
 
 
 async def test_vllm_stops_with_the_server(served):
@@ -235,3 +235,5 @@ async def test_over_ssh_inference_goes_through_the_one_tunnel(sshd, tmp_path, ar
                                          abs=TOLERANCE)
     finally:
         await backend.close()
+    assert backend.tunnel is None
+

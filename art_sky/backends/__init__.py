@@ -1,10 +1,29 @@
-"""Backends: a cluster server reachable over HTTP, and how the machine running it was obtained."""
+"""Backends: a cluster server reachable over HTTP (base), started and stopped by the one lifecycle on a machine
+(cluster), which is this one (local), an SSH host (ssh) or a SkyPilot cluster (skypilot)."""
+
+from __future__ import annotations
+
+from art_sky import clusters
+from art_sky.settings import Settings
 
 from .art_protocol import TrainResult
-from .attach import attach
 from .base import Backend
+from .cluster import ClusterBackend
 from .local import LocalBackend
 from .skypilot import SkyPilotBackend
 from .ssh import SSHBackend
 
-__all__ = ["Backend", "LocalBackend", "SSHBackend", "SkyPilotBackend", "TrainResult", "attach"]
+KINDS: dict[str, type[ClusterBackend]] = {"local": LocalBackend, "ssh": SSHBackend, "sky": SkyPilotBackend}
+
+
+def attach(name: str, *, local_port: int = 0, settings: Settings | None = None) -> ClusterBackend:
+    """The backend of the recorded cluster `name` (what `art-sky up` or `initialize_cluster` started), whatever its
+    kind: the one place a record's kind picks its backend. `close()` leaves the server running; `down()` (or
+    `art-sky down`) stops it."""
+    settings = settings or Settings()
+    record = clusters.load(settings.home, name)
+    return KINDS[record.kind].from_record(record, local_port=local_port, settings=settings)
+
+
+__all__ = ["Backend", "ClusterBackend", "KINDS", "LocalBackend", "SSHBackend", "SkyPilotBackend", "TrainResult",
+           "attach"]

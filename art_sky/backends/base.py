@@ -26,7 +26,7 @@ from art_sky.errors import (
     ServerError,
     VersionMismatchError,
 )
-from art_sky.settings import settings
+from art_sky.settings import Settings
 from art_sky.wire import (
     CheckpointInfo,
     DeleteCheckpointsRequest,
@@ -45,7 +45,7 @@ from art_sky.client.trajectories import wire_groups, wire_trajectory
 
 from .art_protocol import TrainResult, model_config, sft_settings, train_config
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the backend serves the client's models; the client knows backends only by a protocol
     from art_sky.client import Model, TrainableModel
 
 log = logging.getLogger("art_sky")
@@ -53,24 +53,28 @@ _RETRIES = 5  # idempotent requests survive a dropped connection (a reconnecting
 
 
 class Backend:
-    """Talks to a cluster server at `base_url` with `api_key`. Subclasses start the server in `_start()`."""
+    """Talks to a cluster server at `base_url` with `api_key`. Subclasses start the server in `_start()`.
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None):
+    `settings` (default: read now from the environment and .env) are this backend's for its whole life.
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, settings: Settings | None = None):
         self.base_url = base_url.rstrip("/") if base_url else None
         self.api_key = api_key
+        self.settings = settings or Settings()
         self._http: httpx.AsyncClient | None = None
-        self._engine_url: str | None = None
         self._started = False
         self._start_lock = asyncio.Lock()
 
     @property
     def inference_base_url(self) -> str:
-        """The OpenAI endpoint models sample from: the engine's own port (vLLM) once the server reports one."""
-        return self._engine_url or f"{self.base_url}/v1"
+        """The OpenAI endpoint models sample from: the server's own /v1, whatever engine serves behind it."""
+        return f"{self.base_url}/v1"
 
-    async def _reach_engine(self, port: int) -> str:
-        """The URL of the engine's port on the server's host. Tunnelling backends forward the port first."""
-        return str(httpx.URL(self.base_url).copy_with(port=port, path="/v1"))
+    @property
+    def request_timeout(self) -> float:
+        """Seconds for one request to the server (ART_SKY_REQUEST_TIMEOUT); the OpenAI clients use it too."""
+        return self.settings.request_timeout
 
     async def _start(self) -> None:
         """Make the server reachable and set base_url and api_key. A plain Backend is given both."""
@@ -94,14 +98,6 @@ class Backend:
                 f"{health.version} here")
         return health
 
-    async def _answers_health(self) -> bool:
-        """Whether a server at base_url answers /health yet: the probe while a server starts (no key, no retries)."""
-        try:
-            async with httpx.AsyncClient() as probe:
-                return (await probe.get(f"{self.base_url}/health", timeout=5)).status_code == 200
-        except httpx.TransportError:
-            return False
-
     async def health(self) -> HealthResponse:
         await self._ensure_started()
         return HealthResponse.model_validate(await self._request("GET", "/health"))
@@ -113,11 +109,8 @@ class Backend:
             return None
         request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
                                   config=model_config(model))
-        info = ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
+        return ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             idempotent=True))
-        port = HealthResponse.model_validate(await self._request("GET", "/health")).inference_port
-        self._engine_url = await self._reach_engine(port) if port is not None else None
-        return info
 
     async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
         """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses."""
@@ -263,7 +256,6 @@ class Backend:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
-        self._engine_url = None
         self._started = False
 
     async def __aenter__(self) -> Backend:
@@ -277,7 +269,7 @@ class Backend:
         if self._http is None:
             self._http = httpx.AsyncClient(
                 base_url=self.base_url, headers={"authorization": f"Bearer {self.api_key}"},
-                timeout=httpx.Timeout(settings().request_timeout, connect=30.0))
+                timeout=httpx.Timeout(self.request_timeout, connect=30.0))
         return self._http
 
     async def _request(self, method: str, path: str, *, json: object = None, idempotent: bool | None = None):

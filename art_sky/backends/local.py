@@ -1,88 +1,73 @@
-"""`LocalBackend`: the cluster server as a subprocess of this machine (CPU or a local GPU)."""
+"""`LocalBackend`: the cluster server on this machine (CPU or a local GPU), started detached like any other."""
 
 from __future__ import annotations
 
-import asyncio
-import json
+import itertools
 import os
-import secrets
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-
-from art_sky.errors import BackendUnavailableError
-from art_sky.settings import settings
+from art_sky import clusters
+from art_sky.errors import ConfigError
+from art_sky.layout import ServerLayout
+from art_sky.remote.runner import LocalRunner
+from art_sky.settings import Settings
 from art_sky.store import server_env
 
-from .base import Backend
+from .cluster import ClusterBackend
+
+_INSTANCES = itertools.count()
 
 
-class LocalBackend(Backend):
-    """Starts `python -m art_sky.cluster` on a free port with a fresh API key; stops it on `close()`.
+class LocalBackend(ClusterBackend):
+    """Starts `python -m art_sky.cluster` on this machine on a free port with a fresh API key; stops it on `close()`.
 
-    `path` is the checkpoint root (ART's `.art`). The server's log goes to `<path>/logs/server.log`.
-    `checkpoint_uri` (default ART_SKY_CHECKPOINT_URI) mirrors every checkpoint to object storage, from where a
-    new server restores them.
+    `path` is the checkpoint root (ART's `.art`, in the working directory by default), shared with
+    `art-sky up --local`. The server's run files and log go to `<path>/run/<server>/` (art_sky.layout): `name`
+    names that directory (a recorded cluster's name); without it every backend gets its own. `python` runs the
+    server (default: this interpreter); `env` is added to its environment. `checkpoint_uri` (default
+    ART_SKY_CHECKPOINT_URI) mirrors every checkpoint to object storage, from where a new server restores them.
     """
 
+    kind = "local"
+
     def __init__(self, *, path: str | os.PathLike = ".art", python: str = sys.executable,
-                 env: dict[str, str] | None = None, checkpoint_uri: str | None = None):
-        super().__init__()
+                 env: dict[str, str] | None = None, checkpoint_uri: str | None = None, name: str | None = None,
+                 port: int = 0, keep_server: bool = False, api_key: str | None = None,
+                 settings: Settings | None = None):
+        super().__init__(api_key=api_key, keep_server=keep_server, settings=settings)
         self.path = Path(path).resolve()
         self.python = python
-        self.env = env or {}
-        if checkpoint_uri is not None:
-            self.env |= server_env(checkpoint_uri)
-        self.log_path = self.path / "logs" / "server.log"
-        self._process: subprocess.Popen | None = None
+        self.port = port
+        self.env = server_env(self.settings, checkpoint_uri) | (env or {})
+        server = name or f"backend-{os.getpid()}-{next(_INSTANCES)}"
+        self.layout = ServerLayout(run_dir=str(self.path / "run" / clusters.check_name(server)),
+                                   art_path=str(self.path))
 
-    async def _start(self) -> None:
-        self.api_key = secrets.token_urlsafe(32)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        port_file = Path(tempfile.mkdtemp(prefix="art-sky-")) / "port.json"
-        env = os.environ | self.env | {"ART_SKY_API_KEY": self.api_key}
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                [self.python, "-m", "art_sky.cluster", "--port", "0", "--art-path", str(self.path),
-                 "--port-file", str(port_file)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + settings().server_start_timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise BackendUnavailableError(
-                    f"the local cluster server exited with code {self._process.returncode} before it was healthy. "
-                    f"Last lines of {self.log_path}:\n{tail(self.log_path)}")
-            if port_file.exists():
-                self.base_url = f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
-                if await self._answers_health():
-                    return
-            await asyncio.sleep(0.2)
-        await self.close()
-        raise BackendUnavailableError(f"the local cluster server was not healthy within "
-                                      f"{settings().server_start_timeout:.0f}s (ART_SKY_SERVER_START_TIMEOUT). "
-                                      f"Last lines of {self.log_path}:\n{tail(self.log_path)}")
+    @property
+    def where(self) -> str:
+        return "this machine"
 
-    async def close(self, force: bool = False) -> None:
-        """Stop the server, after its checkpoints are in the store; `force` stops it even if some are not."""
-        if self._process is not None and self._process.poll() is None:
-            await self._flush_before_stop(force, str(self.path))
-        await super().close()
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(process.wait, 15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                await asyncio.to_thread(process.wait)
+    @property
+    def log_path(self) -> Path:
+        return Path(self.layout.log_file)
 
+    def runner(self) -> LocalRunner:
+        return LocalRunner()
 
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    def _reach(self, port: int) -> str:
+        return f"http://127.0.0.1:{port}"
+
+    async def _launch(self, api_key: str) -> ServerLayout:
+        self._launch_server(LocalRunner(), self.layout, python=self.python, env=self.env, port=self.port)
+        return self.layout
+
+    def shell_argv(self, command: list[str]) -> list[str]:
+        raise ConfigError(f"the server runs on this machine: its files are in {self.layout.run_dir} and "
+                          f"{self.layout.art_path}")
+
+    @classmethod
+    def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
+                    settings: Settings | None = None) -> LocalBackend:
+        backend = cls(path=record.layout.art_path, name=record.name, settings=settings)
+        return backend._attached(record)

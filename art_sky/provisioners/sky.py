@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from art_sky.errors import BackendUnavailableError, ConfigError
 
-from . import SSHTarget
+from art_sky.remote.ssh import SSHTarget
 
 SERVER_JOB = "art-sky-server"  # the template's task name, so the job's name in `sky queue`
 _ACTIVE = ("INIT", "PENDING", "SETTING_UP", "RUNNING")

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 import art_sky
 from art_sky.errors import ConfigError
 
-WHEEL_DIR = "~/art-sky/dist"  # where the shipped wheel lands on the cluster (the template's setup reads it)
+SERVER_DIR = "art-sky"  # the server's directory under the job's HOME (run/, art/, venv/): templates/cluster.yaml
+WHEEL_DIR = f"~/{SERVER_DIR}/dist"  # where the shipped wheel lands on the cluster (the template's setup reads it)
 
 
 class ClusterSpec(BaseModel):
@@ -63,6 +64,16 @@ class CIJobSpec(BaseModel):
     autodown_minutes: int | None = Field(description="the cluster tears itself down after this many idle "
                                                      "minutes (the safety net); None: no net")
     secrets: dict[str, str] = Field(default_factory=dict, description="environment SkyPilot redacts (--env-file)")
+
+
+def parse_gpus(values: list[str]) -> str | list[str] | None:
+    """`--gpu A --gpu B,C` into SkyPilot's fallback list (one accelerator alone); `none` alone for CPUs only."""
+    gpus = [g.strip() for value in values for g in value.split(",") if g.strip()]
+    if [g.lower() for g in gpus] == ["none"]:
+        return None
+    if not gpus or "none" in (g.lower() for g in gpus):
+        raise ConfigError("--gpu: give accelerators (H100:1, A100-80GB:1, ...) or `none` alone for CPUs")
+    return gpus[0] if len(gpus) == 1 else gpus
 
 
 def load_template(path: Path | None = None, shipped: str = "cluster.yaml") -> dict[str, Any]:

@@ -34,8 +34,9 @@ pytestmark = [
 
 
 async def prompt_logprobs(backend: art.LocalBackend, model: art.TrainableModel, name: str) -> list[float]:
-    """vLLM's logprobs of a fixed text under adapter `name`."""
-    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=300,
+    """vLLM's logprobs of a fixed text under adapter `name`, asked on vLLM's own port."""
+    vllm = f"http://127.0.0.1:{(await backend.health()).engine_port}/v1"
+    async with httpx.AsyncClient(base_url=vllm, timeout=300,
                                  headers={"authorization": f"Bearer {backend.api_key}"}) as http:
         response = await http.post("/completions", json={
             "model": name, "prompt": "The colour of the sky is blue.", "max_tokens": 1, "prompt_logprobs": 0})

@@ -15,8 +15,9 @@ import time
 import paramiko
 
 from art_sky.errors import ConfigError, SSHError
-from art_sky.provisioners import SSHTarget
-from art_sky.ssh import connect
+from art_sky.settings import Settings
+
+from .ssh import SSHTarget, connect
 
 log = logging.getLogger("art_sky.tunnel")
 
@@ -24,10 +25,11 @@ log = logging.getLogger("art_sky.tunnel")
 class Tunnel:
     """Forward 127.0.0.1:`local_port` (0 picks a free one) to `remote_host`:`remote_port` as seen by `target`."""
 
-    def __init__(self, target: SSHTarget, remote_port: int, *, local_port: int = 0,
+    def __init__(self, target: SSHTarget, remote_port: int, settings: Settings, *, local_port: int = 0,
                  remote_host: str = "127.0.0.1", keepalive: float = 15.0, reconnect_wait: float = 60.0,
                  max_backoff: float = 30.0):
         self.target = target
+        self.settings = settings
         self.keepalive = keepalive  # seconds between liveness probes, and the wait for each answer
         self.remote = (remote_host, remote_port)
         self.reconnect_wait = reconnect_wait
@@ -100,7 +102,7 @@ class Tunnel:
         self.close()
 
     def _connect(self) -> None:
-        client = connect(self.target)
+        client = connect(self.target, self.settings)
         _no_delay(getattr(client.get_transport(), "sock", None))
         old, self._client = self._client, client
         if old is not None:

@@ -1,28 +1,31 @@
 """`art-sky ci run`: the CI entry point (mounted as `art-sky ci`). It reads the options, picks the runner
-(a SkyPilot cluster, or `--host`) and leaves every guarantee to `art_sky.ci_job.run_job`."""
+(a SkyPilot cluster, or `--host`) and leaves every guarantee to `art_sky.ci.job.run_job`."""
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import shlex
-import sys
 from pathlib import Path
 
 import typer
 
-from art_sky.backends.skypilot import _read_env_file
-from art_sky.backends.ssh import parse_host
-from art_sky.ci_job import EXIT_ERROR, Runner, SkyPilotRunner, SSHHostRunner, format_summary, run_job
-from art_sky.errors import ArtSkyError, ConfigError
-from art_sky.provisioners.sky_task import CIJobSpec
+from art_sky.ci.job import EXIT_ERROR, Runner, SkyPilotRunner, SSHHostRunner, format_summary, run_job
+from art_sky.errors import ConfigError
+from art_sky.provisioners.sky_task import CIJobSpec, parse_gpus
+from art_sky.remote.ssh import SSHTarget
+from art_sky.settings import Settings, read_env_file
 
-ci_app = typer.Typer(help="Run tests or a training smoke run on a fresh GPU machine, always torn down (for CI).",
+from .errors import friendly
+
+app = typer.Typer(help="Run tests or a training smoke run on a fresh GPU machine, always torn down (for CI).",
                      no_args_is_help=True, add_completion=False)
 AUTODOWN_MARGIN_MINUTES = 5  # idle minutes after the job ends (the node's own timeout ends it) before autodown
 
 
-@ci_app.command(context_settings={"allow_interspersed_args": False})
+@app.command(context_settings={"allow_interspersed_args": False})
+@functools.partial(friendly, exit_code=EXIT_ERROR, prefix="art-sky ci: ")
 def run(
     command: list[str] = typer.Argument(..., help="the command, after `--`; one argument runs as a shell line "
                                                   "(\"pip install . && pytest\")"),
@@ -45,13 +48,9 @@ def run(
 ) -> None:
     """Launch a fresh machine, sync the work dir, run COMMAND with its output streamed, exit with its exit code,
     and tear the machine down on success, failure, timeout, Ctrl-C or CI cancel (SIGTERM)."""
-    try:
-        runner, timeout_s = _runner(command, gpu=gpu, spot=spot, timeout=timeout, workdir=workdir, env_file=env_file,
-                                    setup=setup, host=host, key=key, infra=infra, cpus=cpus, memory=memory,
-                                    autodown=autodown, name=name)
-    except (ArtSkyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        print(f"art-sky ci: error: {exc}", file=sys.stderr, flush=True)
-        raise typer.Exit(EXIT_ERROR) from None
+    runner, timeout_s = _runner(command, gpu=gpu, spot=spot, timeout=timeout, workdir=workdir, env_file=env_file,
+                                setup=setup, host=host, key=key, infra=infra, cpus=cpus, memory=memory,
+                                autodown=autodown, name=name)
     summary = run_job(runner, timeout_s, keep, write=lambda line: print(line, flush=True))
     print(format_summary(summary), flush=True)
     raise typer.Exit(summary.exit_code)
@@ -61,7 +60,7 @@ def _runner(command: list[str], *, gpu, spot, timeout, workdir, env_file, setup,
             autodown, name) -> tuple[Runner, int]:
     line = command[0] if len(command) == 1 else shlex.join(command)
     timeout_s = parse_duration(timeout)
-    env = _read_env_file(env_file)
+    env = read_env_file(env_file)
     name = name or f"art-sky-ci-{secrets.token_hex(4)}"
     workdir = workdir.expanduser().resolve()
     if host is not None:
@@ -70,21 +69,27 @@ def _runner(command: list[str], *, gpu, spot, timeout, workdir, env_file, setup,
         if asked:
             raise ConfigError(f"{', '.join(asked)} choose a SkyPilot cluster; --host runs on the machine you name "
                               "with whatever it has: drop them or drop --host")
-        return SSHHostRunner(name, parse_host(host, key), command=line, setup=setup, workdir=workdir,
-                             timeout_s=timeout_s, env=env), timeout_s
+        return SSHHostRunner(name, SSHTarget.parse(host, key), command=line, setup=setup, workdir=workdir,
+                             timeout_s=timeout_s, env=env, settings=Settings()), timeout_s
     try:
         import sky  # noqa: F401
     except ImportError:
         raise ConfigError("SkyPilot is not installed: pip install 'art-sky[sky]', or run on your own machine "
                           "with --host user@host") from None
-    gpus = [g.strip() for g in gpu.split(",") if g.strip()] if gpu else None
-    resources = {k: v for k, v in (("cpus", cpus), ("memory", memory)) if v is not None}
-    spec = CIJobSpec(command=line, setup=setup, workdir=workdir, timeout_s=timeout_s,
-                     gpu=gpus[0] if gpus and len(gpus) == 1 else gpus, infra=infra, resources=resources, spot=spot,
-                     autodown_minutes=AUTODOWN_MARGIN_MINUTES if autodown else None, secrets=env)
+    spec = ci_spec(line, gpu=gpu, spot=spot, timeout_s=timeout_s, workdir=workdir, env=env, setup=setup,
+                   infra=infra, cpus=cpus, memory=memory, autodown=autodown)
+    return SkyPilotRunner(name, spec), timeout_s
+
+
+def ci_spec(line: str, *, gpu: str | None, spot: bool, timeout_s: int, workdir: Path, env: dict[str, str],
+            setup: str, infra: str | None, cpus: str | None, memory: str | None, autodown: bool) -> CIJobSpec:
+    """The SkyPilot job the options ask for; `--gpu none` (or no --gpu) runs on CPUs."""
     if not workdir.is_dir():
         raise ConfigError(f"the work dir {workdir} is not a directory: pass --workdir with your project's root")
-    return SkyPilotRunner(name, spec), timeout_s
+    resources = {k: v for k, v in (("cpus", cpus), ("memory", memory)) if v is not None}
+    return CIJobSpec(command=line, setup=setup, workdir=workdir, timeout_s=timeout_s,
+                     gpu=parse_gpus([gpu]) if gpu else None, infra=infra, resources=resources, spot=spot,
+                     autodown_minutes=AUTODOWN_MARGIN_MINUTES if autodown else None, secrets=env)
 
 
 def parse_duration(text: str) -> int:

@@ -5,49 +5,40 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Column, Table
 from tqdm.auto import tqdm
 
 from art_sky.checkpoints import CheckpointDir, steps_to_keep
-from art_sky.errors import ArtSkyError, ConfigError
-from art_sky.settings import settings
+from art_sky.errors import ConfigError
+from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 
-checkpoints_app = typer.Typer(
+from .errors import console, friendly
+
+app = typer.Typer(
     help="LoRA checkpoints in the object store (ART_SKY_CHECKPOINT_URI or --uri): list, pull, push, delete.",
     no_args_is_help=True)
-console = Console()
 
 URI_HELP = "store URI: s3://bucket/prefix, gs://bucket/prefix or file:///path (default ART_SKY_CHECKPOINT_URI)"
 
 
 def _store(uri: str | None) -> CheckpointStore:
-    uri = uri or settings().checkpoint_uri
+    settings = Settings()
+    uri = uri or settings.checkpoint_uri
     if not uri:
         raise ConfigError("no checkpoint store: pass --uri s3://bucket/prefix or set ART_SKY_CHECKPOINT_URI")
-    return CheckpointStore(uri, endpoint=settings().checkpoint_endpoint)
-
-
-def _run(work: Coroutine[Any, Any, Any]) -> Any:
-    """Run a command's async work; an art-sky error is one red line and exit code 1, not a traceback."""
-    try:
-        return asyncio.run(work)
-    except ArtSkyError as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+    return CheckpointStore(uri, endpoint=settings.checkpoint_endpoint, credentials=settings.store_credentials)
 
 
 def _bar(description: str, total: int) -> tqdm:
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024)
 
 
-@checkpoints_app.command("ls")
+@app.command("ls")
+@friendly
 def ls(
     project: str | None = typer.Argument(None, help="only this project"),
     model: str | None = typer.Argument(None, help="only this model of the project"),
@@ -72,10 +63,11 @@ def ls(
         else:
             console.print(f"no checkpoints in {store.uri}" + (f" for {project}" if project else ""))
 
-    _run(work())
+    asyncio.run(work())
 
 
-@checkpoints_app.command("pull")
+@app.command("pull")
+@friendly
 def pull(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),
@@ -98,10 +90,11 @@ def pull(
             await store.download_step(project, model, chosen, dest, bar.update)
         console.print(f"step {chosen} of {project}/{model} is in {dest}")
 
-    _run(work())
+    asyncio.run(work())
 
 
-@checkpoints_app.command("push")
+@app.command("push")
+@friendly
 def push(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),
@@ -124,10 +117,11 @@ def push(
             console.print(f"step {number}: " + ("already in the store" if sent == 0 else f"sent {_size(sent)}"))
         await store.upload_history(local)
 
-    _run(work())
+    asyncio.run(work())
 
 
-@checkpoints_app.command("rm")
+@app.command("rm")
+@friendly
 def rm(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),
@@ -155,7 +149,7 @@ def rm(
         await store.delete_steps(project, model, doomed)
         console.print(f"deleted {len(doomed)} step(s) of {store.where(project, model)}: {doomed}")
 
-    _run(work())
+    asyncio.run(work())
 
 
 def _size(size: float) -> str:

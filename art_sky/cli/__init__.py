@@ -1,4 +1,5 @@
-"""`art-sky`: the command line. Each command wraps the async Python API."""
+"""`art-sky`: the command line. Each command wraps the async Python API: clusters (up, down, status, logs, tunnel,
+ssh), checkpoints in the object store, CI jobs, and the demo."""
 
 from __future__ import annotations
 
@@ -6,17 +7,14 @@ import asyncio
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 import art_sky
-from art_sky import cli_remote
-from art_sky.cli_checkpoints import checkpoints_app
-from art_sky.cli_ci import ci_app
+
+from . import checkpoints, ci, clusters
+from .errors import console, friendly
 
 app = typer.Typer(help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
                   no_args_is_help=True, add_completion=False)
-console = Console()
-app.add_typer(checkpoints_app, name="checkpoints", help="List, pull, push and delete checkpoints in the object store.")
 
 
 @app.command()
@@ -48,8 +46,7 @@ def version() -> None:
     console.print(art_sky.__version__)
 
 
-cli_remote.register(app)
-app.add_typer(ci_app, name="ci")
-
-if __name__ == "__main__":
-    app()
+for command in (clusters.up, clusters.down, clusters.status, clusters.logs, clusters.tunnel, clusters.ssh):
+    app.command()(friendly(command))
+app.add_typer(checkpoints.app, name="checkpoints", help="List, pull, push and delete checkpoints in the object store.")
+app.add_typer(ci.app, name="ci")

@@ -23,12 +23,14 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from art_sky import workdir as work_files
-from art_sky.errors import ArtSkyError, ConfigError, SSHError
-from art_sky.provisioners import SSHTarget
+from art_sky.errors import ArtSkyError, SSHError
 from art_sky.provisioners import sky as provisioner
 from art_sky.provisioners.sky_task import CIJobSpec, render_ci_task, validate_task
-from art_sky.ssh import SSHSession
+from art_sky.remote.runner import READ_ENV, env_stdin
+from art_sky.remote.ssh import SSHRunner, SSHTarget
+from art_sky.settings import Settings
+
+from . import workdir as work_files
 
 START_MARKER = "::art-sky-ci::start"  # printed by the job right before the command (templates/ci-job.yaml too)
 EXIT_MARKER = "::art-sky-ci::exit "  # followed by the exit code of the command (or of a failed setup)
@@ -264,22 +266,21 @@ class SSHHostRunner:
     GRACE_S = 10
 
     def __init__(self, name: str, target: SSHTarget, *, command: str, setup: str, workdir: Path, timeout_s: int,
-                 env: dict[str, str]):
-        for key, value in env.items():
-            if not key.isidentifier() or "\n" in value:
-                raise ConfigError(f"--env-file variable {key!r}: names must be identifiers and values one line")
+                 env: dict[str, str], settings: Settings):
+        self._env_stdin = env_stdin(env)  # refuses what cannot travel before anything starts
+        self.settings = settings
         self.name = name
         self.target = target
         self.where = f"SSH host {target}"
         self.accelerator = "-"
         self.remote_dir = f".art-sky/ci/{name}"  # under the login directory
-        self._command, self._setup, self._workdir, self._timeout_s, self._env = command, setup, workdir, timeout_s, env
-        self._session: SSHSession | None = None
+        self._command, self._setup, self._workdir, self._timeout_s = command, setup, workdir, timeout_s
+        self._session: SSHRunner | None = None
 
     def launch(self, out: Output) -> None:
         files = work_files.files_to_sync(self._workdir)
         out.note(f"syncing {len(files)} files from {self._workdir} to {self.target}:~/{self.remote_dir}")
-        self._session = session = SSHSession(self.target)
+        self._session = session = SSHRunner(self.target, self.settings)
         q = shlex.quote
         self.remote_dir = session.run(f"mkdir -p {q(self.remote_dir)}/work && cd {q(self.remote_dir)} && pwd",
                                       timeout=60).stdout.strip()
@@ -293,9 +294,8 @@ class SSHHostRunner:
                            timeout=60, check=False).stdout.split("\n")
         self.accelerator = ", ".join(" x ".join(g.split(None, 1)) for g in gpus if g.strip()) or "none found"
         start = (f"set -e\ncd {q(self.remote_dir)}\ntar -xzf work.tar.gz -C work && rm work.tar.gz\numask 077\n"
-                 'while IFS= read -r kv; do [ -n "$kv" ] || break; export "$kv"; done\n'
-                 "setsid nohup sh job.sh >job.log 2>&1 </dev/null &\necho $! >job.pid\n")
-        session.run(start, timeout=120, stdin="".join(f"{k}={v}\n" for k, v in self._env.items()).encode() + b"\n")
+                 f"{READ_ENV}setsid nohup sh job.sh >job.log 2>&1 </dev/null &\necho $! >job.pid\n")
+        session.run(start, timeout=120, stdin=self._env_stdin)
 
     def _job_script(self) -> str:
         q, limit = shlex.quote, f"timeout -k 30 {self._timeout_s}"
@@ -335,7 +335,7 @@ fi
 cd / && rm -rf {q(self.remote_dir)}
 """
         out.note(f"stopping the job and removing {self.target}:{self.remote_dir}")
-        with SSHSession(self.target) as session:
+        with SSHRunner(self.target, self.settings) as session:
             session.run(script, timeout=self.GRACE_S + 60)
 
     def keep_hint(self) -> str:

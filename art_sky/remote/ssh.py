@@ -1,7 +1,7 @@
-"""SSH sessions over paramiko: connect to an `SSHTarget`, run a command with a deadline, upload a file.
+"""SSH over paramiko: an `SSHTarget`, `connect()` to it, and `SSHRunner`, the command runner of an SSH host.
 
-Bootstrap and the tunnel both connect through `connect()`, so a host key, a key file or a ProxyCommand
-(what SkyPilot records for a cluster) is handled one way, with one set of error messages.
+The runner and the tunnel both connect through `connect()`, so a host key, a key file or a ProxyCommand (what
+SkyPilot records for a cluster) is handled one way, with one set of error messages.
 """
 
 from __future__ import annotations
@@ -15,20 +15,40 @@ from pathlib import Path
 import paramiko
 from pydantic import BaseModel
 
-from art_sky.errors import SSHError
-from art_sky.provisioners import SSHTarget
-from art_sky.settings import settings
+from art_sky.errors import ConfigError, SSHError
+from art_sky.settings import Settings
+
+from .runner import CommandResult, first_line
 
 log = logging.getLogger("art_sky.ssh")
 
 
-class CommandResult(BaseModel):
-    exit_code: int
-    stdout: str
-    stderr: str
+class SSHTarget(BaseModel):
+    """How to reach a machine over SSH: what SkyPilot records for a cluster, or what the user gives for a host."""
+
+    host: str
+    port: int = 22
+    user: str
+    key_path: Path | None = None
+    proxy_command: str | None = None
+    env: dict[str, str] = {}  # sent with every command (ssh-config SetEnv): SkyPilot's Slurm sessions need it
+
+    @classmethod
+    def parse(cls, spec: str, key_path: str | Path | None = None) -> SSHTarget:
+        """`user@host[:port]` (as `art-sky up --host` takes it)."""
+        user, at, rest = spec.rpartition("@")
+        host, colon, port = rest.rpartition(":") if rest.count(":") == 1 else ("", "", rest)
+        host = host if colon else rest
+        if not at or not user or not host or (colon and not port.isdigit()):
+            raise ConfigError(f"cannot read host {spec!r}: write it as user@host or user@host:port")
+        return cls(host=host, port=int(port) if colon else 22, user=user,
+                   key_path=Path(key_path).expanduser() if key_path else None)
+
+    def __str__(self) -> str:  # never includes key material
+        return f"{self.user}@{self.host}:{self.port}"
 
 
-def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClient:
+def connect(target: SSHTarget, settings: Settings) -> paramiko.SSHClient:
     """An authenticated SSH connection, or an `SSHError` that says which step failed and what to check.
 
     Host keys: a direct host is trusted on first use and remembered in `<ART_SKY_HOME>/known_hosts` (a changed
@@ -36,14 +56,14 @@ def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClie
     already authenticated and whose host key changes with every cluster, so its key is not pinned, as
     SkyPilot's own ssh config does.
     """
-    timeout = settings().ssh_connect_timeout if timeout is None else timeout
+    timeout = settings.ssh_connect_timeout
     key = str(target.key_path.expanduser()) if target.key_path else None
     if key is not None and not Path(key).is_file():
         raise SSHError(f"SSH key {key} for {target} does not exist: pass the private key file with --key")
     client = paramiko.SSHClient()
     client.load_system_host_keys()
     if target.proxy_command is None:
-        client.load_host_keys(str(known_hosts_file()))  # AutoAddPolicy saves new keys here
+        client.load_host_keys(str(known_hosts_file(settings)))  # AutoAddPolicy saves new keys here
     client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
     sock = paramiko.ProxyCommand(_expand_proxy_command(target)) if target.proxy_command else None
     try:
@@ -54,17 +74,18 @@ def connect(target: SSHTarget, timeout: float | None = None) -> paramiko.SSHClie
         client.close()
         if sock is not None:
             sock.close()  # ends the proxy process
-        raise _connect_error(target, key, timeout, exc) from exc
+        raise _connect_error(target, key, timeout, exc, known_hosts_file(settings)) from exc
     transport = client.get_transport()
     assert transport is not None  # connect() succeeded
     transport.set_keepalive(15)
     return client
 
 
-def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exception) -> SSHError:
+def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exception,
+                   known_hosts: Path) -> SSHError:
     if isinstance(exc, paramiko.BadHostKeyException):
         return SSHError(f"the host key of {target} changed since art-sky first connected: if the host was "
-                        f"reinstalled, delete its line from {known_hosts_file()} and retry; otherwise someone "
+                        f"reinstalled, delete its line from {known_hosts} and retry; otherwise someone "
                         "may be intercepting the connection")
     if isinstance(exc, paramiko.AuthenticationException):
         return SSHError(f"{target} refused the login ({exc}): check the user and that the key "
@@ -74,12 +95,24 @@ def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exce
                     "sshd runs there (ART_SKY_SSH_CONNECT_TIMEOUT sets the wait)")
 
 
-class SSHSession:
-    """One SSH connection used for a series of commands and uploads (the bootstrap)."""
+class SSHRunner:
+    """A `CommandRunner` over one SSH connection, opened at the first command or upload and used for the rest."""
 
-    def __init__(self, target: SSHTarget, timeout: float | None = None):
+    def __init__(self, target: SSHTarget, settings: Settings):
         self.target = target
-        self.client = connect(target, timeout)
+        self.where = str(target)
+        self.settings = settings
+        self.known_hosts = known_hosts_file(settings)
+        self._client: paramiko.SSHClient | None = None
+
+    @property
+    def client(self) -> paramiko.SSHClient:
+        """The connection, (re)opened when there is none or it died (a long session outlives network drops)."""
+        transport = self._client.get_transport() if self._client is not None else None
+        if transport is None or not transport.is_active():
+            self.close()
+            self._client = connect(self.target, self.settings)
+        return self._client
 
     def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
         """Run a POSIX sh script (whatever the login shell is) and wait at most `timeout` seconds.
@@ -120,10 +153,26 @@ class SSHSession:
             raise SSHError(f"uploading {local} to {self.target}:{remote} failed ({exc!r}): check the remote "
                            "directory is writable and the disk not full") from exc
 
-    def close(self) -> None:
-        self.client.close()
+    def shell_argv(self, command: list[str]) -> list[str]:
+        """The system's ssh with the target's key, ProxyCommand and environment (a SkyPilot Slurm job's HOME)."""
+        target = self.target
+        argv = ["ssh", "-p", str(target.port)]
+        if target.key_path:
+            argv += ["-i", str(target.key_path), "-o", "IdentitiesOnly=yes"]
+        if target.proxy_command:  # as connect(): a proxied cluster's host key changes with every cluster
+            argv += ["-o", f"ProxyCommand={target.proxy_command}", "-o", "StrictHostKeyChecking=no",
+                     "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+        else:  # the host key art-sky pinned when it first connected
+            argv += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
+        argv += [arg for k, v in target.env.items() for arg in ("-o", f"SetEnv={k}={v}")]
+        return argv + [f"{target.user}@{target.host}", *([shlex.join(command)] if command else [])]
 
-    def __enter__(self) -> SSHSession:
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> SSHRunner:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -157,14 +206,9 @@ def _expand_proxy_command(target: SSHTarget) -> str:
     return re.sub(r"%([hpr%])", lambda m: values[m.group(1)], target.proxy_command or "")
 
 
-def known_hosts_file() -> Path:
-    path = settings().home / "known_hosts"
+def known_hosts_file(settings: Settings) -> Path:
+    path = settings.home / "known_hosts"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600, exist_ok=True)
     return path
-
-
-def first_line(script: str) -> str:
-    lines = [line.strip() for line in script.strip().splitlines() if line.strip()]
-    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 

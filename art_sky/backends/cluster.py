@@ -1,0 +1,201 @@
+"""`ClusterBackend`: a cluster server on a machine, run by the one lifecycle (art_sky.remote.lifecycle).
+
+A kind (this machine, an SSH host, a SkyPilot cluster) says only how to reach the machine (`runner`), how to reach
+a port there (`_reach`), and how to get a server started there (`_launch`). Starting, waiting until ready, attaching
+to a recorded server, its log, stopping it and the cluster record are this code, for every kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import ClassVar
+
+from art_sky import clusters
+from art_sky.errors import ArtSkyError, ConfigError
+from art_sky.layout import ServerLayout
+from art_sky.remote import lifecycle
+from art_sky.remote.lifecycle import RemoteServer
+from art_sky.remote.runner import CommandRunner
+from art_sky.remote.ssh import SSHTarget
+from art_sky.settings import Settings
+
+from .base import Backend
+
+ATTACH_TIMEOUT = 30.0  # a recorded server answers at once, or is broken
+
+
+class ClusterBackend(Backend):
+    """Starts a cluster server (or attaches to a recorded one: `server` set) and talks to it over HTTP.
+
+    `close()` stops the server unless `keep_server` (attached backends keep it), once its checkpoints are in the
+    object store (`force=True` skips that wait).
+    """
+
+    kind: ClassVar[str]  # how the machine was obtained, as the cluster record says: local, ssh, sky
+
+    def __init__(self, *, api_key: str | None = None, keep_server: bool = False, settings: Settings | None = None):
+        super().__init__(settings=settings)
+        self.keep_server = keep_server
+        self.server: RemoteServer | None = None  # the running server, once started or attached
+        self.target: SSHTarget | None = None  # how to reach the machine over SSH, where it is another one
+        self._api_key = api_key
+        self._machine: CommandRunner | None = None  # the runner every lifecycle step uses, kept until close
+
+    # -- what a kind provides ----------------------------------------------------------------------------------
+
+    @property
+    def where(self) -> str:
+        """The machine, for messages and `art-sky status`."""
+        raise NotImplementedError
+
+    def runner(self) -> CommandRunner:
+        """A new command runner on the machine (blocking; a context manager)."""
+        raise NotImplementedError
+
+    def _reach(self, port: int) -> str:
+        """The URL of `port` on the machine, from here (blocking: a tunnel may be opened)."""
+        raise NotImplementedError
+
+    def _unreach(self) -> None:
+        """Close what `_reach` opened."""
+
+    async def _launch(self, api_key: str) -> ServerLayout:
+        """Get a server starting on the machine; return its layout. Kinds that start it use `_launch_server`."""
+        raise NotImplementedError
+
+    waits_for_start: ClassVar[bool] = False  # the server may not have started yet when `_launch` returns
+    stops_its_server: ClassVar[bool] = True  # False: something else (a SkyPilot job) owns the server's life
+
+    @classmethod
+    def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
+                    settings: Settings | None = None) -> ClusterBackend:
+        """The backend of a recorded cluster's running server; `close()` leaves it running."""
+        raise NotImplementedError
+
+    # -- the one path for every kind ---------------------------------------------------------------------------
+
+    def machine_runner(self) -> CommandRunner:
+        """The machine's runner, made once and kept until `close()`: one SSH connection for every lifecycle step."""
+        if self._machine is None:
+            self._machine = self.runner()
+        return self._machine
+
+    def _attached(self, record: clusters.ClusterRecord) -> ClusterBackend:
+        self.keep_server = True
+        self._api_key = record.api_key.get_secret_value()
+        self.server = RemoteServer(layout=record.layout, port=record.port, pid=record.pid)
+        return self
+
+    def _launch_server(self, runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict[str, str],
+                       port: int = 0, pythonpath: str | None = None) -> None:
+        """Start the server detached with this backend's key and the store's settings in its environment."""
+        assert self.api_key is not None
+        env = env | {"ART_SKY_API_KEY": self.api_key}
+        lifecycle.start(runner, layout, python=python, env=env, port=port, pythonpath=pythonpath)
+
+    async def _start(self) -> None:
+        settings = self.settings
+        self.api_key = self._api_key or (settings.api_key.get_secret_value() if settings.api_key
+                                         else secrets.token_urlsafe(32))
+        attached = self.server is not None
+        ours = not attached and self.stops_its_server  # a server started here is stopped when its start fails
+        layout = self.server.layout if self.server else None
+        try:
+            layout = layout or await self._launch(self.api_key)
+            timeout = ATTACH_TIMEOUT if attached else settings.server_start_timeout
+            self.server = await asyncio.to_thread(self._wait_ready, layout, timeout, ours, attached)
+        except BaseException:
+            if ours and layout is not None:
+                await asyncio.to_thread(self._stop, layout)  # a half-started server is of no use to anyone
+            await self._shutdown(stop_server=False)
+            raise
+
+    def _wait_ready(self, layout: ServerLayout, timeout: float, stop: bool, attached: bool) -> RemoteServer:
+        hint = " (start it again with `art-sky up`)" if attached else ""
+
+        def reach(port: int) -> str:
+            self.base_url = self._reach(port)
+            return self.base_url
+
+        return lifecycle.wait_ready(self.machine_runner(), layout, timeout=timeout, reach=reach, stop_on_timeout=stop,
+                                    waits_for_start=self.waits_for_start and not attached, hint=hint)
+
+    async def machine(self) -> dict[str, str]:
+        """The machine for `art-sky status`: where (and, where known, accelerators and cost)."""
+        return {"where": self.where}
+
+    async def logs(self, lines: int = 30) -> str:
+        """The last lines of the server's log (it need not be running)."""
+        return await asyncio.to_thread(lifecycle.log, self.machine_runner(), self._layout(), lines)
+
+    def follow_argv(self, lines: int) -> list[str]:
+        """argv (for exec) that follows the server's log (`art-sky logs --follow`)."""
+        with self.runner() as runner:
+            return lifecycle.follow_argv(runner, self._layout(), lines)
+
+    def shell_argv(self, command: list[str]) -> list[str]:
+        """argv (for exec) of a shell, or `command`, on the machine (`art-sky ssh`)."""
+        with self.runner() as runner:
+            return runner.shell_argv(command)
+
+    async def stop_server(self) -> bool:
+        """Stop the server (its whole process group); True if one was running. A server whose life something else
+        owns (a SkyPilot job) is left alone."""
+        if self.server is None or not self.stops_its_server:
+            return False
+        layout, self.server = self.server.layout, None
+        return await asyncio.to_thread(self._stop, layout)
+
+    def _stop(self, layout: ServerLayout) -> bool:
+        return lifecycle.stop(self.machine_runner(), layout)
+
+    async def close(self, force: bool = False) -> None:
+        """Close the connection and, unless `keep_server`, stop the server once its checkpoints are in the store."""
+        if not self.keep_server and self._started:
+            await self._flush_before_stop(force, f"{self.where}:{self._layout().art_path}")
+        await self._shutdown(stop_server=not self.keep_server)
+
+    async def down(self, force: bool = False) -> str:
+        """Stop the server for good once every checkpoint is in the store (`force`: even if not, or if the server
+        cannot be asked); say what was done. A SkyPilot cluster is torn down."""
+        layout = self._layout()
+        if not force:
+            try:
+                await self.flush_checkpoints()
+            except ArtSkyError as exc:
+                raise ConfigError(f"not stopping the server on {self.where}: {exc}. Fix it, or stop it anyway with "
+                                  "force=True (`art-sky down --force`)") from exc
+        await Backend.close(self)
+        await asyncio.to_thread(self._unreach)
+        self.server = None
+        try:
+            return await self._end(layout)
+        finally:
+            await self._shutdown(stop_server=False)  # and the machine's runner, once `_end` is done with it
+
+    async def _end(self, layout: ServerLayout) -> str:
+        """What `down` does once the checkpoints are safe: stop the server."""
+        return "server stopped" if await asyncio.to_thread(self._stop, layout) else "server was not running"
+
+    def record(self, name: str) -> clusters.ClusterRecord:
+        """What `art-sky up` saves about this backend's running server."""
+        if self.server is None or self.api_key is None:
+            raise ConfigError("no server started yet: `await backend.health()` starts it")
+        return clusters.ClusterRecord(name=name, kind=self.kind, where=self.where, target=self.target,
+                                      layout=self.server.layout, port=self.server.port, pid=self.server.pid,
+                                      api_key=self.api_key)
+
+    def _layout(self) -> ServerLayout:
+        if self.server is None:
+            raise ConfigError("no server started or attached: `await backend.health()` starts it")
+        return self.server.layout
+
+    async def _shutdown(self, stop_server: bool) -> None:
+        await Backend.close(self)
+        await asyncio.to_thread(self._unreach)
+        if stop_server:
+            await self.stop_server()
+        machine, self._machine = self._machine, None
+        if machine is not None:
+            machine.close()

@@ -1,0 +1,3 @@
+from art_sky.cli import app
+
+app()

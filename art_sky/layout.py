@@ -1,0 +1,57 @@
+"""Where files live, for both sides (the cluster server writes them, the laptop and the object store read them):
+
+- A model's checkpoints under a checkpoint root (ART's `.art`): `<root>/<project>/models/<name>/checkpoints/
+  <step:04d>/` (a PEFT LoRA and `manifest.json`), `history.jsonl` beside `checkpoints/`. The object store uses the
+  same relative keys under its prefix.
+- A cluster server's run files in its run directory: `server.pid`, `port.json` (`{"port": N, "pid": P}` once it
+  listens), `server.log` (the previous start's is `server.log.1`).
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from pydantic import BaseModel
+
+MANIFEST = "manifest.json"
+HISTORY = "history.jsonl"
+PID_FILE = "server.pid"
+PORT_FILE = "port.json"
+LOG_FILE = "server.log"
+
+
+def step_name(step: int) -> str:
+    return f"{step:04d}"
+
+
+def model_key(project: str, name: str) -> str:
+    """A model's directory relative to the checkpoint root (and its key prefix in the store)."""
+    return f"{project}/models/{name}"
+
+
+def step_key(project: str, name: str, step: int) -> str:
+    return f"{model_key(project, name)}/checkpoints/{step_name(step)}"
+
+
+class ServerLayout(BaseModel):
+    """One cluster server's files on its machine: absolute POSIX paths there (the machine may be remote)."""
+
+    run_dir: str  # server.pid, port.json, server.log: one server's own
+    art_path: str  # the checkpoint root, which servers of one machine may share
+
+    @classmethod
+    def under(cls, root: str) -> ServerLayout:
+        """The layout of a server directory on an SSH host or a SkyPilot cluster: `run/` and `art/` in `root`."""
+        return cls(run_dir=posixpath.join(root, "run"), art_path=posixpath.join(root, "art"))
+
+    @property
+    def pid_file(self) -> str:
+        return posixpath.join(self.run_dir, PID_FILE)
+
+    @property
+    def port_file(self) -> str:
+        return posixpath.join(self.run_dir, PORT_FILE)
+
+    @property
+    def log_file(self) -> str:
+        return posixpath.join(self.run_dir, LOG_FILE)

@@ -1,0 +1,97 @@
+"""Install this client's own build on a machine reached by a command runner (an SSH host): ship the wheel, make a
+venv unless a prepared Python is named, install. Layout of `remote_dir` there:
+
+    wheels/   the shipped client build        lib/   that build, installed (shadows any other art_sky)
+    venv/     made here unless `python` is set art/   checkpoints (`art_path`)
+    run/      the server's run files (art_sky.layout: server.log, server.pid, port.json)
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from art_sky.errors import SSHError
+from art_sky.gpu_stack import constraint_lines
+from art_sky.layout import ServerLayout
+
+from .runner import CommandRunner, env_stdin
+
+_NO_PYTHON = 42  # exit code of the preflight script when the interpreter is missing or too old
+
+
+class BootstrapOptions(BaseModel):
+    """Where and how the server runs on the remote machine."""
+
+    remote_dir: str = Field(".art-sky/server", description="relative paths are under the login directory")
+    python: str | None = Field(None, description="a prepared interpreter that already has art-sky[cluster]'s "
+                                                 "dependencies; the venv step is skipped")
+    venv_python: str = Field("python3", description="interpreter that creates the venv when `python` is unset")
+    system_site_packages: bool = Field(False, description="the venv sees the host's packages (a preinstalled torch)")
+    extras: Literal["cluster", "gpu"] = Field("cluster", description="art-sky extras installed in the venv; gpu "
+                                                                     "installs the tested GPU stack")
+    constraints: list[str] = Field(default_factory=list, description="pip constraints for the venv install "
+                                                                    "(e.g. torch==2.13.0: a CPU build), added to "
+                                                                    "the tested GPU stack's with extras=gpu")
+    port: int = Field(0, description="the server's port on the remote machine; 0 picks a free one")
+    art_path: str = Field("art", description="checkpoint root, relative to remote_dir unless absolute")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment of the server (ART_SKY_*, "
+                                                                   "store credentials); sent over stdin")
+
+    @field_validator("remote_dir")
+    @classmethod
+    def _home_relative(cls, value: str) -> str:
+        return value.removeprefix("~/") or "."
+
+    @field_validator("env")
+    @classmethod
+    def _one_line_values(cls, value: dict[str, str]) -> dict[str, str]:
+        env_stdin(value)  # refuses what the server's environment cannot carry
+        return value
+
+
+class Installed(BaseModel):
+    """What `install` left on the machine: the server's layout and the interpreter that runs it."""
+
+    layout: ServerLayout
+    python: str
+    pythonpath: str  # the installed build, ahead of anything else named art_sky
+
+
+def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeout: float) -> Installed:
+    """Upload the wheel and install it (venv first unless `options.python`); idempotent."""
+    q = shlex.quote
+    remote_dir = runner.run(f"mkdir -p {q(options.remote_dir)}/wheels && cd {q(options.remote_dir)} && pwd",
+                            timeout=60).stdout.strip()
+    python = options.python or f"{remote_dir}/venv/bin/python"
+    bootstrap_python = options.python or options.venv_python
+    preflight = runner.run(
+        f"{q(bootstrap_python)} -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 3)' >/dev/null 2>&1"
+        f" || exit {_NO_PYTHON}", timeout=60, check=False)
+    if preflight.exit_code == _NO_PYTHON:
+        raise SSHError(f"no Python >= 3.11 at {bootstrap_python!r} on {runner.where}: install one there, or "
+                       "name it with python= (a prepared environment) or venv_python=")
+    remote_wheel = f"{remote_dir}/wheels/{wheel.name}"
+    runner.upload(wheel, remote_wheel)
+    steps = []
+    if options.python is None:
+        site = " --system-site-packages" if options.system_site_packages else ""
+        constraints = options.constraints + (constraint_lines() if options.extras == "gpu" else [])
+        pins = ""
+        if constraints:
+            runner.run(f"cat >{q(remote_dir)}/wheels/constraints.txt", timeout=60,
+                       stdin="".join(f"{line}\n" for line in constraints).encode())
+            pins = " -c wheels/constraints.txt"
+        steps += [f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
+                  (f"venv/bin/python -m pip install --quiet --disable-pip-version-check{pins} "
+                   f"{q(f'{remote_wheel}[{options.extras}]')}")]
+    steps.append(f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "
+                 f"--target lib {q(remote_wheel)}")
+    runner.run(f"set -e\ncd {q(remote_dir)}\n" + "\n".join(steps), timeout=timeout)
+    layout = ServerLayout(run_dir=posixpath.join(remote_dir, "run"),
+                          art_path=posixpath.join(remote_dir, options.art_path))
+    return Installed(layout=layout, python=python, pythonpath=posixpath.join(remote_dir, "lib"))

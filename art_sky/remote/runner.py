@@ -1,0 +1,94 @@
+"""`CommandRunner`: run a script on a machine with a deadline and stdin, upload a file there, and say how to open a
+shell there (SkyPilot's `command_runner` shape). Everything that acts on a machine (the server's lifecycle, the
+install, a CI job) is written once against it; `LocalRunner` is this machine, `SSHRunner` (art_sky.remote.ssh) a
+host over SSH.
+
+Secrets go in on stdin, never in a script (which the machine's process list shows): `env_stdin` encodes an
+environment and `READ_ENV` is the sh that exports it there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from art_sky.errors import BackendUnavailableError, ConfigError
+
+READ_ENV = 'while IFS= read -r kv; do [ -n "$kv" ] || break; export "$kv"; done\n'
+
+
+class CommandResult(BaseModel):
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+class CommandRunner(Protocol):
+    where: str  # for messages: "this machine", "user@host:22"
+
+    def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
+        """Run a POSIX sh script; raise (naming the script's first line) when it fails and `check`, or overruns."""
+
+    def upload(self, local: Path, remote: str) -> None:
+        """Copy a file there (relative paths: under the login directory)."""
+
+    def shell_argv(self, command: list[str]) -> list[str]:
+        """argv (for exec) that runs `command` there in this terminal, or a login shell when it is empty."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> CommandRunner: ...
+
+    def __exit__(self, *exc_info) -> None: ...
+
+
+def env_stdin(env: dict[str, str]) -> bytes:
+    """An environment as `READ_ENV` reads it: one KEY=value line each, a blank line to end."""
+    for key, value in env.items():
+        if not key.isidentifier() or "\n" in value:
+            raise ConfigError(f"environment variable {key!r}: names must be identifiers and values one line")
+    return "".join(f"{k}={v}\n" for k, v in env.items()).encode() + b"\n"
+
+
+def first_line(script: str) -> str:
+    lines = [line.strip() for line in script.strip().splitlines() if line.strip()]
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+
+
+class LocalRunner:
+    """This machine: scripts run under `sh`, with this process's environment and working directory."""
+
+    where = "this machine"
+
+    def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
+        try:
+            done = subprocess.run(["sh", "-c", script], input=stdin, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise BackendUnavailableError(f"`{first_line(script)}` did not finish within {timeout:.0f}s here") \
+                from exc
+        result = CommandResult(exit_code=done.returncode, stdout=done.stdout.decode(errors="replace"),
+                               stderr=done.stderr.decode(errors="replace"))
+        if check and result.exit_code != 0:
+            raise BackendUnavailableError(f"`{first_line(script)}` failed here with exit code {result.exit_code}:\n"
+                                          f"{(result.stderr or result.stdout).strip()[-2000:]}")
+        return result
+
+    def upload(self, local: Path, remote: str) -> None:
+        shutil.copyfile(local, Path.home() / remote if not os.path.isabs(remote) else remote)
+
+    def shell_argv(self, command: list[str]) -> list[str]:
+        return command or [os.environ.get("SHELL", "sh")]
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> LocalRunner:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
