@@ -75,10 +75,14 @@ def seaweedfs(root: Path) -> Iterator[S3Server]:
                   for name, keys, actions in [("admin", ADMIN, ["Admin", "Read", "List", "Tagging", "Write"]),
                                               ("reader", READER, ["Read", "List"])]]
     (root / "s3.json").write_text(json.dumps({"identities": identities}))
+    # Every bucket is a collection with volumes of its own. Left to itself, weed sizes its volume slots from the free
+    # disk (1 GiB each) and grows 7 volumes per collection, so a suite's worth of buckets ran out of slots on a small
+    # disk ("Not enough data nodes found", a 500 on upload). One volume per bucket, fixed sparse slots: no limit.
+    (root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n")
     master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
     command = [weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
                f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
-               "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+               "-master.volumeSizeLimitMB=256", "-volume.max=400",
                f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
                "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
                "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={root / 's3.json'}",
