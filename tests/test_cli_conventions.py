@@ -174,6 +174,7 @@ def test_two_clusters_on_one_host_up_status_and_down_independently(sshd, tmp_pat
         assert found[name]["kind"] == "ssh" and server["state"] == "ok" and server["engine"] == "portable"
         assert server["log"] == f"{record.layout.run_dir}/server.log" and found[name]["models"] == []
     assert set(statuses("a")) == {"a"}
+    assert [c["name"] for c in json.loads(cli("status", "a", "a", "--json").output)] == ["a"]  # once each
 
     # The table: one line per cluster, the name whole, in a pipe and in an 80-column terminal.
     piped = subprocess.run([sys.executable, "-m", "art_sky.cli", "status"], capture_output=True, text=True,

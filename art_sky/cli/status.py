@@ -131,7 +131,7 @@ def status_command(names: list[str] | None, as_json: bool) -> None:
     known = clusters.all_names(settings.home)
     if unknown := [n for n in names or [] if n not in known]:
         raise clusters.unknown(settings.home, unknown[0])
-    names = names or known
+    names = list(dict.fromkeys(names or [])) or known  # each cluster once, in the order given
     if not names and not as_json:
         console.print("no clusters: start one with `art-sky up` (SkyPilot), `--host user@host` or `--local`")
         return
