@@ -86,6 +86,14 @@ def test_the_name_is_the_first_argument_and_name_an_alias(command, home):
         assert result.exit_code == 1 and "two cluster names, 'one' and --name 'other'" in result.output
 
 
+def test_usage_errors_are_typers_own(home):
+    """A mistyped option or a command given without `--` is a usage error (exit 2, what to type), not a bug."""
+    for args in (["down", "--nope"], ["ssh", "box", "ls", "-l"], ["checkpoints", "ls", "--nope"], ["ci", "run"]):
+        result = cli(*args)
+        assert result.exit_code == 2 and "Usage:" in result.output, (args, result.output)
+        assert "unexpected" not in result.output and "bug" not in result.output, result.output
+
+
 def test_up_takes_the_name_first(home):
     fake_record(home, "box")
     for args in (["up", "box", "--local"], ["up", "--name", "box", "--local"]):

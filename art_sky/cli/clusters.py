@@ -14,7 +14,6 @@ from enum import Enum
 from pathlib import Path
 from typing import NoReturn
 
-import click
 import typer
 from typer.core import TyperCommand
 
@@ -54,7 +53,7 @@ class CommandAfterDashes(TyperCommand):
     """`art-sky ssh NAME -- COMMAND...`: everything after `--` is the command, so `art-sky ssh -- ls` runs `ls` on
     the default cluster rather than taking `ls` for a cluster's name."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         if "--" not in args:
             return super().parse_args(ctx, args)
         split = args.index("--")

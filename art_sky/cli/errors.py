@@ -15,7 +15,6 @@ import logging
 import sys
 from collections.abc import Iterator
 
-import click
 import typer
 from pydantic import ValidationError
 from rich.console import Console
@@ -34,13 +33,13 @@ class ErrorBoundary(TyperGroup):
     exit_code = 1
     prefix = ""  # before "error:" (`art-sky ci: error: ...`, so CI logs show who failed)
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: typer.Context):
         verbose = bool(ctx.find_root().params.get("verbose"))
         logs = quiet_logs(verbose) if ctx.parent is None else contextlib.nullcontext()
         with logs:
             try:
                 return super().invoke(ctx)
-            except (click.exceptions.Exit, click.ClickException, click.Abort, typer.Exit):
+            except (typer.Exit, typer.Abort, typer.TyperException):  # --help, Ctrl-C, usage errors: typer's own
                 raise
             except (ArtSkyError, ValueError) as exc:
                 report(self.prefix, _message(exc), verbose)
