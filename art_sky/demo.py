@@ -3,15 +3,21 @@
 The task: answer with digits. A randomly initialised model writes mostly noise bytes; each reply earns the share
 of its characters that are digits, and GRPO turns that into a model that answers in numbers. The mean reward per
 step is printed and drawn to a PNG.
+
+Each run trains a fresh model (the previous run's checkpoints of the demo model are removed, and said so), so the
+climb from ~0.06 shows every time; `resume=True` continues the previous run's model and says from which step. The
+demo keeps its checkpoints on this machine only: a configured object store (ART_SKY_CHECKPOINT_URI) is not used.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import art_sky as art
 from art_sky.client.model import TrainableModel
+from art_sky.layout import model_key
 
 PROMPTS = ["How many legs does a spider have?", "What year is it?", "Give me a number.", "Count to five.",
            "What is 12 times 12?", "How old is the universe?", "Pick a lottery number.", "What is your PIN?"]
@@ -34,17 +40,26 @@ async def rollout(model: TrainableModel, prompt: str, seed: int) -> art.Trajecto
 
 async def run_demo(*, steps: int = 15, groups: int = 8, group_size: int = 8, learning_rate: float = 5e-3,
                    seed: int = 0, path: Path = Path(".art"), plot: Path | None = Path("demo-reward.png"),
-                   echo=print) -> list[float]:
+                   resume: bool = False, echo=print) -> list[float]:
     """Train for `steps` steps and return the mean reward of each step's rollouts (before that step's update)."""
     rng = random.Random(seed)
-    backend = art.LocalBackend(path=path)
     model = art.TrainableModel(name=f"digits-{seed}", project="art-sky-demo", base_model="art-sky/tiny")
+    files = Path(path) / model_key(model.project, model.name)
+    if files.exists() and not resume:
+        shutil.rmtree(files)
+        echo(f"starting a fresh model: removed the previous demo run's {model.name} in {files} "
+             "(`art-sky demo --resume` continues it instead)")
+    backend = art.LocalBackend(path=path, env={"ART_SKY_CHECKPOINT_URI": ""})  # the demo's files stay here
     rewards: list[float] = []
     try:
         echo("starting the local cluster server (builds the tiny model on first use)...")
         await model.register(backend)
         start = await model.get_step()
-        echo(f"model {model.name} on {(await backend.health()).device}, step {start}")
+        device = (await backend.health()).device
+        if start:
+            echo(f"resuming model {model.name} from step {start} (its checkpoints in {files}) on {device}")
+        else:
+            echo(f"model {model.name} on {device}, step 0")
         for step in range(start, start + steps):
             batch = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(model, rng.choice(PROMPTS), rng.randrange(2**31))
