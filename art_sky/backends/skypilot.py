@@ -9,6 +9,7 @@ left behind by an SSH session is reaped, a job is not, and SkyPilot's autostop s
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from art_sky.settings import Settings, read_env_file
 from art_sky.store import server_env
 
 from .ssh import SSHBackend
+
+log = logging.getLogger("art_sky")
 
 
 class SkyPilotBackend(SSHBackend):
@@ -135,6 +138,17 @@ class SkyPilotBackend(SSHBackend):
         return {"where": f"{row.infra} ({row.status})",
                 "accelerators": ", ".join(f"{k}:{v:g}" for k, v in (row.accelerators or {}).items()) or "CPUs",
                 "cost": _uptime_and_cost(row)}
+
+    async def _provider_price(self) -> float | None:
+        """SkyPilot's price of the cluster (its launched resources), for each step's cost."""
+        try:
+            rows = {row.name: row for row in await provisioner.status()}
+        except Exception as exc:  # noqa: BLE001 (the price is a report: steps go on without it)
+            log.warning("no price for %s: SkyPilot could not be asked (%s); steps are not costed", self.cluster_name,
+                        exc)
+            return None
+        row = rows.get(self.cluster_name)
+        return row.hourly_cost if row is not None else None
 
     @classmethod
     def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,

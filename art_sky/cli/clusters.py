@@ -21,7 +21,9 @@ from art_sky.errors import ArtSkyError, ConfigError
 from art_sky.provisioners.sky_task import parse_gpus
 from art_sky.remote.install import BootstrapOptions
 from art_sky.settings import Settings
+from art_sky.wire import ModelInfo
 
+from . import live
 from .errors import console
 
 SKY, HOST = "SkyPilot cluster (default)", "SSH host (--host) and this machine (--local)"
@@ -147,25 +149,30 @@ def status() -> None:
         console.print("no clusters: start one with `art-sky up` (SkyPilot), `--host user@host` or `--local`")
         return
     table = Table("name", "kind", "where", "accelerators", "uptime, cost", "server", "models (step)")
-    for column in table.columns:
+    models = Table(*live.HEADERS)
+    for column in (*table.columns, *models.columns):
         column.overflow = "fold"  # show every character: names and hosts get copied from here
     for name in names:
         backend = attach(name, settings=settings)
-        machine, health, models = asyncio.run(_describe(backend))
+        machine, health, infos = asyncio.run(_describe(backend))
         table.add_row(name, backend.kind, machine["where"], machine.get("accelerators", "-"),
-                      machine.get("cost", "-"), health, models)
+                      machine.get("cost", "-"), health,
+                      ", ".join(f"{m.name} ({m.step})" for m in infos) or ("none" if health.startswith("ok") else "-"))
+        for info in infos:
+            models.add_row(*live.row(name, info))
     console.print(table)
+    if models.rows:
+        console.print(models)
 
 
-async def _describe(backend: ClusterBackend) -> tuple[dict[str, str], str, str]:
-    """The machine, the server's health, and its models with their steps."""
+async def _describe(backend: ClusterBackend) -> tuple[dict[str, str], str, list[ModelInfo]]:
+    """The machine, the server's health, and its models with what the server is doing with each."""
     machine = await backend.machine()
     try:
         health = await backend.health()
-        models = ", ".join(f"{m.name} ({m.step})" for m in await backend.models()) or "none"
-        return machine, f"ok, {health.engine} on {health.device}", models
+        return machine, f"ok, {health.engine} on {health.device}", await backend.models()
     except ArtSkyError as exc:
-        return machine, f"unreachable: {exc}", "-"
+        return machine, f"unreachable: {exc}", []
     finally:
         await backend.close()
 
