@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -188,3 +192,68 @@ def test_a_stalled_step_says_what_the_server_does(run, monkeypatch):
     message, advanced = asyncio.run(stalled())
     assert "made no progress" in message and any(f"server is {phase}" in message for phase in STEP_PHASES), message
     assert advanced == 1
+
+
+WEAVE_ROUND = """
+import asyncio, sys
+import weave
+import art_sky
+sys.path.insert(0, {tests!r})
+from test_observability import gather_with
+
+weave.init("obs")  # WEAVE_DISABLED: initialised, traces nothing, needs no W&B account
+
+async def main():
+    backend = art_sky.attach("obs")
+    try:
+        model = art_sky.TrainableModel(name="watched", project="obs", base_model="art-sky/tiny", report_metrics=[])
+        await model.register(backend)
+        before = await model.get_step()
+        result = await model.train(await gather_with(weave.op(rollout_of(model))))
+        assert result["step"] == before + 1, result
+    finally:
+        await backend.close()
+
+def rollout_of(model):
+    from test_observability import rollout
+    async def traced():
+        return await rollout(model)
+    return traced
+
+asyncio.run(main())
+print("trained with weave")
+"""
+
+
+async def gather_with(rollout_fn) -> list[art_sky.TrajectoryGroup]:
+    return await art_sky.gather_trajectory_groups(
+        (art_sky.TrajectoryGroup(rollout_fn() for _ in range(4)) for _ in range(2)), pbar_desc=None)
+
+
+@pytest.mark.slow
+def test_weave_traced_rollouts_train_unchanged(run):
+    """Rollouts decorated with `@weave.op` train as they are: with Weave not initialised (here), and initialised in
+    its local mode (WEAVE_DISABLED=true; Weave has no offline mode), in a process of its own."""
+    import weave
+
+    @weave.op
+    async def traced(model: art_sky.TrainableModel) -> art_sky.Trajectory:
+        return await rollout(model)
+
+    async def round_() -> int:
+        backend = art_sky.attach("obs")
+        try:
+            model = art_sky.TrainableModel(name="watched", project="obs", base_model="art-sky/tiny",
+                                           report_metrics=[])
+            await model.register(backend)
+            before = await model.get_step()
+            result = await model.train(await gather_with(lambda: traced(model)))
+            return int(result["step"]) - before
+        finally:
+            await backend.close()
+
+    assert asyncio.run(round_()) == 1
+    script = WEAVE_ROUND.format(tests=str(Path(__file__).parent))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                            env=os.environ | {"WEAVE_DISABLED": "true"}, cwd=run["tmp"])
+    assert result.returncode == 0 and "trained with weave" in result.stdout, result.stdout + result.stderr
