@@ -36,6 +36,7 @@ def draw(history: list[dict], path: Path, title: str) -> Path:
         raise ConfigError("plotting needs matplotlib: pip install matplotlib (it comes with art-sky[cluster])") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     def series(key: str, entries: list[dict] = rows) -> tuple[list[int], list[float]]:
         points = [(e["step"], float(e[key])) for e in entries
@@ -64,6 +65,7 @@ def draw(history: list[dict], path: Path, title: str) -> Path:
         kl_ax.text(0.5, 0.5, KL_NOT_MEASURED, ha="center", va="center", transform=kl_ax.transAxes, fontsize=9,
                    color="gray")
     kl_ax.set(ylabel="KL (policy vs base)", xlabel="training step")
+    kl_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     for ax in (reward_ax, loss_ax, kl_ax):
         ax.grid(alpha=0.3)
     fig.tight_layout()
