@@ -5,6 +5,7 @@ W&B in its offline mode read back from its own run file."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import re
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import train_lines
 from typer.testing import CliRunner
 from wandb_runs import wandb_history
 
@@ -257,3 +259,31 @@ def test_weave_traced_rollouts_train_unchanged(run):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                             env=os.environ | {"WEAVE_DISABLED": "true"}, cwd=run["tmp"])
     assert result.returncode == 0 and "trained with weave" in result.stdout, result.stdout + result.stderr
+
+
+async def test_sampled_tokens_count_from_responses_and_streams(server):
+    """The server counts each completion's sampled tokens from the bytes its client gets (a response's usage, a
+    stream's token_ids or its usage): the next step's `data/step_actor_tokens` is their sum."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "seed": 3}
+    body = (await server.post("/v1/chat/completions", json=chat | {"n": 2, "logprobs": True,
+                                                                     "return_tokens_as_token_ids": True})).json()
+    sampled = body["usage"]["completion_tokens"]
+    for options in ({}, {"stream_options": {"include_usage": True}}):
+        async with server.stream("POST", "/v1/chat/completions", json=chat | {"stream": True} | options) as response:
+            events = [json.loads(line[len("data: "):]) for line in (await response.aread()).decode().splitlines()
+                      if line.startswith("data: {")]
+        streamed = sum(len(choice.get("token_ids") or []) for event in events for choice in event["choices"])
+        assert streamed > 0
+        usage = [event["usage"]["completion_tokens"] for event in events if event.get("usage")]
+        assert usage == ([streamed] if options else [])
+        sampled += streamed
+    group = {"trajectories": [
+        {"items": [{"role": "user", "content": "hi"},
+                   {"kind": "choice", "content": choice["message"]["content"],
+                    "token_ids": [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]],
+                    "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
+         "reward": float(i)} for i, choice in enumerate(body["choices"])]}
+    status, lines = await train_lines(server, "tiny", {"groups": [group]})
+    assert status == 200 and lines[-1]["type"] == "result", lines
+    assert lines[-1]["metrics"]["data/step_actor_tokens"] == sampled
+    assert any(line.get("activity", {}).get("phase") in STEP_PHASES for line in lines[:-1]), lines
