@@ -2,7 +2,7 @@
 
 The task: answer with digits. A randomly initialised model writes mostly noise bytes; each reply earns the share
 of its characters that are digits, and GRPO turns that into a model that answers in numbers. The mean reward per
-step is printed and drawn to a PNG.
+step is printed, and the run's reward, loss and KL are drawn to a PNG (art_sky/charts.py, as `art-sky plot`).
 
 Each run trains a fresh model (the previous run's checkpoints of the demo model are removed, and said so), so the
 climb from ~0.06 shows every time; `resume=True` continues the previous run's model and says from which step. The
@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import art_sky as art
+from art_sky import charts
 from art_sky.client.model import TrainableModel
 from art_sky.layout import model_key
 
@@ -51,6 +52,7 @@ async def run_demo(*, steps: int = 15, groups: int = 8, group_size: int = 8, lea
              "(`art-sky demo --resume` continues it instead)")
     backend = art.LocalBackend(path=path, env={"ART_SKY_CHECKPOINT_URI": ""})  # the demo's files stay here
     rewards: list[float] = []
+    history: list[dict] = []
     try:
         echo("starting the local cluster server (builds the tiny model on first use)...")
         await model.register(backend)
@@ -71,30 +73,15 @@ async def run_demo(*, steps: int = 15, groups: int = 8, group_size: int = 8, lea
             sample = batch[0].trajectories[0].messages_and_choices[-1].message.content
             echo(f"step {step + 1:3d}  reward {mean:.3f} {_bar(mean)}  skipped {int(metrics['num_groups_skipped'])}"
                  f"/{groups}  e.g. {sample!r}")
+        history = await backend.history(model.name)
     finally:
         await backend.close()
-    if plot is not None and rewards:
-        _plot(rewards, plot)
-        echo(f"reward curve: {plot}")
+    if plot is not None and history:
+        charts.draw(history, plot, f"art-sky demo: {model.name} learns to answer with digits")
+        echo(f"reward, loss and KL per step: {plot}")
     return rewards
 
 
 def _bar(value: float, width: int = 20) -> str:
     filled = round(max(0.0, min(1.0, value)) * width)
     return "#" * filled + "." * (width - filled)
-
-
-def _plot(rewards: list[float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(rewards) + 1), rewards, marker="o")
-    ax.set(xlabel="training step", ylabel="mean reward", ylim=(0, 1.05),
-           title="art-sky demo: tiny model learns to answer with digits")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

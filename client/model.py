@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -14,12 +15,16 @@ from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig
 
+from .reporting import WandbRun, require_wandb, wandb_wanted
 from .trajectories import TrajectoryGroup, summarize
+
+log = logging.getLogger("art_sky")
 
 
 class StepResult(Protocol):
     step: int
     metrics: dict[str, float]
+    totals: dict[str, float]
 
 
 class Backend(Protocol):
@@ -27,6 +32,7 @@ class Backend(Protocol):
     not import them)."""
 
     api_key: str | None
+    settings: Settings
 
     @property
     def inference_base_url(self) -> str: ...
@@ -38,7 +44,7 @@ class Backend(Protocol):
 
     async def model_info(self, model: Model) -> ModelInfo: ...
 
-    async def log(self, model: Model, split: str, metrics: dict[str, float]) -> None: ...
+    async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None: ...
 
     async def train(self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], *,
                     config: TrainConfig | None = None, verbose: bool = False) -> StepResult: ...
@@ -49,7 +55,10 @@ class Backend(Protocol):
 
 
 class Model(BaseModel):
-    """A model you sample from (any OpenAI-compatible endpoint). `TrainableModel` is the one you train."""
+    """A model you sample from (any OpenAI-compatible endpoint). `TrainableModel` is the one you train.
+
+    `report_metrics`, as ART's: None logs to Weights & Biases when WANDB_API_KEY is set; ["wandb"] asks for it; []
+    logs to the server's history only."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -59,12 +68,26 @@ class Model(BaseModel):
     inference_api_key: str | None = None
     inference_base_url: str | None = None
     trainable: bool = False
+    report_metrics: list[str] | None = None
     _backend: Backend | None = PrivateAttr(None)
     _openai: AsyncOpenAI | None = PrivateAttr(None)
+    _wandb: WandbRun | None = PrivateAttr(None)
 
     async def register(self, backend: Backend) -> None:
         self._backend = backend
         self._openai = None
+        key = backend.settings.wandb_api_key
+        self._wandb = None
+        if wandb_wanted(self.report_metrics, key and key.get_secret_value()):
+            try:
+                require_wandb()
+            except ConfigError:
+                if self.report_metrics is not None:
+                    raise
+                log.warning("WANDB_API_KEY is set but wandb is not installed: %s's metrics go to the server's "
+                            "history only (pip install \"art-sky[wandb]\" to log them to W&B)", self.name)
+            else:
+                self._wandb = WandbRun(self.project, self.name, key and key.get_secret_value())
 
     def openai_client(self) -> AsyncOpenAI:
         """An AsyncOpenAI client for this model's endpoint and key (one per model, reused). Its timeout is the
@@ -82,12 +105,23 @@ class Model(BaseModel):
     def get_inference_name(self) -> str:
         return self.inference_model_name or self.name
 
-    async def log(self, trajectories: Iterable[TrajectoryGroup], split: str = "val") -> dict[str, float]:
-        """Record the mean reward and metrics of these groups at the current step (history.jsonl on the server)."""
-        metrics = summarize(trajectories)
-        if metrics:
-            await self._require_backend().log(self, split, metrics)
-        return metrics
+    async def log(self, trajectories: Iterable[TrajectoryGroup] | None = None, split: str = "val", *,
+                  metrics: dict[str, float] | None = None, step: int | None = None) -> dict[str, float]:
+        """Record these groups' mean reward and metrics (ART's `model.log`), and/or `metrics` as given, at `step`
+        (default: the current one): a line of history.jsonl on the server, and a W&B row when W&B is on."""
+        values = (summarize(trajectories) if trajectories is not None else {}) | (metrics or {})
+        if not values:
+            return values
+        backend = self._require_backend()
+        if step is None:
+            step = (await backend.model_info(self)).step if self.trainable else 0
+        await backend.log(self, split, values, step)
+        self._report(split, values, step)
+        return values
+
+    def _report(self, split: str, metrics: dict[str, float], step: int) -> None:
+        if self._wandb is not None:
+            self._wandb.log(split, metrics, step)
 
     def _require_backend(self) -> Backend:
         if self._backend is None:
@@ -117,7 +151,8 @@ class TrainableModel(Model):
         """One GRPO step on these groups (ART 0.4's `model.train`); returns the step's metrics and `step`.
         Inference waits while it trains. `backend.train(model, groups, ...)` is ART 0.5's form of the same."""
         result = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose)
-        return result.metrics | {"step": float(result.step)}
+        self._report("train", result.metrics | result.totals, result.step)
+        return result.metrics | result.totals | {"step": float(result.step)}
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[CheckpointInfo]:
         """Keep the newest step and the best by `best_checkpoint_metric`; delete the rest."""
@@ -125,6 +160,13 @@ class TrainableModel(Model):
 
     async def list_checkpoints(self) -> list[CheckpointInfo]:
         return await self._require_backend().list_checkpoints(self)
+
+
+_answered = 0  # chat completions this process's training clients got back (gather's progress bar shows the rate)
+
+
+def completions_answered() -> int:
+    return _answered
 
 
 class _TrainingDefaults(httpx.AsyncBaseTransport):
@@ -151,6 +193,8 @@ class _TrainingDefaults(httpx.AsyncBaseTransport):
         request = httpx.Request(request.method, request.url, headers=headers + [("content-length",
                                 str(len(content)))], content=content, extensions=request.extensions)
         response = await self.inner.handle_async_request(request)
+        global _answered
+        _answered += response.status_code == 200
         if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):
             return response  # errors and streams pass as they are
         content = await response.aread()  # decoded: the copy below goes out without the content encoding

@@ -9,6 +9,7 @@ left behind by an SSH session is reaped, a job is not, and SkyPilot's autostop s
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from art_sky.store import server_env
 
 from .cluster import Machine
 from .ssh import SSHBackend
+
+log = logging.getLogger("art_sky")
 
 
 class SkyPilotBackend(SSHBackend):
@@ -147,6 +150,17 @@ class SkyPilotBackend(SSHBackend):
             return Machine(where=self.where, state="gone", note="not in `sky status`")
         return Machine(where=row.infra, state=row.status, uptime_s=row.uptime_s, hourly_cost=row.hourly_cost,
                        accelerators=", ".join(f"{k}:{v:g}" for k, v in (row.accelerators or {}).items()) or "CPUs")
+
+    async def _provider_price(self) -> float | None:
+        """SkyPilot's price of the cluster (its launched resources), for each step's cost."""
+        try:
+            rows = {row.name: row for row in await provisioner.status()}
+        except Exception as exc:  # noqa: BLE001 (the price is a report: steps go on without it)
+            log.warning("no price for %s: SkyPilot could not be asked (%s); steps are not costed", self.cluster_name,
+                        exc)
+            return None
+        row = rows.get(self.cluster_name)
+        return row.hourly_cost if row is not None else None
 
     @classmethod
     def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,

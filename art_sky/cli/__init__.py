@@ -15,7 +15,7 @@ import typer
 
 import art_sky
 
-from . import checkpoints, ci, clusters
+from . import checkpoints, ci, clusters, plot
 from .errors import ErrorBoundary, console
 
 app = typer.Typer(help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
@@ -63,5 +63,6 @@ def version() -> None:
 for command in (clusters.up, clusters.down, clusters.status, clusters.logs, clusters.tunnel):
     app.command()(command)
 app.command(cls=clusters.CommandAfterDashes)(clusters.ssh)
+app.command()(plot.plot)
 app.add_typer(checkpoints.app, name="checkpoints", help="List, pull, push and delete checkpoints in the object store.")
 app.add_typer(ci.app, name="ci")

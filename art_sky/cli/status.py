@@ -18,16 +18,10 @@ from art_sky.backends import attach
 from art_sky.backends.cluster import Machine
 from art_sky.errors import ArtSkyError, VersionMismatchError
 from art_sky.settings import Settings
+from art_sky.wire import ModelInfo
 
-from . import table
+from . import live, table
 from .errors import console
-
-
-class ModelStatus(BaseModel):
-    name: str
-    project: str
-    base_model: str
-    step: int
 
 
 class ServerReport(BaseModel):
@@ -45,7 +39,7 @@ class ClusterStatus(BaseModel):
     kind: str  # local, ssh, sky (as the record says)
     machine: Machine
     server: ServerReport
-    models: list[ModelStatus] = []
+    models: list[ModelInfo] = []  # each with what the server is doing with it (cli/live.py renders it)
 
 
 async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
@@ -57,7 +51,7 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
                              server=ServerReport(state="error", detail=_line(exc)))
     log = backend.server.layout.log_file if backend.server else None
     machine = await backend.machine()
-    models: list[ModelStatus] = []
+    models: list[ModelInfo] = []  # each with what the server is doing with it (cli/live.py renders it)
     try:
         if machine.state not in (None, "UP"):
             server = ServerReport(state="unreachable", detail=f"the cluster is {machine.state}", log=log)
@@ -70,8 +64,7 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
                 server = ServerReport(state="starting", detail="starting", log=log)
             else:
                 health = await backend.health()
-                models = [ModelStatus(name=m.name, project=m.project, base_model=m.base_model, step=m.step)
-                          for m in await backend.models()]
+                models = await backend.models()
                 server = ServerReport(state="ok", detail=f"{health.engine} on {health.device}", engine=health.engine,
                                       trainer=health.trainer, device=health.device, version=health.version,
                                       log=log)
@@ -124,6 +117,9 @@ def show(statuses: list[ClusterStatus], as_json: bool) -> None:
         print(json.dumps([s.model_dump(mode="json") for s in statuses], indent=2))
     else:
         table.show(HEADERS, [row(s) for s in statuses], shrink=SHRINK)
+        if models := [live.row(s.name, m) for s in statuses for m in s.models]:
+            console.print()
+            table.show(live.HEADERS, models, shrink=live.SHRINK)
 
 
 def status_command(names: list[str] | None, as_json: bool) -> None:
