@@ -29,10 +29,27 @@ async def sampled_group(server, n=4):
     return {"trajectories": [trajectory(c, float(i % 2)) for i, c in enumerate(body["choices"])]}
 
 
-async def test_health_needs_no_key_and_reports_engine(server):
-    response = await server.get("/health", headers={"authorization": ""})
-    assert response.status_code == 200
-    assert response.json()["engine"] == "portable" and response.json()["models"] == ["tiny"]
+async def test_health_needs_no_key_and_says_more_with_it(server):
+    import art_sky
+
+    anonymous = await server.get("/health", headers={"authorization": ""})
+    assert anonymous.status_code == 200
+    assert {k: v for k, v in anonymous.json().items() if v not in (None, [], {})} == {
+        "status": "ok", "version": art_sky.__version__}  # alive and which version: no model names, no engine
+    health = (await server.get("/health")).json()
+    assert health["engine"] == "portable" and health["models"] == ["tiny"]
+
+
+async def test_the_api_description_needs_the_key_and_lists_every_body(server):
+    for path in ("/docs", "/redoc"):
+        assert (await server.get(path)).status_code == 404
+    assert (await server.get("/openapi.json", headers={"authorization": ""})).status_code == 401
+    document = (await server.get("/openapi.json")).json()
+    body = document["paths"]["/art/models/{name}/train"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/TrainRequest"
+    assert {"TrainRequest", "SFTRequest", "WireTrajectory", "ChatCompletionRequest"} <= set(
+        document["components"]["schemas"])
+    assert "/v1/chat/completions" in document["paths"]
 
 
 async def test_completion_parameters(server):
