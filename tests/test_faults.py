@@ -172,3 +172,43 @@ async def test_a_server_killed_during_a_step_loses_nothing(tmp_path):
         assert not [p for p in checkpoints.path.iterdir() if p.name.startswith(".tmp")]
     finally:
         await restarted.close(force=True)
+
+
+@pytest.mark.slow
+def test_a_local_server_ends_with_the_script_that_started_it(tmp_path):
+    """A user script killed (kill -9) before its `close()` leaves no server behind, and the next LocalBackend
+    removes the dead one's run directory; a closed backend leaves none."""
+    import sys
+    import time
+
+    script = tmp_path / "script.py"
+    script.write_text(f"""
+import asyncio, art_sky
+async def main():
+    backend = art_sky.LocalBackend(path={str(tmp_path / "art")!r})
+    await backend.health()
+    print(backend.server.pid, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+""")
+    user = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    server_pid = int(user.stdout.readline())
+    user.kill()
+    user.wait()
+    for _ in range(300):
+        if not Path(f"/proc/{server_pid}").exists():
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(server_pid, signal.SIGKILL)
+        pytest.fail("the server outlived the script that started it")
+    [dead] = (tmp_path / "art" / "run").iterdir()
+
+    async def start_and_close():
+        backend = LocalBackend(path=tmp_path / "art")
+        await backend.health()
+        assert not dead.exists()
+        await backend.close()
+
+    asyncio.run(start_and_close())
+    assert list((tmp_path / "art" / "run").iterdir()) == []
