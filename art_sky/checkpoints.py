@@ -1,6 +1,7 @@
 """Checkpoints on a filesystem, used by the cluster server, the object store and the CLI (layout: art_sky.layout).
 
-A step directory holds a PEFT LoRA and `manifest.json` (sha256 and size of every file, step, base model, time,
+A step directory holds a PEFT LoRA, its training state (`training_state/`: the optimizer's state and the step's
+record, what an exact resume needs) and `manifest.json` (sha256 and size of every file, step, base model, time,
 metrics). A step is written in a temp dir and renamed into place, so a step directory that exists is complete; the
 manifest is what makes it trustworthy.
 """
@@ -18,8 +19,9 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from art_sky.errors import ArtSkyError
-from art_sky.files import atomic_dir
-from art_sky.layout import HISTORY, MANIFEST, model_key, step_name
+from art_sky.files import atomic_dir, remove_stale_temps
+from art_sky.layout import HISTORY, MANIFEST, STEP_RECORD, model_key, step_name
+from art_sky.wire import TrainProgress
 
 
 class FileEntry(BaseModel):
@@ -40,6 +42,20 @@ class Manifest(BaseModel):
     @property
     def size_bytes(self) -> int:
         return sum(entry.size for entry in self.files.values())
+
+
+class StepRecord(BaseModel):
+    """What a step committed besides its weights (`training_state/step.json`): which request trained it and what
+    it answered, the recent request ids (so a restarted server still answers a retried request with its step instead
+    of training it twice), the seed its training used, and its history line."""
+
+    step: int
+    kind: str  # train, sft, or init (a fresh LoRA)
+    request_id: str | None = None
+    seed: int | None = None
+    result: TrainProgress | None = None
+    requests: dict[str, int] = {}  # request id -> the step it trained, the most recent ones
+    history: dict | None = None
 
 
 class CorruptCheckpointError(ArtSkyError):
@@ -109,6 +125,17 @@ class CheckpointDir:
 
     def manifest(self, step: int) -> Manifest | None:
         return read_manifest(self.step_dir(step))
+
+    def record(self, step: int) -> StepRecord | None:
+        """The step's record; None for a step saved without one (before art-sky kept them) or not on disk."""
+        try:
+            return StepRecord.model_validate_json((self.step_dir(step) / STEP_RECORD).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def remove_stale_temps(self) -> list[Path]:
+        """Remove what saves and downloads killed mid-way left behind (never visible as steps: not renamed)."""
+        return remove_stale_temps(self.path)
 
     def save(self, step: int, write: Callable[[Path], None], *, base_model: str,
              metrics: dict[str, float] | None = None) -> Manifest:

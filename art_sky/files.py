@@ -4,6 +4,7 @@ cluster server, the laptop), so it imports nothing of art-sky.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -30,25 +31,88 @@ def atomic_write(path: str | os.PathLike, data: str | bytes, *, private: bool = 
     return path
 
 
+TEMP_PREFIX = ".tmp-"  # atomic_dir's work in progress; `remove_stale_temps` removes those of dead writers
+
+
 @contextmanager
 def atomic_dir(target: str | os.PathLike, *, replace: bool = True) -> Iterator[Path]:
-    """Yield a temp directory beside `target` to fill; when the block succeeds it is renamed to `target`, when it
-    fails it is removed. An existing `target` is replaced, or with `replace=False` kept (another writer finished
-    first with the same content)."""
+    """Yield a temp directory beside `target` to fill; when the block succeeds its files are flushed to disk and it
+    is renamed to `target` (a reader, or a restart after a crash, sees all of it or nothing), when it fails it is
+    removed. An existing `target` is replaced, or with `replace=False` kept (another writer finished first with the
+    same content).
+
+    The writer holds a lock on the temp directory until it is done, so `remove_stale_temps` can tell the leftovers
+    of a killed writer (the lock died with it) from another process's write in progress.
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{target.name}-", dir=target.parent))
+    lock = os.open(tmp, os.O_RDONLY)
     try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         yield tmp
+        _sync_tree(tmp)
         if target.exists() and replace:
-            shutil.rmtree(target)
-        try:
+            old = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{target.name}-old-", dir=target.parent))
+            os.replace(target, old)  # the old copy goes aside in one rename, never half-deleted in place
             os.rename(tmp, target)
-        except OSError:
-            if replace or not target.exists():
-                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if replace or not target.exists():
+                    raise
+        _sync(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
+
+
+def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
+    """Remove what killed `atomic_dir` writers left in `directory` (a write in progress elsewhere is kept); returns
+    what was removed."""
+    removed = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(TEMP_PREFIX) or not entry.is_dir():
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its writer is alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file under `root` and the directories holding them: written to disk, not only to the cache."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync(Path(directory))
+
+
+def _sync(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def tail(path: str | os.PathLike, lines: int = 30) -> str:

@@ -1,8 +1,9 @@
 """Where files live, for both sides (the cluster server writes them, the laptop and the object store read them):
 
 - A model's checkpoints under a checkpoint root (ART's `.art`): `<root>/<project>/models/<name>/checkpoints/
-  <step:04d>/` (a PEFT LoRA and `manifest.json`), `history.jsonl` beside `checkpoints/`. The object store uses the
-  same relative keys under its prefix.
+  <step:04d>/` (a PEFT LoRA, `training_state/` beside it: the optimizer's state and the step's record, and
+  `manifest.json` over all of them), `history.jsonl` beside `checkpoints/`. The object store uses the same relative
+  keys under its prefix.
 - A cluster server's run files in its run directory: `server.pid`, `port.json` (`{"port": N, "pid": P}` once it
   listens), `server.log` (the previous start's is `server.log.1`).
 """
@@ -15,6 +16,9 @@ from pydantic import BaseModel
 
 MANIFEST = "manifest.json"
 HISTORY = "history.jsonl"
+TRAINING_STATE = "training_state"  # in a step: what an exact resume needs beyond the LoRA (vLLM loads the LoRA alone)
+OPTIMIZER_STATE = f"{TRAINING_STATE}/optimizer.pt"
+STEP_RECORD = f"{TRAINING_STATE}/step.json"
 PID_FILE = "server.pid"
 PORT_FILE = "port.json"
 LOG_FILE = "server.log"

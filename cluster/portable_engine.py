@@ -112,7 +112,8 @@ class PortableEngine:
             request = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise invalid_request(exc) from exc
-        job = self.prepare(served.state, request, None if served.step == served.state.step else served.step)
+        job = await asyncio.to_thread(  # the chat template and the tokenizer: off the event loop
+            self.prepare, served.state, request, None if served.step == served.state.step else served.step)
         if self._queue is None:
             self._queue = _BatchQueue(self)
         if request.stream:
@@ -141,7 +142,11 @@ class PortableEngine:
             raise OpenAIError(400, "parallel_tool_calls=false is not supported by the portable engine: leave it "
                                    "unset and use the first tool call", param="parallel_tool_calls")
         tools = _tools_shown(request)
-        prompt = prompt_ids(state.tokenizer, request.messages, tools)
+        try:
+            prompt = prompt_ids(state.tokenizer, request.message_dicts(), tools)
+        except Exception as exc:  # the model's own template code: whatever it raises means "cannot render this"
+            raise OpenAIError(400, f"the model's chat template cannot render these messages: {exc!r}",
+                              param="messages") from exc
         asked = request.max_completion_tokens or request.max_tokens
         room = state.request.config.max_seq_length - len(prompt)
         if room <= 0:

@@ -1,8 +1,11 @@
 """The cluster server: art-sky's control API and an OpenAI-compatible endpoint, one FastAPI app.
 
-Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key.
-The OpenAI surface (/v1) is cluster/openai_api.py. The device gate (cluster/gate.py) keeps inference and training
-apart, ART's semantics: while a model trains, completions wait.
+Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key (the
+OpenAPI document too: /openapi.json; there are no /docs pages). The OpenAI surface (/v1) is cluster/openai_api.py.
+The device gate (cluster/gate.py) keeps inference and training apart, ART's semantics: while a model trains,
+completions wait. A training step is a transaction (cluster/steps.py). Request bodies are size-limited per route and
+parsed off the event loop (cluster/bodies.py), and registering a model loads it without the device gate, so one
+request never stalls the others.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from art_sky.errors import (
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
+    ChatCompletionRequest,
     CheckpointInfo,
     DeleteCheckpointsRequest,
     HealthResponse,
@@ -41,66 +45,25 @@ from art_sky.wire import (
     ModelInfo,
     RegisterRequest,
     SFTRequest,
-    StepClock,
     SyncStatus,
-    TrainProgress,
     TrainRequest,
 )
 
-from . import openai_api
-from .activity import ModelActivity, StepTimer, reset_peak_memory, step_metrics
+from . import bodies, openai_api
+from .activity import ModelActivity, StepTimer
 from .gate import DeviceGate
 from .gpu_sharing import sharing_of
 from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device, restore_from_store
-from .peft_trainer import Progress
+from .peft_trainer import PeftTrainer, Progress
 from .selection import select_engine, select_trainer
 from .sequences import Built, Sequence, build_sequences, sft_sequence
 from .stack import installed_versions, stack_status
+from .steps import StepPlan, Steps
 from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
 _LOGGED_SKIPS = 100  # skipped trajectories named one by one in the log and the step's result
-HEARTBEAT = 5.0  # seconds between progress lines of a training step, so a client sees what a slow step waits on
-
-
-class BodySizeLimit:
-    """Refuse request bodies over the limit with 413 before reading them whole."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > self.limit:
-            return await self._refuse(send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge()
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._refuse(send)
-
-    async def _refuse(self, send):
-        response = JSONResponse(
-            {"detail": f"request body is larger than the server's limit of {self.limit} bytes "
-                       "(ART_SKY_MAX_REQUEST_BYTES): send fewer trajectory groups per request"},
-            status_code=413)
-        await response({"type": "http"}, None, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class Arrival:
@@ -124,12 +87,22 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     states: dict[str, ModelState] = {}
     gate = DeviceGate()
     activities: dict[str, ModelActivity] = {}  # what the server is doing with each model (cluster/activity.py)
-    background: set[asyncio.Task] = set()
+    registering: dict[str, asyncio.Task[ModelState]] = {}
+    registration = asyncio.Lock()  # one model loads at a time; inference goes on meanwhile
     bearer = HTTPBearer(auto_error=False)
 
+    def has_key(credentials: HTTPAuthorizationCredentials | None) -> bool:
+        return credentials is not None and secrets.compare_digest(credentials.credentials.encode(), api_key.encode())
+
     def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
+        if not has_key(credentials):
             raise HTTPException(401, openai_api.UNAUTHORIZED)
+
+    def committed(state: ModelState) -> None:
+        if sync:
+            sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
+
+    steps = Steps(engine, gate, committed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -139,8 +112,10 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             await engine.aclose()  # connections made on this event loop
             await asyncio.to_thread(engine.close)  # a child engine (vLLM) stops with the server
 
-    app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan)
-    app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(bodies.BodyLimits, training=settings.max_request_bytes,
+                       other=settings.max_completion_request_bytes)
     app.add_middleware(Arrival)
     guarded = [Depends(authorized)]
 
@@ -150,8 +125,10 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
-        return JSONResponse({"detail": f"invalid request: {problems}"}, status_code=422)
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
+                             for e in exc.errors()[:10])
+        more = f" (and {len(exc.errors()) - 10} more)" if len(exc.errors()) > 10 else ""
+        return JSONResponse({"detail": f"invalid request: {problems}{more}"}, status_code=422)
 
     def model(name: str) -> ModelState:
         if name not in states:
@@ -159,8 +136,15 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                                      f"{sorted(states) or 'none'}): call `await model.register(backend)` first")
         return states[name]
 
+    @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
     @app.get("/health")
-    async def health() -> HealthResponse:
+    async def health(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> HealthResponse:
+        """Alive, and which version; with the API key also what runs and which models are registered."""
+        if not has_key(credentials):
+            return HealthResponse(version=art_sky.__version__)
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
                               device=str(device()), models=sorted(states),
                               engine_port=engine.engine_port, versions=versions, stack=stack,
@@ -168,26 +152,35 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
 
     openai_api.install(app, engine, states, gate, api_key, guarded, activities)
 
-    @app.post("/art/models", dependencies=guarded)
-    async def register(body: RegisterRequest) -> ModelInfo:
-        async with gate.exclusive():
-            if body.name in states:
-                existing = states[body.name].request
-                if (existing.project, existing.base_model) != (body.project, body.base_model):
-                    raise HTTPException(409, f"model {body.name!r} is already registered with project "
-                                             f"{existing.project!r} and base model {existing.base_model!r}")
-                return states[body.name].info()
+    async def load(body: RegisterRequest) -> ModelState:
+        async with registration:
             engine.check(body)  # before loading anything (or writing a step 0 checkpoint)
             checkpoints = CheckpointDir(art_path, body.project, body.name)
             downloaded = await restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
             state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model,
                                             downloaded)
-            await asyncio.to_thread(engine.attach, state)
-            activities[body.name] = ModelActivity(gate, state.checkpoints.history())
-            states[body.name] = state
+            async with gate.exclusive():  # the engine starts serving it (vLLM loads its adapter)
+                await asyncio.to_thread(engine.attach, state)
+                activities[body.name] = ModelActivity(gate, state.checkpoints.history())
+                states[body.name] = state
         if sync:
-            sync.submit(states[body.name].checkpoints, states[body.name].step)
-        log.info("registered %s (%s) at step %d", body.name, body.base_model, states[body.name].step)
+            sync.submit(state.checkpoints, state.step)
+        log.info("registered %s (%s) at step %d", body.name, body.base_model, state.step)
+        return state
+
+    @app.post("/art/models", dependencies=guarded)
+    async def register(body: RegisterRequest) -> ModelInfo:
+        """Load a model (its newest checkpoint, from the store on a fresh cluster), without stopping inference of
+        the others. Idempotent: a repeated registration (a retry) waits for the one loading and answers the same."""
+        if body.name not in states and body.name not in registering:
+            task = registering[body.name] = asyncio.create_task(load(body))  # runs on if the client goes away
+            task.add_done_callback(lambda _: registering.pop(body.name, None))
+        if body.name in registering:
+            await asyncio.shield(registering[body.name])
+        existing = states[body.name].request
+        if (existing.project, existing.base_model) != (body.project, body.base_model):
+            raise HTTPException(409, f"model {body.name!r} is already registered with project "
+                                     f"{existing.project!r} and base model {existing.base_model!r}")
         return states[body.name].info()
 
     @app.get("/art/models/{name}", dependencies=guarded)
@@ -203,159 +196,49 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         """The model's history.jsonl: a line per step and per `model.log` (`art-sky plot`)."""
         return model(name).checkpoints.history()
 
-    def stream_step(name: str, state: ModelState, work: Callable[[Progress], dict[str, float]], timer: StepTimer,
-                    clock: StepClock, batches: Callable[[], list[dict[str, float]]] = list,
-                    skipped: list[str] | None = None) -> StreamingResponse:
-        """Run one training step (`work(progress)` returns its metrics) with inference paused, commit it as the next
-        checkpoint, and stream progress lines (at least every HEARTBEAT seconds, with what the step is doing) then
-        the result (or the error), naming what was `skipped`. `timer` times its phases; `clock` is the client's."""
+    async def stream_step(state: ModelState, body: TrainRequest | SFTRequest, request: Request,
+                          prepare: Callable[[], StepPlan]) -> StreamingResponse:
+        """Run (or follow, or replay) the step the body's request id asks for and stream its progress lines (at
+        least every few seconds, with what the step is doing), then its result or its error."""
         if sync and (problem := sync.blocking_error()):
-            timer.end()
             raise HTTPException(502, problem)
-        queue: asyncio.Queue[TrainProgress] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        activity = timer.activity
-
-        def progress(done: int, total: int) -> None:
-            activity.trained(done, total)
-            loop.call_soon_threadsafe(queue.put_nowait, TrainProgress(type="progress", done=done, total=total,
-                                                                      activity=activity.activity()))
-
-        def step() -> tuple[dict[str, float], dict[str, float]]:
-            reset_peak_memory()
-            timer.begin("swapping", "the engine hands the device to the trainer")
-            engine.pause()  # inference waits while training (a vLLM engine also frees its GPU memory)
-            trained = False
-            try:
-                timer.begin("training")
-                metrics = work(progress)
-                state.step += 1
-                timer.begin("saving", f"checkpoint of step {state.step}")
-                state.save_checkpoint(metrics)
-                trained = True
-            finally:
-                timer.begin("swapping", "the engine loads the new adapter" if trained else "the engine resumes")
-                engine.resume(state, trained)  # serves the new step before inference resumes
-                timer.end()
-            metrics, totals = step_metrics(timer, metrics, clock.gather_s, clock.hourly_cost)
-            entry = history_entry(state.step, "train", metrics | totals)
-            state.checkpoints.append_history(entry)
-            activity.last_step = {key: value for key, value in entry.items() if key != "recorded_at"}
-            return metrics, totals
-
-        async def run() -> None:
-            timer.begin("waiting")
-            try:
-                async with gate.exclusive():
-                    try:
-                        metrics, totals = await asyncio.to_thread(step)
-                    except Exception as exc:  # reported to the client; the server keeps serving
-                        log.exception("training %s failed", name)
-                        await queue.put(TrainProgress(type="error", message=f"training failed: {exc}"))
-                        return
-            finally:
-                timer.end()
-            if sync:
-                sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
-            named = (skipped or [])[:_LOGGED_SKIPS]
-            if len(skipped or []) > _LOGGED_SKIPS:
-                named.append(f"... and {len(skipped) - _LOGGED_SKIPS} more")
-            await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics, batches=batches(),
-                                          skipped=named, totals=totals))
-
-        task = asyncio.create_task(run())  # runs to the end even if the client goes away
-        background.add(task)
-        task.add_done_callback(background.discard)
-
-        def now() -> TrainProgress:
-            return TrainProgress(type="progress", done=activity.done, total=activity.total,
-                                 activity=activity.activity())
+        timer = StepTimer(activities[state.name], getattr(request.state, "arrived", time.monotonic()))
+        events = await steps.submit(state, body.request_id, prepare, timer, body.clock)
 
         async def lines():
-            yield now().model_dump_json(exclude_defaults=True) + "\n"  # where the step stands, at once
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), HEARTBEAT)
-                except TimeoutError:
-                    item = now()
-                yield item.model_dump_json(exclude_defaults=True) + "\n"
-                if item.type != "progress":
-                    return
+            async for event in events:
+                yield event.model_dump_json(exclude_defaults=True) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    def step_timer(name: str, request: Request) -> StepTimer:
-        return StepTimer(activities[name], getattr(request.state, "arrived", time.monotonic()))
-
-    @app.post("/art/models/{name}/train", dependencies=guarded)
-    async def train(name: str, body: TrainRequest, request: Request) -> StreamingResponse:
+    @app.post("/art/models/{name}/train", dependencies=guarded, openapi_extra=bodies.request_body(TrainRequest))
+    async def train(name: str, request: Request) -> StreamingResponse:
+        """One GRPO step on the groups: progress lines, then the result (newline-delimited JSON)."""
         state = model(name)
-        timer = step_timer(name, request)
-        timer.begin("preparing", f"building the sequences of {len(body.groups)} groups")
-        try:
-            prepared = await asyncio.to_thread(_prepare, state, body)  # templates and tokenizers: off the event loop
-        except BaseException:
-            timer.end()
-            raise
+        body = await bodies.parse(request, TrainRequest)
+        return await stream_step(state, body, request, lambda: _prepare_train(state, body, trainer))
 
-        def work(progress: Progress) -> dict[str, float]:
-            sequences = prepared.sequences
-            metrics = (trainer.train(state, sequences, body.config, progress) if sequences else
-                       {"trained_tokens": 0.0, "sequences": 0.0})  # nothing to learn
-            return metrics | prepared.metrics
-
-        return stream_step(name, state, work, timer, body.clock, skipped=prepared.skipped)
-
-    @app.post("/art/models/{name}/sft", dependencies=guarded)
-    async def sft(name: str, body: SFTRequest, request: Request) -> StreamingResponse:
+    @app.post("/art/models/{name}/sft", dependencies=guarded, openapi_extra=bodies.request_body(SFTRequest))
+    async def sft(name: str, request: Request) -> StreamingResponse:
         """ART's `_train_sft`: one optimizer step per batch, one checkpoint (one step) for the request."""
         state = model(name)
-        timer = step_timer(name, request)
-        timer.begin("preparing", f"tokenizing {len(body.trajectories)} trajectories")
-        size, count = body.batch_size, len(body.trajectories)
-        try:
-            rates = body.learning_rates * -(-count // size) if len(body.learning_rates) == 1 else body.learning_rates
-            batches, batch_rates, dropped = [], [], []
-            for start, rate in zip(range(0, count, size), rates):  # as ART: batches of the list given, each its rate
-                batch = []
-                for index in range(start, min(start + size, count)):
-                    try:
-                        batch.append(sft_sequence(state.tokenizer, body.trajectories[index],
-                                                  state.request.config.max_seq_length))
-                    except TokenizationError as exc:  # skipped and reported, as ART drops it from its batch
-                        dropped.append(f"trajectory {index}: {exc}")
-                if batch:
-                    batches.append(batch)
-                    batch_rates.append(rate)
-            if not batches:
-                raise HTTPException(422, "no trajectory can be trained: " + "; ".join(dropped[:3]))
-        except BaseException:
-            timer.end()
-            raise
-        for problem in dropped:
-            log.warning("SFT of %s skips %s", name, problem)
-        per_batch: list[dict[str, float]] = []
-
-        def work(progress: Progress) -> dict[str, float]:
-            per_batch.extend(trainer.sft(state, batches, batch_rates, body.max_grad_norm, progress))
-            tokens = sum(b["trained_tokens"] for b in per_batch)
-            return {"loss": sum(b["loss"] * b["trained_tokens"] for b in per_batch) / tokens,
-                    "trained_tokens": tokens, "num_trajectories": float(count - len(dropped)),
-                    "num_dropped_trajectories": float(len(dropped)), "num_batches": float(len(batches))}
-
-        return stream_step(name, state, work, timer, body.clock, lambda: per_batch)
+        body = await bodies.parse(request, SFTRequest)
+        return await stream_step(state, body, request, lambda: _prepare_sft(state, body, trainer))
 
     @app.post("/art/models/{name}/log", dependencies=guarded)
     async def log_metrics(name: str, body: LogRequest) -> dict:
         state = model(name)
         entry = history_entry(state.step if body.step is None else body.step, body.split, body.metrics)
-        state.checkpoints.append_history(entry)
+        try:
+            state.checkpoints.append_history(entry)
+        except OSError as exc:
+            raise HTTPException(507, f"the history of {name} could not be written ({exc.strerror or exc}): free "
+                                     "disk space on the cluster and log again") from exc
         return entry
 
     @app.get("/art/models/{name}/checkpoints", dependencies=guarded)
     async def checkpoints(name: str) -> list[CheckpointInfo]:
-        store = model(name).checkpoints
-        return [_checkpoint_info(store, step) for step in store.steps()]
+        return _checkpoint_infos(model(name).checkpoints)
 
     @app.post("/art/models/{name}/checkpoints/delete", dependencies=guarded)
     async def delete_checkpoints(name: str, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
@@ -365,11 +248,11 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             keep = (set(body.keep_steps) if body.keep_steps is not None else
                     steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last))
             keep.add(state.step)  # the adapter being served and trained stays
-            state.checkpoints.delete([s for s in steps if s not in keep])
+            await asyncio.to_thread(state.checkpoints.delete, [s for s in steps if s not in keep])
         if sync:
             sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step,
                                   body.keep_steps)
-        return [_checkpoint_info(state.checkpoints, step) for step in state.checkpoints.steps()]
+        return _checkpoint_infos(state.checkpoints)
 
     @app.get("/art/checkpoints/sync", dependencies=guarded)
     async def sync_status() -> SyncStatus:
@@ -380,6 +263,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         """Wait until every checkpoint so far is in the store (failed uploads are retried once)."""
         return await sync.flush() if sync else SyncStatus()
 
+    bodies.document(app, [TrainRequest, SFTRequest, ChatCompletionRequest], openai_api.PATHS)
     return app
 
 
@@ -392,10 +276,62 @@ def http_status(exc: ArtSkyError) -> int:
     return 500
 
 
-def _checkpoint_info(store, step: int) -> CheckpointInfo:
-    manifest = store.manifest(step)
-    return CheckpointInfo(step=step, size_bytes=manifest.size_bytes, created_at=manifest.created_at,
-                          metrics=manifest.metrics)
+def _checkpoint_infos(checkpoints: CheckpointDir) -> list[CheckpointInfo]:
+    infos = []
+    for step in checkpoints.steps():
+        manifest = checkpoints.manifest(step)
+        if manifest is not None:  # not deleted meanwhile
+            infos.append(CheckpointInfo(step=step, size_bytes=manifest.size_bytes, created_at=manifest.created_at,
+                                        metrics=manifest.metrics))
+    return infos
+
+
+def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer) -> StepPlan:
+    """A GRPO step's plan: the request's sequences (built here, in a worker thread), trained in one optimizer step."""
+    prepared = _prepare(state, body)
+
+    def train(progress: Progress) -> tuple[dict[str, float], list[dict[str, float]]]:
+        sequences = prepared.sequences
+        metrics = (trainer.train(state, sequences, body.config, progress) if sequences else
+                   {"trained_tokens": 0.0, "sequences": 0.0})  # nothing to learn
+        return metrics | prepared.metrics, []
+
+    named = prepared.skipped[:_LOGGED_SKIPS]
+    if len(prepared.skipped) > _LOGGED_SKIPS:
+        named.append(f"... and {len(prepared.skipped) - _LOGGED_SKIPS} more")
+    return StepPlan("train", train, named)
+
+
+def _prepare_sft(state: ModelState, body: SFTRequest, trainer: PeftTrainer) -> StepPlan:
+    """An SFT step's plan: batches of the list given, each at its learning rate, as ART. A trajectory that cannot be
+    rendered is skipped and reported (as ART drops it from its batch); none left is a 422."""
+    size, count = body.batch_size, len(body.trajectories)
+    rates = body.learning_rates * -(-count // size) if len(body.learning_rates) == 1 else body.learning_rates
+    batches, batch_rates, dropped = [], [], []
+    for start, rate in zip(range(0, count, size), rates):
+        batch = []
+        for index in range(start, min(start + size, count)):
+            try:
+                batch.append(sft_sequence(state.tokenizer, body.trajectories[index],
+                                          state.request.config.max_seq_length))
+            except TokenizationError as exc:
+                dropped.append(f"trajectory {index}: {exc}")
+        if batch:
+            batches.append(batch)
+            batch_rates.append(rate)
+    if not batches:
+        raise TokenizationError("no trajectory can be trained: " + "; ".join(dropped[:3]))
+    for problem in dropped:
+        log.warning("SFT of %s skips %s", state.name, problem)
+
+    def train(progress: Progress) -> tuple[dict[str, float], list[dict[str, float]]]:
+        per_batch = trainer.sft(state, batches, batch_rates, body.max_grad_norm, progress)
+        tokens = sum(b["trained_tokens"] for b in per_batch)
+        return {"loss": sum(b["loss"] * b["trained_tokens"] for b in per_batch) / tokens,
+                "trained_tokens": tokens, "num_trajectories": float(count - len(dropped)),
+                "num_dropped_trajectories": float(len(dropped)), "num_batches": float(len(batches))}, per_batch
+
+    return StepPlan("sft", train)
 
 
 @dataclass

@@ -194,7 +194,7 @@ async def test_additional_histories_train_as_further_sequences(server):
     assert lines[-1]["metrics"]["sequences"] == 5.0  # 1 + 2 and 1 + 1
 
     bad = await trajectory(1.0, 0)
-    bad["additional_histories"] = [{"items": [{"role": "user", "content": "b"}, {"kind": "choice", "token_ids": [-1]}]}]
+    bad["additional_histories"] = [{"items": [{"role": "user", "content": "b"}, {"kind": "choice", "token_ids": [10**6]}]}]
     status, lines = await train_lines(server, "tiny", {"groups": [
         {"trajectories": [await trajectory(0.0, 0), bad, await trajectory(0.5, 0)]}]})
     assert status == 200, lines  # skipped and reported; the rest trains

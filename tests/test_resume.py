@@ -150,3 +150,78 @@ async def test_the_server_restores_from_the_store_on_its_own_event_loop(tmp_path
     info = await register(tmp_path / "second")
     assert info["restored_from"] == f"{settings.checkpoint_uri}/resume/models/agent/checkpoints/0000"
     assert loops == [asyncio.get_running_loop()]
+
+
+def fixed_group(step: int) -> TrajectoryGroup:
+    """The same group for a step in every run: fixed answers (re-rendered, no sampling), rewards that differ."""
+    from openai.types.chat import ChatCompletionMessage
+    from openai.types.chat.chat_completion import Choice
+
+    answers = [f"answer {step}-{i}" for i in range(4)]
+    return TrajectoryGroup(
+        Trajectory(messages_and_choices=[*PROMPT, Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(
+            role="assistant", content=text))], reward=float(i)) for i, text in enumerate(answers))
+
+
+async def train_fixed(model: TrainableModel, steps: range) -> None:
+    for step in steps:
+        result = await model.train([fixed_group(step)], TrainConfig(learning_rate=1e-2))
+        assert result["step"] == step + 1
+
+
+def adapter_weights(step_directory) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(step_directory / "adapter_model.safetensors")
+
+
+async def test_resume_is_exact(s3_server, tmp_path):
+    """N steps straight, or k steps, the server killed (kill -9), and N - k more on a fresh server restored from the
+    object store: the same weights. The checkpoint carries what the next step depends on (AdamW's moments, the
+    step's seed), not only the LoRA."""
+    import os
+    import signal
+
+    total, first = 4, 2
+    straight = LocalBackend(path=tmp_path / "straight")
+    try:
+        model = new_model()
+        await model.register(straight)
+        await train_fixed(model, range(total))
+    finally:
+        await straight.close(force=True)
+    expected = adapter_weights(step_dir(tmp_path / "straight", total))
+
+    uri = f"s3://{s3_server.new_bucket()}/runs"
+    killed = LocalBackend(path=tmp_path / "killed", env=s3_server.env(), checkpoint_uri=uri)
+    try:
+        model = new_model()
+        await model.register(killed)
+        await train_fixed(model, range(first))
+        assert (await killed.flush_checkpoints()).synced["agent"] == first
+        os.kill(killed.server.pid, signal.SIGKILL)
+    finally:
+        await killed.close(force=True)
+    shutil.rmtree(tmp_path / "killed")
+
+    fresh = LocalBackend(path=tmp_path / "fresh", env=s3_server.env(), checkpoint_uri=uri)
+    try:
+        model = new_model()
+        await model.register(fresh)
+        assert await model.get_step() == first
+        assert (step_dir(tmp_path / "fresh", first) / "training_state" / "optimizer.pt").is_file()
+        await train_fixed(model, range(first, total))
+    finally:
+        await fresh.close(force=True)
+    resumed = adapter_weights(step_dir(tmp_path / "fresh", total))
+    assert resumed.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch_close(resumed[name], tensor), name
+    at_restore = adapter_weights(step_dir(tmp_path / "fresh", first))
+    assert not all(torch_close(at_restore[name], tensor) for name, tensor in expected.items())  # the steps did train
+
+
+def torch_close(a, b) -> bool:
+    import torch
+
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-6)

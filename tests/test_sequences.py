@@ -50,15 +50,21 @@ def spans(sequence):
 def test_a_turn_trains_on_the_engines_ids_with_its_logprobs(tokenizer):
     prompt = enc(tokenizer, "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
     sampled = enc(tokenizer, "hi<|im_end|>")
-    logprobs = [-0.5, None, math.inf][: len(sampled)]
+    logprobs = [-0.5, None, None][: len(sampled)]
     built = build(tokenizer, [WireMessage(**USER), WireChoice(content="hi", token_ids=sampled, logprobs=logprobs,
                                                                prompt_token_ids=prompt)])
     [seq] = built.sequences
     assert seq.token_ids == prompt + sampled and seq.trained == [False] * len(prompt) + [True] * len(sampled)
     assert seq.old_logprobs[len(prompt)] == -0.5
-    assert all(math.isnan(lp) for lp in seq.old_logprobs[len(prompt) + 1:])  # missing or not finite: on-policy
+    assert all(math.isnan(lp) for lp in seq.old_logprobs[len(prompt) + 1:])  # missing: on-policy
     assert all(math.isnan(lp) for lp in seq.old_logprobs[:len(prompt)])
     assert (built.exact_tokens, built.rerendered_tokens) == (len(sampled), 0)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, 0.5])
+def test_a_logprob_that_no_engine_samples_is_refused_at_the_boundary(bad):
+    with pytest.raises(ValueError, match="logprobs.1"):
+        WireChoice(content="hi", token_ids=[1, 2], logprobs=[-0.5, bad])
 
 
 def test_sampled_ids_are_kept_even_where_retokenizing_would_differ(tokenizer):
@@ -142,7 +148,7 @@ def test_additional_histories_train_as_their_own_sequences(tokenizer):
     ([WireMessage(**USER), WireMessage(role="assistant", content="a dict is context")], "no sampled turn"),
     ([], "no sampled turn"),
     ([WireMessage(**USER), WireChoice(token_ids=[10**6])], "outside the model's vocabulary"),
-    ([WireMessage(**USER), WireChoice(token_ids=[1], prompt_token_ids=[-1])], "outside the model's vocabulary"),
+    ([WireMessage(**USER), WireChoice(token_ids=[1], prompt_token_ids=[10**6])], "outside the model's vocabulary"),
     ([WireMessage(role="user", content="x" * 100), WireChoice(content="y", token_ids=[1])], "max_seq_length 50"),
 ])
 def test_trajectories_that_cannot_be_built_say_why(tokenizer, items, problem):

@@ -29,10 +29,27 @@ async def sampled_group(server, n=4):
     return {"trajectories": [trajectory(c, float(i % 2)) for i, c in enumerate(body["choices"])]}
 
 
-async def test_health_needs_no_key_and_reports_engine(server):
-    response = await server.get("/health", headers={"authorization": ""})
-    assert response.status_code == 200
-    assert response.json()["engine"] == "portable" and response.json()["models"] == ["tiny"]
+async def test_health_needs_no_key_and_says_more_with_it(server):
+    import art_sky
+
+    anonymous = await server.get("/health", headers={"authorization": ""})
+    assert anonymous.status_code == 200
+    assert {k: v for k, v in anonymous.json().items() if v not in (None, [], {})} == {
+        "status": "ok", "version": art_sky.__version__}  # alive and which version: no model names, no engine
+    health = (await server.get("/health")).json()
+    assert health["engine"] == "portable" and health["models"] == ["tiny"]
+
+
+async def test_the_api_description_needs_the_key_and_lists_every_body(server):
+    for path in ("/docs", "/redoc"):
+        assert (await server.get(path)).status_code == 404
+    assert (await server.get("/openapi.json", headers={"authorization": ""})).status_code == 401
+    document = (await server.get("/openapi.json")).json()
+    body = document["paths"]["/art/models/{name}/train"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/TrainRequest"
+    assert {"TrainRequest", "SFTRequest", "WireTrajectory", "ChatCompletionRequest"} <= set(
+        document["components"]["schemas"])
+    assert "/v1/chat/completions" in document["paths"]
 
 
 async def test_completion_parameters(server):
@@ -163,3 +180,73 @@ async def test_api_key_is_accepted_when_right(server):
     response = await server.get("/v1/models", headers={"authorization": f"Bearer {API_KEY}"})
     ids = [m["id"] for m in response.json()["data"]]
     assert ids[0] == "tiny" and all(i.startswith("tiny@") for i in ids[1:])
+
+
+async def test_a_chunked_oversize_body_gets_413_before_any_work(server):
+    async def chunks(total: int):
+        yield b'{"groups": [{"trajectories": ['
+        for _ in range(total // 65536):
+            yield b" " * 65536
+        yield b"]}]}"
+
+    for path, size in (("/art/models/tiny/train", 2_100_000), ("/v1/chat/completions", 1_100_000)):
+        response = await server.post(path, content=chunks(size), headers={"content-type": "application/json"})
+        assert response.status_code == 413, response.text
+        assert "larger than the server's limit" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("item, field", [
+    ({"kind": "choice", "content": "a", "token_ids": [-1]}, "token_ids.0"),
+    ({"kind": "choice", "content": "a", "token_ids": [1], "logprobs": [0.5]}, "logprobs.0"),
+    ({"content": "no role"}, "role"),
+    ({"role": "wizard", "content": "x"}, "role"),
+    ({"role": "user", "content": 7}, "content"),
+    ({"role": "user", "content": [{"text": "a part with no type"}]}, "content"),
+])
+async def test_a_bad_wire_field_is_a_422_naming_its_trajectory_and_field(server, item, field):
+    good = {"items": [{"role": "user", "content": "hi"}, {"kind": "choice", "content": "a"}], "reward": 1.0}
+    bad = {"items": [{"role": "user", "content": "hi"}, item], "reward": 0.0}
+    response = await server.post("/art/models/tiny/train", json={"groups": [{"trajectories": [good, bad]}]})
+    assert response.status_code == 422, response.text
+    assert "groups.0.trajectories.1.items.1" in response.json()["detail"]
+    assert field in response.json()["detail"]
+
+
+@pytest.mark.parametrize("messages", [[{"content": "no role"}], [{"role": "wizard", "content": "x"}],
+                                      [{"role": "user", "content": 7}], "not a list", []])
+async def test_a_chat_message_no_client_would_send_is_a_400(server, messages):
+    response = await server.post("/v1/chat/completions", json=CHAT | {"messages": messages})
+    assert response.status_code == 400, response.text
+    assert "messages" in response.json()["error"]["message"]
+
+
+async def test_a_maximum_size_request_does_not_stall_the_others(server):
+    """While the largest train request the server takes is read, parsed and built (its trajectories are too long to
+    train: all the work is the server's CPU), /health and a completion still answer within a second."""
+    import asyncio
+    import time
+
+    long = "x" * 5000  # over the model's max_seq_length once rendered: built, then skipped
+    trajectory = {"items": [{"role": "user", "content": long}, {"kind": "choice", "content": long}], "reward": 0.0}
+    groups = [{"trajectories": [trajectory, dict(trajectory, reward=1.0)]}] * 90
+    body = json.dumps({"groups": groups}).encode()
+    assert 1_500_000 < len(body) < 2_000_000  # the fixture's limit
+
+    began = time.monotonic()
+    big = asyncio.create_task(server.post("/art/models/tiny/train", content=body,
+                                          headers={"content-type": "application/json"}))
+    waits = []
+    while not big.done():
+        start = time.monotonic()
+        assert (await server.get("/health")).status_code == 200
+        middle = time.monotonic()
+        await completion(server, max_tokens=1)
+        waits.append((middle - start, time.monotonic() - middle))
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - began
+    assert (await big).status_code == 200
+    assert len(waits) >= 2, f"the large request took {took:.2f}s: too short to measure anything"
+    # /health never waits; a completion may wait for the step's short commit (the device gate), never for the
+    # whole request (generous bounds: a loaded 2-core machine)
+    assert max(health for health, _ in waits) < 1.0, (waits, took)
+    assert max(chat for _, chat in waits) < max(1.0, took / 2), (waits, took)

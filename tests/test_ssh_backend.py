@@ -3,6 +3,7 @@ survive a dropped SSH connection, and fail clearly on bad input."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from pathlib import Path
@@ -66,6 +67,13 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
         assert backend.tunnel.reconnects >= 1
         await rollout(model, 0.5)  # chat completions go through the new connection too
         assert backend.server.pid == pid and alive(pid)  # the detached server never noticed
+
+        group = art_sky.TrajectoryGroup([await rollout(model, 0.0), await rollout(model, 1.0)])
+        call = asyncio.create_task(model.train([group]))
+        await asyncio.sleep(0.3)
+        sshd.drop_connections()  # during train(): the call is retried with its request id, trained once
+        assert (await call)["step"] == 2.0
+        assert await model.get_step() == 2
     finally:
         await backend.close()
     assert not alive(pid)

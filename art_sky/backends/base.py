@@ -9,8 +9,10 @@ It serves art-sky's own client and openpipe-art 0.5's: it implements ART's Backe
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +55,8 @@ if TYPE_CHECKING:  # the backend serves the client's models; the client knows ba
 
 log = logging.getLogger("art_sky")
 _RETRIES = 5  # idempotent requests survive a dropped connection (a reconnecting tunnel) this many times
+STREAM_IDLE = 60.0  # seconds without a line on a training stream before the connection counts as lost (the server
+# sends one at least every 10 s)
 
 
 class Backend:
@@ -113,9 +117,9 @@ class Backend:
         if not getattr(model, "trainable", False):
             return None
         request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
-                                  config=model_config(model))
+                                  config=model_config(model), request_id=uuid.uuid4().hex)
         info = ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
-                                                            idempotent=True))
+                                                            retry_for=self.settings.train_retry_timeout))
         self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
         return info
 
@@ -253,20 +257,58 @@ class Backend:
 
     async def _stream_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
                            verbose: bool) -> TrainProgress:
-        """POST a training request and follow its progress stream to the result. The request carries the step's
-        clock (how long its rollouts took, the machine's price); a step whose progress stops for
-        ART_SKY_TRAIN_STALL_TIMEOUT seconds raises TrainingStalledError, naming what the server is doing."""
+        """POST a training request and follow its progress stream to the result.
+
+        The request carries the step's clock (how long its rollouts took, the machine's price) and an id. A
+        connection lost on the way (a tunnel drop, a server restarting) is retried with that id, with backoff, for
+        up to ART_SKY_TRAIN_RETRY_TIMEOUT seconds: the server trains one id once, follows the step still running,
+        or answers with the step it committed. A server that restarted without the model has it registered again
+        first. A step whose progress stops for ART_SKY_TRAIN_STALL_TIMEOUT seconds raises TrainingStalledError,
+        naming what the server is doing."""
         await self._ensure_started()
-        began = time.monotonic()
         returned = self._returned.get(model.name)
-        request.clock = StepClock(gather_s=began - returned if returned is not None else None,
-                                  hourly_cost=await self.hourly_cost())
+        clock = StepClock(gather_s=time.monotonic() - returned if returned is not None else None,
+                          hourly_cost=await self.hourly_cost())
+        request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex, "clock": clock})
+        deadline = time.monotonic() + self.settings.train_retry_timeout
         bar = tqdm(desc=f"{route} {model.name}", unit="batch", disable=not verbose)
         stall = _StallWatch(model.name, self.settings.train_stall_timeout)
+        lost: Exception | None = None  # why the previous attempt did not finish
         try:
-            async with self._client().stream("POST", f"/art/models/{model.name}/{route}",
-                                             content=request.model_dump_json(),
-                                             headers={"content-type": "application/json"}) as response:
+            for attempt in itertools.count():
+                try:
+                    return await self._follow_step(model, route, request, bar, stall)
+                except _Lost as exc:
+                    lost, wait = exc.__cause__ or exc, min(0.5 * 2**attempt, 10.0)
+                except NotFoundError as exc:
+                    if lost is None or "not registered" not in exc.message:
+                        raise
+                    log.warning("%s: the cluster server restarted without the model: registering it again",
+                                model.name)
+                    await self.register(model)  # restored from its newest checkpoint; then the step is retried
+                    wait = 0.0
+                if time.monotonic() + wait > deadline:
+                    break
+                if wait:
+                    log.warning("%s: connection to the cluster server lost during %s (%s); retrying request %s in "
+                                "%.1fs", model.name, route, lost, request.request_id, wait)
+                    await asyncio.sleep(wait)
+        finally:
+            bar.close()
+        raise BackendUnavailableError(
+            f"{route} of {model.name} did not finish: the cluster server could not be reached for "
+            f"{self.settings.train_retry_timeout:.0f}s (ART_SKY_TRAIN_RETRY_TIMEOUT; last: {lost!r}). The step was "
+            "not lost: call train() again with the same groups once the server is back (`art-sky status`), and "
+            "check `await model.get_step()`")
+
+    async def _follow_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
+                           bar: tqdm, stall: _StallWatch) -> TrainProgress:
+        """One attempt: the request, then its stream to the result. `_Lost` when the connection ends first."""
+        try:
+            async with self._client().stream(
+                    "POST", f"/art/models/{model.name}/{route}", content=request.model_dump_json(),
+                    headers={"content-type": "application/json"},
+                    timeout=httpx.Timeout(self.request_timeout, connect=30.0, read=STREAM_IDLE)) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     self._raise_for(response)
@@ -291,17 +333,16 @@ class Backend:
                     elif event.type == "error":
                         raise ServerError(500, event.message or "training failed")
                     else:
+                        if event.replayed:
+                            log.info("%s: the server had trained this request already (step %d): its result",
+                                     model.name, event.step)
                         for skipped in event.skipped:  # the step trained without them; say which and why
                             log.warning("%s: skipped %s", model.name, skipped)
                         self._returned[model.name] = time.monotonic()
                         return event
         except httpx.TransportError as exc:
-            raise BackendUnavailableError(
-                f"connection to the cluster server lost during training ({exc!r}); the server finishes the step "
-                "on its own: check `await model.get_step()` before training again") from exc
-        finally:
-            bar.close()
-        raise BackendUnavailableError("the training stream ended without a result: see the server log")
+            raise _Lost() from exc
+        raise _Lost("the training stream ended without a result")
 
     async def close(self) -> None:
         """Close the connection. Subclasses also stop what they started."""
@@ -324,19 +365,22 @@ class Backend:
                 timeout=httpx.Timeout(self.request_timeout, connect=30.0))
         return self._http
 
-    async def _request(self, method: str, path: str, *, json: object = None, idempotent: bool | None = None):
-        """One JSON request; idempotent ones (GET by default) are retried across dropped connections."""
-        retries = _RETRIES if (method == "GET" if idempotent is None else idempotent) else 0
-        for attempt in range(retries + 1):
+    async def _request(self, method: str, path: str, *, json: object = None, idempotent: bool | None = None,
+                       retry_for: float | None = None):
+        """One JSON request; idempotent ones (GET by default) are retried across dropped connections: a few times,
+        or for `retry_for` seconds (with backoff) where losing the call would lose work."""
+        retries = _RETRIES if (method == "GET" if idempotent is None else idempotent) or retry_for else 0
+        deadline = time.monotonic() + (retry_for or 0)
+        for attempt in itertools.count():
             try:
                 response = await self._client().request(method, path, json=json)
                 break
             except httpx.TransportError as exc:
-                if attempt == retries:
+                if attempt >= retries and time.monotonic() >= deadline:
                     raise BackendUnavailableError(
                         f"cannot reach the cluster server at {self.base_url} ({exc!r}): is it running and the "
                         "tunnel up? `art-sky status` tells") from exc
-                await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
+                await asyncio.sleep(min(0.5 * 2**attempt, 10.0 if retry_for else 8.0))
         if response.status_code >= 400:
             self._raise_for(response)
         return response.json()
@@ -390,3 +434,7 @@ class _StallWatch:
             f"training {self.name} made no progress for {self.quiet():.0f} s: the server is {self.doing()}. The step "
             "goes on there: `art-sky status` shows what it does, `art-sky logs` its log, and `await "
             "model.get_step()` tells when it committed. If steps are this slow, raise ART_SKY_TRAIN_STALL_TIMEOUT")
+
+
+class _Lost(Exception):
+    """A training request's connection ended before its result (retried with the same request id)."""

@@ -103,11 +103,12 @@ class ClusterBackend(Backend):
         return self
 
     def _launch_server(self, runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict[str, str],
-                       port: int = 0, pythonpath: str | None = None) -> None:
+                       port: int = 0, pythonpath: str | None = None, exit_with: int | None = None) -> None:
         """Start the server detached with this backend's key and the store's settings in its environment."""
         assert self.api_key is not None
         env = env | {"ART_SKY_API_KEY": self.api_key}
-        lifecycle.start(runner, layout, python=python, env=env, port=port, pythonpath=pythonpath)
+        lifecycle.start(runner, layout, python=python, env=env, port=port, pythonpath=pythonpath,
+                        exit_with=exit_with)
 
     async def _start(self) -> None:
         settings = self.settings

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,6 +29,10 @@ class LocalBackend(ClusterBackend):
     names that directory (a recorded cluster's name); without it every backend gets its own. `python` runs the
     server (default: this interpreter); `env` is added to its environment. `checkpoint_uri` (default
     ART_SKY_CHECKPOINT_URI) mirrors every checkpoint to object storage, from where a new server restores them.
+
+    Unless `keep_server`, the server ends with the process that started it (its `close()`, or however that process
+    ends: a crash, kill -9), and an unnamed backend's run directory is removed with it (those of dead processes at
+    the next start).
     """
 
     kind = "local"
@@ -42,6 +48,7 @@ class LocalBackend(ClusterBackend):
         self.env = server_env(self.settings, checkpoint_uri) | (env or {})
         self.name = name
         server = name or f"backend-{os.getpid()}-{next(_INSTANCES)}"
+        self._own_run_dir = name is None
         self.layout = ServerLayout(run_dir=str(self.path / "run" / clusters.check_name(server)),
                                    art_path=str(self.path))
 
@@ -60,8 +67,15 @@ class LocalBackend(ClusterBackend):
         return f"http://127.0.0.1:{port}"
 
     async def _launch(self, api_key: str) -> ServerLayout:
-        self._launch_server(LocalRunner(), self.layout, python=self.python, env=self.env, port=self.port)
+        _remove_dead_run_dirs(Path(self.layout.run_dir).parent)
+        self._launch_server(LocalRunner(), self.layout, python=self.python, env=self.env, port=self.port,
+                            exit_with=None if self.keep_server else os.getpid())
         return self.layout
+
+    async def close(self, force: bool = False) -> None:
+        await super().close(force)
+        if self._own_run_dir and not self.keep_server:
+            shutil.rmtree(self.layout.run_dir, ignore_errors=True)
 
     def shell_argv(self, command: list[str]) -> list[str]:
         raise ConfigError(f"the server runs on this machine: its files are in {self.layout.run_dir} and "
@@ -72,3 +86,38 @@ class LocalBackend(ClusterBackend):
                     settings: Settings | None = None) -> LocalBackend:
         backend = cls(path=record.layout.art_path, name=record.name, settings=settings)
         return backend._attached(record)
+
+
+_UNNAMED = re.compile(r"^backend-(\d+)-\d+$")
+
+
+def _remove_dead_run_dirs(run_root: Path) -> None:
+    """Unnamed backends' run directories whose process has ended (it was killed before its `close()`; its server
+    stopped with it)."""
+    try:
+        entries = list(run_root.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        found = _UNNAMED.match(entry.name)
+        if found and not _running(int(found[1])) and not _running(_pid_in(entry)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _pid_in(run_dir: Path) -> int | None:
+    try:
+        return int(Path(ServerLayout(run_dir=str(run_dir), art_path="").pid_file).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _running(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

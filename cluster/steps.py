@@ -1,0 +1,314 @@
+"""A training step is a transaction, and a request id trains at most one step.
+
+`run_step` is the one place a step happens. It snapshots the live LoRA and its optimizer, trains (the random
+generators seeded from the step number), writes the step's checkpoint whole (the LoRA, the optimizer's state and the
+step's record: its request id, its result, its history line) and only then commits: the model's step advances,
+history.jsonl gets its line, and the engine serves the new adapter. Any failure before the checkpoint is on disk (the
+trainer, a failed save, a full disk) puts the LoRA and the optimizer back as they were, and the error says why. A
+server killed mid-step never renamed the step into place: its next start resumes at the last committed step and
+removes what the save left (`CheckpointDir.remove_stale_temps`).
+
+`Steps` runs the server's training requests: one step at a time on the device, each request id once. A repeated id
+(the client retrying across a dropped connection or a server restart) follows the step in flight, or is answered
+with the step it trained, from the committed records (so a restarted server knows too): the trainer's figures as
+the step recorded them (the first answer also had the step's time split and cost, measured as it committed). A failed step is not
+recorded: retrying its id trains it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from art_sky.checkpoints import StepRecord, history_entry
+from art_sky.errors import ArtSkyError, EngineError
+from art_sky.wire import StepClock, TrainProgress
+
+from .activity import StepTimer, reset_peak_memory, step_metrics
+from .engine import Engine
+from .gate import DeviceGate
+from .model_state import ModelState
+from .peft_trainer import Progress
+
+log = logging.getLogger("art_sky.cluster")
+
+RECENT_REQUESTS = 1000  # request ids each step's record remembers (a retry refers to a recent step)
+HEARTBEAT = 5.0  # seconds between progress lines while a step runs: the client knows the server is alive and what
+# the step is doing (a client whose step makes no progress names the phase)
+STEP_SEED = 0
+
+
+class StepError(ArtSkyError):
+    """A step failed and was rolled back: the model is as it was before it."""
+
+
+@dataclass
+class StepPlan:
+    """A prepared training request: `train(progress)` runs it (metrics, and per-batch metrics for SFT); `skipped`
+    names the trajectories it leaves out and why."""
+
+    kind: str  # train or sft
+    train: Callable[[Progress], tuple[dict[str, float], list[dict[str, float]]]]
+    skipped: list[str] = field(default_factory=list)
+
+
+def step_seed(step: int) -> int:
+    """The seed of step `step`'s random draws (LoRA dropout): a function of the step alone, so a run resumed from a
+    checkpoint draws what the straight run drew."""
+    return STEP_SEED * 1_000_003 + step
+
+
+def run_step(state: ModelState, engine: Engine, plan: StepPlan, request_id: str, progress: Progress,
+             timer: StepTimer, clock: StepClock) -> TrainProgress:
+    """Train and commit the model's next step, or leave it exactly as it was. Blocking: a worker thread, with the
+    device gate held alone. Returns the step's result (what the client gets, and a retry of `request_id`), its
+    metrics with the step's time split, throughput and cost (`timer` times the phases; `clock` is the client's)."""
+    step = state.step + 1
+    before = _snapshot(state)
+    reset_peak_memory()
+    try:
+        timer.begin("swapping", "the engine hands the device to the trainer")
+        engine.pause()  # inference waits while training (a vLLM engine also frees its GPU memory)
+        timer.begin("training")
+        with _seeded(step_seed(step)):
+            metrics, batches = plan.train(progress)
+        result = TrainProgress(type="result", step=step, metrics=metrics, batches=batches, skipped=plan.skipped)
+        requests = _recent(state.requests | {request_id: step})
+        record = StepRecord(step=step, kind=plan.kind, request_id=request_id, seed=step_seed(step), result=result,
+                            requests=requests, history=history_entry(step, "train", metrics))
+        timer.begin("saving", f"checkpoint of step {step}")
+        try:
+            state.save_checkpoint(record, metrics)  # the commit point: the step's directory renamed into place
+        except OSError as exc:
+            raise StepError(f"the checkpoint of step {step} could not be written to {state.checkpoints.path} "
+                            f"({exc.strerror or exc}): free disk space there (or fix the directory) and train "
+                            "again") from exc
+        state.step, state.requests = step, requests
+    except BaseException as exc:
+        timer.begin("swapping", "the engine resumes")
+        _restore(state, before)
+        _resume_after_failure(engine, state)
+        timer.end()
+        if isinstance(exc, Exception):
+            raise StepError(f"training {state.name} failed and was rolled back: the model is as it was at step "
+                            f"{state.step}. {exc}") from exc
+        raise
+    timer.begin("swapping", "the engine loads the new adapter")
+    try:
+        engine.resume(state, True)  # serves the new step's adapter, then releases inference
+    except Exception as exc:
+        failed: Exception | None = exc
+    else:
+        failed = None
+    timer.end()
+    # The whole step's figures (its save and swap included) go to history.jsonl and the client; the record saved
+    # with the checkpoint has the trainer's (it can only be written before the save ends).
+    metrics, totals = step_metrics(timer, metrics, clock.gather_s, clock.hourly_cost)
+    entry = history_entry(step, "train", metrics | totals)
+    try:
+        state.checkpoints.append_history(entry)
+    except OSError as exc:  # the record has the line: the next start adds it (model_state._complete_history)
+        log.warning("history of %s: step %d's line not written yet (%s)", state.name, step, exc)
+    timer.activity.last_step = {key: value for key, value in entry.items() if key != "recorded_at"}
+    if failed is not None:
+        raise EngineError(f"step {step} of {state.name} was trained and saved, but the engine could not serve it: "
+                          f"{failed}") from failed
+    return result.model_copy(update={"metrics": metrics, "totals": totals})
+
+
+@dataclass
+class _Snapshot:
+    weights: list[torch.Tensor]
+    optimizer: dict[str, Any] | None
+
+
+def _trainable(state: ModelState) -> list[torch.Tensor]:
+    return [p for p in state.model.parameters() if p.requires_grad]
+
+
+def _snapshot(state: ModelState) -> _Snapshot:
+    """Copies in host memory of the LoRA's weights and the optimizer's state (the device keeps its memory for
+    training)."""
+    optimizer = None if state.optimizer is None else _to_host(state.optimizer.state_dict())
+    return _Snapshot([p.detach().to("cpu", copy=True) for p in _trainable(state)], optimizer)
+
+
+def _restore(state: ModelState, snapshot: _Snapshot) -> None:
+    with torch.no_grad():
+        for param, saved in zip(_trainable(state), snapshot.weights, strict=True):
+            param.copy_(saved)
+    if snapshot.optimizer is None:
+        state.optimizer = None
+    else:
+        state.optimizer.load_state_dict(snapshot.optimizer)  # back on the parameters' device
+        state.optimizer.zero_grad(set_to_none=True)
+    state.model.eval()
+
+
+def _to_host(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_host(item) for item in value)
+    return value
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """The step's own random state; the server's other draws (sampling seeds) are left alone."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _recent(requests: dict[str, int]) -> dict[str, int]:
+    return dict(list(requests.items())[-RECENT_REQUESTS:])
+
+
+def _resume_after_failure(engine: Engine, state: ModelState) -> None:
+    try:
+        engine.resume(state, False)  # the adapter it served before the step
+    except Exception:  # the step's own error is the one to report
+        log.exception("the engine did not resume after a failed step of %s", state.name)
+
+
+class StepJob:
+    """One training request's step, followed by every HTTP request that carries its id (the first, and retries)."""
+
+    def __init__(self, request_id: str, timer: StepTimer):
+        self.request_id, self.timer = request_id, timer
+        self.prepared: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.latest = TrainProgress(type="progress")
+        self.outcome: TrainProgress | None = None
+        self._followers: list[asyncio.Queue[TrainProgress]] = []
+
+    def report(self, event: TrainProgress) -> None:
+        """A progress line, or the outcome (a result or an error). On the event loop."""
+        if event.type == "progress":
+            self.latest = event
+        else:
+            self.outcome = event
+        for queue in self._followers:
+            queue.put_nowait(event)
+
+    def now(self) -> TrainProgress:
+        """Where the step stands: its micro-batches and what it is doing (preparing, waiting, training, ...)."""
+        activity = self.timer.activity
+        return self.latest.model_copy(update={"activity": activity.activity()})
+
+    async def follow(self, heartbeat: float = HEARTBEAT) -> AsyncIterator[TrainProgress]:
+        """Where the step stands now, each progress line (the latest again every `heartbeat` seconds when there is
+        none), then its outcome."""
+        if self.outcome is not None:
+            yield self.outcome
+            return
+        queue: asyncio.Queue[TrainProgress] = asyncio.Queue()
+        self._followers.append(queue)
+        try:
+            yield self.now()
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), heartbeat)
+                except TimeoutError:
+                    event = self.now()
+                yield event
+                if event.type != "progress":
+                    return
+        finally:
+            self._followers.remove(queue)
+
+
+class Steps:
+    """The server's training steps: prepared off the event loop, run one at a time with the device gate held alone,
+    committed by `run_step`; `on_commit(state)` follows each commit (the checkpoint's upload)."""
+
+    def __init__(self, engine: Engine, gate: DeviceGate, on_commit: Callable[[ModelState], None]):
+        self.engine, self.gate, self.on_commit = engine, gate, on_commit
+        self._jobs: dict[tuple[str, str], StepJob] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def submit(self, state: ModelState, request_id: str | None, prepare: Callable[[], StepPlan],
+                     timer: StepTimer, clock: StepClock) -> AsyncIterator[TrainProgress]:
+        """The progress of the step `request_id` asks for: started now (`prepare()` runs in a worker thread and may
+        raise the request's 4xx, raised here), already running (a retry follows it), or committed (its result).
+        `timer` times a new step's phases; `clock` is the client's (its gather time, the machine's price)."""
+        request_id = request_id or uuid.uuid4().hex
+        replayed = self.replay(state, request_id)
+        if replayed is not None:
+            log.info("%s: request %s trained step %d already: answered with its result", state.name, request_id,
+                     replayed.step)
+            return _once(replayed)
+        key = (state.name, request_id)
+        job = self._jobs.get(key)
+        if job is None:
+            job = self._jobs[key] = StepJob(request_id, timer)
+            task = asyncio.create_task(self._run(key, state, job, prepare, clock))  # runs on if the client goes away
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            log.info("%s: request %s is training: this retry follows it", state.name, request_id)
+        await asyncio.shield(job.prepared)
+        return job.follow()
+
+    def replay(self, state: ModelState, request_id: str) -> TrainProgress | None:
+        """The result of the committed step `request_id` trained, or None."""
+        step = state.requests.get(request_id)
+        if step is None:
+            return None
+        record = state.checkpoints.record(step)
+        result = record.result if record is not None and record.result is not None else \
+            TrainProgress(type="result", step=step)
+        return result.model_copy(update={"replayed": True})
+
+    async def _run(self, key: tuple[str, str], state: ModelState, job: StepJob,
+                   prepare: Callable[[], StepPlan], clock: StepClock) -> None:
+        timer = job.timer
+        try:
+            timer.begin("preparing", "building the step's sequences")
+            try:
+                plan = await asyncio.to_thread(prepare)  # templates and tokenizers: off the event loop
+            except Exception as exc:
+                timer.end()
+                job.prepared.set_exception(exc)
+                return
+            job.prepared.set_result(None)
+            loop = asyncio.get_running_loop()
+
+            def progress(done: int, total: int) -> None:
+                timer.activity.trained(done, total)
+                loop.call_soon_threadsafe(job.report, TrainProgress(type="progress", done=done, total=total,
+                                                                    activity=timer.activity.activity()))
+
+            timer.begin("waiting")
+            async with self.gate.exclusive():
+                start = state.step
+                log.info("training %s step %d (request %s)", state.name, start + 1, job.request_id)
+                try:
+                    result = await asyncio.to_thread(run_step, state, self.engine, plan, job.request_id, progress,
+                                                     timer, clock)
+                except Exception as exc:  # reported to the client; the server keeps serving
+                    log.exception("training %s failed", state.name)
+                    if state.step != start:  # committed, then the engine failed: the checkpoint still uploads
+                        self.on_commit(state)
+                    job.report(TrainProgress(type="error", message=str(exc)))
+                    return
+            log.info("committed step %d of %s", result.step, state.name)
+            self.on_commit(state)
+            job.report(result)
+        finally:
+            timer.end()
+            del self._jobs[key]
+
+
+async def _once(event: TrainProgress) -> AsyncIterator[TrainProgress]:
+    yield event
