@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any, Protocol
 
 import httpx
@@ -41,7 +42,8 @@ class Backend(Protocol):
     async def log(self, model: Model, split: str, metrics: dict[str, float]) -> None: ...
 
     async def train(self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], *,
-                    config: TrainConfig | None = None, verbose: bool = False) -> StepResult: ...
+                    config: TrainConfig | None = None, verbose: bool = False, wait: bool = True,
+                    max_steps_off_policy: int = 1) -> StepResult | asyncio.Task: ...
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]: ...
 
@@ -113,11 +115,18 @@ class TrainableModel(Model):
         return (await self._require_backend().model_info(self)).step
 
     async def train(self, trajectory_groups: Iterable[TrajectoryGroup], config: TrainConfig = TrainConfig(),
-                    *, verbose: bool = False) -> dict[str, float]:
+                    *, verbose: bool = False, wait: bool = True,
+                    max_steps_off_policy: int = 1) -> dict[str, float] | asyncio.Task[dict[str, float]]:
         """One GRPO step on these groups (ART 0.4's `model.train`); returns the step's metrics and `step`.
-        Inference waits while it trains. `backend.train(model, groups, ...)` is ART 0.5's form of the same."""
-        result = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose)
-        return result.metrics | {"step": float(result.step)}
+        Inference waits while it trains. `backend.train(model, groups, ...)` is ART 0.5's form of the same.
+
+        `wait=False` returns at once with an asyncio.Task of those metrics: gather the next batch meanwhile
+        (`art_sky.pipeline` runs that loop). Groups sampled more than `max_steps_off_policy` steps behind the step
+        they train at are dropped and counted in `discarded_stale_groups` (client/pipeline.py)."""
+        step = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose,
+                                                   wait=False, max_steps_off_policy=max_steps_off_policy)
+        metrics = asyncio.ensure_future(_step_metrics(step))
+        return await metrics if wait else metrics
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[CheckpointInfo]:
         """Keep the newest step and the best by `best_checkpoint_metric`; delete the rest."""
@@ -125,6 +134,11 @@ class TrainableModel(Model):
 
     async def list_checkpoints(self) -> list[CheckpointInfo]:
         return await self._require_backend().list_checkpoints(self)
+
+
+async def _step_metrics(step: Awaitable[StepResult]) -> dict[str, float]:
+    result = await step
+    return result.metrics | {"step": float(result.step)}
 
 
 class _TrainingDefaults(httpx.AsyncBaseTransport):
