@@ -63,6 +63,7 @@ class Model(BaseModel):
     trainable: bool = False
     _backend: Backend | None = PrivateAttr(None)
     _openai: AsyncOpenAI | None = PrivateAttr(None)
+    _sampling: InFlight = PrivateAttr(default_factory=lambda: InFlight())
 
     async def register(self, backend: Backend) -> None:
         self._backend = backend
@@ -74,7 +75,7 @@ class Model(BaseModel):
         if self.inference_base_url is None:
             raise ConfigError(f"model {self.name!r} has no endpoint yet: `await model.register(backend)` first")
         if self._openai is None:
-            transport = _TrainingDefaults(httpx.AsyncHTTPTransport()) if self.trainable else None
+            transport = _TrainingDefaults(httpx.AsyncHTTPTransport(), self._sampling) if self.trainable else None
             seconds = self._backend.request_timeout if self._backend else Settings().request_timeout
             self._openai = AsyncOpenAI(
                 base_url=self.inference_base_url, api_key=self.inference_api_key or "none", max_retries=3,
@@ -141,6 +142,25 @@ async def _step_metrics(step: Awaitable[StepResult]) -> dict[str, float]:
     return result.metrics | {"step": float(result.step)}
 
 
+class InFlight:
+    """The chat completions a model's client is waiting on. `art_sky.pipeline` sends a step once the next batch's
+    first completions are answered: sent while the step trains, they would wait for it."""
+
+    def __init__(self) -> None:
+        self.count = 0  # waiting now
+        self.sent = 0  # ever sent
+        self.changed = asyncio.Event()
+
+    def start(self) -> None:
+        self.count += 1
+        self.sent += 1
+        self.changed.set()
+
+    def end(self) -> None:
+        self.count -= 1
+        self.changed.set()
+
+
 class _TrainingDefaults(httpx.AsyncBaseTransport):
     """Ask for what the trainer needs on every chat completion: logprobs, and the prompt and sampled token ids
     (vLLM's `return_token_ids`: art-sky's server returns them anyway, vLLM's own port only when asked).
@@ -151,8 +171,8 @@ class _TrainingDefaults(httpx.AsyncBaseTransport):
     Choice alone carries its context (as ART's client does).
     """
 
-    def __init__(self, inner: httpx.AsyncBaseTransport):
-        self.inner = inner
+    def __init__(self, inner: httpx.AsyncBaseTransport, sampling: InFlight):
+        self.inner, self.sampling = inner, sampling
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
@@ -164,7 +184,11 @@ class _TrainingDefaults(httpx.AsyncBaseTransport):
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
         request = httpx.Request(request.method, request.url, headers=headers + [("content-length",
                                 str(len(content)))], content=content, extensions=request.extensions)
-        response = await self.inner.handle_async_request(request)
+        self.sampling.start()
+        try:
+            response = await self.inner.handle_async_request(request)
+        finally:
+            self.sampling.end()
         if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):
             return response  # errors and streams pass as they are
         content = await response.aread()  # decoded: the copy below goes out without the content encoding

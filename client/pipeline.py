@@ -76,24 +76,36 @@ def _has_logprobs(group: WireGroup) -> bool:
 
 async def pipeline(model: TrainableModel, rollouts: Callable[[int], Awaitable[Iterable[TrajectoryGroup]]],
                    steps: int, *, config: TrainConfig | None = None, max_steps_off_policy: int = 1,
+                   head_start: float = 1.0,
                    on_step: Callable[[int, dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
     """Train `steps` GRPO steps, gathering batch i+1 (`await rollouts(i + 1)`) while step i trains on batch i.
 
-    Rollouts that wait on tools or environments overlap the step; their completions wait at the server while it
-    trains and are then served by the new step. Returns each step's metrics (`model.train`'s, plus `reward`, the
-    batch's mean rollout reward); `on_step(i, metrics)` is called as each step ends.
+    While a step trains, the server serves no completions (they wait, then the new step serves them), so what
+    overlaps the step is the rollouts' waiting on tools and environments. The next batch therefore starts first,
+    and the step is sent once its first completions are answered by the current step (or after `head_start`
+    seconds if it has sent none by then). Returns each step's metrics (`model.train`'s, plus `reward`, the batch's
+    mean rollout reward); `on_step(i, metrics)` is called as each step ends.
+
+    `config` defaults to CISPO (as ART's PipelineTrainer): a token whose ratio to its behaviour policy is clipped
+    still gets a (bounded) gradient, where PPO's clip gives it none. With large updates, one step off policy is
+    enough for PPO to clip most tokens (the demo task: mean reward 0.18 after 10 pipelined steps, against 1.0
+    sequentially; CISPO: 0.99 against 1.0).
     """
     check_bound(max_steps_off_policy)
+    if not isinstance(head_start, int | float) or head_start < 0:
+        raise ConfigError(f"pipeline(head_start={head_start!r}): give seconds >= 0")
     if not isinstance(steps, int) or steps < 0:
         raise ConfigError(f"pipeline(steps={steps!r}): give the number of training steps, a whole number >= 0")
-    config = config or TrainConfig()
+    config = config or TrainConfig(loss_fn="cispo")
     results: list[dict[str, float]] = []
     groups = list(await rollouts(0)) if steps else []
     for i in range(steps):
-        handle = await model.train(groups, config, wait=False, max_steps_off_policy=max_steps_off_policy)
         following = asyncio.ensure_future(rollouts(i + 1)) if i + 1 < steps else None
         try:
-            metrics = await handle
+            if following is not None:
+                await _first_turns_answered(model, following, head_start)
+            metrics = await (await model.train(groups, config, wait=False,
+                                               max_steps_off_policy=max_steps_off_policy))
         except BaseException:
             if following is not None:
                 following.cancel()
@@ -104,6 +116,24 @@ async def pipeline(model: TrainableModel, rollouts: Callable[[int], Awaitable[It
             on_step(i, metrics)
         groups = list(await following) if following is not None else []
     return results
+
+
+async def _first_turns_answered(model: TrainableModel, following: asyncio.Future, head_start: float) -> None:
+    """Wait until the batch that just started has sent completions (at most `head_start` seconds) and none of the
+    model's completions is waiting any more, or the batch is done."""
+    sampling, loop = model._sampling, asyncio.get_running_loop()
+    sent, deadline = sampling.sent, loop.time() + head_start
+
+    async def change(timeout: float | None) -> None:
+        sampling.changed.clear()
+        changed = asyncio.ensure_future(sampling.changed.wait())
+        await asyncio.wait([following, changed], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        changed.cancel()
+
+    while sampling.sent == sent and not following.done() and loop.time() < deadline:
+        await change(deadline - loop.time())
+    while sampling.count and not following.done():
+        await change(None)
 
 
 def _mean_reward(groups: Iterable[Any]) -> float:

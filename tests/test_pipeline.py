@@ -192,7 +192,7 @@ async def _demo_batch(model: art.TrainableModel, rng: random.Random) -> list:
 
 @pytest.mark.slow
 async def test_the_pipelined_loop_learns_the_demo_task_as_the_sequential_one(backend):
-    steps, config = 10, art.TrainConfig(learning_rate=5e-3)
+    steps, config = 10, art.TrainConfig(learning_rate=5e-3, loss_fn="cispo")  # the pipeline's default loss
     sequential = art.TrainableModel(name="seq", project="pipe", base_model="art-sky/tiny")
     await sequential.register(backend)
     rng = random.Random(0)
