@@ -58,13 +58,18 @@ def save(home: Path, record: ClusterRecord) -> Path:
 def load(home: Path, name: str) -> ClusterRecord:
     path = record_path(home, name)
     if not path.is_file():
-        known = ", ".join(all_names(home)) or "none"
-        raise ConfigError(f"no cluster named {name!r} (known: {known}): start one with `art-sky up --name {name}`")
+        raise unknown(home, name)
     try:
         return ClusterRecord.model_validate_json(path.read_text())
     except ValueError as exc:
         raise ConfigError(f"the record {path} is not one this art-sky can read ({str(exc).splitlines()[0]}): stop "
                           f"that server by hand and delete the file") from exc
+
+
+def unknown(home: Path, name: str) -> ConfigError:
+    """The error for a name with no record: which names there are, and how to start this one."""
+    known = ", ".join(all_names(home)) or "none"
+    return ConfigError(f"no cluster named {name!r} (known: {known}): start one with `art-sky up {name}`")
 
 
 def remove(home: Path, name: str) -> None:

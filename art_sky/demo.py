@@ -2,16 +2,23 @@
 
 The task: answer with digits. A randomly initialised model writes mostly noise bytes; each reply earns the share
 of its characters that are digits, and GRPO turns that into a model that answers in numbers. The mean reward per
-step is printed and drawn to a PNG.
+step is printed, and the run's reward, loss and KL are drawn to a PNG (art_sky/charts.py, as `art-sky plot`).
+
+Each run trains a fresh model (the previous run's checkpoints of the demo model are removed, and said so), so the
+climb from ~0.06 shows every time; `resume=True` continues the previous run's model and says from which step. The
+demo keeps its checkpoints on this machine only: a configured object store (ART_SKY_CHECKPOINT_URI) is not used.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import art_sky as art
+from art_sky import charts
 from art_sky.client.model import TrainableModel
+from art_sky.layout import model_key
 
 PROMPTS = ["How many legs does a spider have?", "What year is it?", "Give me a number.", "Count to five.",
            "What is 12 times 12?", "How old is the universe?", "Pick a lottery number.", "What is your PIN?"]
@@ -34,17 +41,27 @@ async def rollout(model: TrainableModel, prompt: str, seed: int) -> art.Trajecto
 
 async def run_demo(*, steps: int = 15, groups: int = 8, group_size: int = 8, learning_rate: float = 5e-3,
                    seed: int = 0, path: Path = Path(".art"), plot: Path | None = Path("demo-reward.png"),
-                   echo=print) -> list[float]:
+                   resume: bool = False, echo=print) -> list[float]:
     """Train for `steps` steps and return the mean reward of each step's rollouts (before that step's update)."""
     rng = random.Random(seed)
-    backend = art.LocalBackend(path=path)
     model = art.TrainableModel(name=f"digits-{seed}", project="art-sky-demo", base_model="art-sky/tiny")
+    files = Path(path) / model_key(model.project, model.name)
+    if files.exists() and not resume:
+        shutil.rmtree(files)
+        echo(f"starting a fresh model: removed the previous demo run's {model.name} in {files} "
+             "(`art-sky demo --resume` continues it instead)")
+    backend = art.LocalBackend(path=path, env={"ART_SKY_CHECKPOINT_URI": ""})  # the demo's files stay here
     rewards: list[float] = []
+    history: list[dict] = []
     try:
         echo("starting the local cluster server (builds the tiny model on first use)...")
         await model.register(backend)
         start = await model.get_step()
-        echo(f"model {model.name} on {(await backend.health()).device}, step {start}")
+        device = (await backend.health()).device
+        if start:
+            echo(f"resuming model {model.name} from step {start} (its checkpoints in {files}) on {device}")
+        else:
+            echo(f"model {model.name} on {device}, step 0")
         for step in range(start, start + steps):
             batch = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(model, rng.choice(PROMPTS), rng.randrange(2**31))
@@ -56,30 +73,15 @@ async def run_demo(*, steps: int = 15, groups: int = 8, group_size: int = 8, lea
             sample = batch[0].trajectories[0].messages_and_choices[-1].message.content
             echo(f"step {step + 1:3d}  reward {mean:.3f} {_bar(mean)}  skipped {int(metrics['num_groups_skipped'])}"
                  f"/{groups}  e.g. {sample!r}")
+        history = await backend.history(model.name)
     finally:
         await backend.close()
-    if plot is not None and rewards:
-        _plot(rewards, plot)
-        echo(f"reward curve: {plot}")
+    if plot is not None and history:
+        charts.draw(history, plot, f"art-sky demo: {model.name} learns to answer with digits")
+        echo(f"reward, loss and KL per step: {plot}")
     return rewards
 
 
 def _bar(value: float, width: int = 20) -> str:
     filled = round(max(0.0, min(1.0, value)) * width)
     return "#" * filled + "." * (width - filled)
-
-
-def _plot(rewards: list[float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(rewards) + 1), rewards, marker="o")
-    ax.set(xlabel="training step", ylabel="mean reward", ylim=(0, 1.05),
-           title="art-sky demo: tiny model learns to answer with digits")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

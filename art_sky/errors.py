@@ -48,3 +48,8 @@ class TokenizationError(ArtSkyError):
 
 class CheckpointStoreError(ArtSkyError):
     """The checkpoint object store refused or failed an operation; the message names the store's URI."""
+
+
+class TrainingStalledError(ArtSkyError):
+    """A training step made no progress for longer than ART_SKY_TRAIN_STALL_TIMEOUT; the message says what the server
+    was doing (the phase it is stuck in)."""

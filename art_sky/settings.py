@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from dotenv import dotenv_values
-from pydantic import Field, PrivateAttr, SecretStr
+from pydantic import AliasChoices, Field, PrivateAttr, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from art_sky.errors import ConfigError
@@ -56,6 +56,15 @@ class Settings(BaseSettings):
         None, description="endpoint of an S3-compatible store (R2, MinIO, SeaweedFS); default AWS or AWS_ENDPOINT_URL")
     checkpoint_strict: bool = Field(
         False, description="a failed checkpoint upload fails training and flush_checkpoints() instead of warning")
+    hourly_cost: float | None = Field(
+        None, ge=0, description="the machine's price in $ per hour, for each step's cost (costs/gpu); default: "
+                                "SkyPilot's price of its cluster, none for an SSH host or this machine")
+    train_stall_timeout: float = Field(
+        900.0, gt=0, description="seconds a training step may go without progress before train() raises, naming "
+                                 "what the server is doing (a warning comes at a third of it)")
+    wandb_api_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("WANDB_API_KEY", "wandb_api_key"),
+        description="Weights & Biases' key (WANDB_API_KEY): set, each model logs its steps to a W&B run")
     _store_credentials: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, context: object) -> None:

@@ -75,12 +75,52 @@ class RegisterRequest(_Strict):
     config: ModelConfig = ModelConfig()
 
 
+Phase = Literal["idle", "serving", "preparing", "waiting", "training", "saving", "swapping"]
+
+
+class Activity(BaseModel):
+    """What the server is doing with a model now: `art-sky status` shows it, and train() names it when a step makes no
+    progress. serving: completions in flight; preparing: building the step's sequences (tokenizer, chat template);
+    waiting: for completions in flight to finish before training (the engine); training: the trainer's micro-batches;
+    saving: writing the checkpoint (the disk); swapping: handing the device from the engine to the trainer and loading
+    the new adapter (the engine)."""
+
+    phase: Phase = "idle"
+    detail: str = Field("", description="what the phase is at, e.g. 'micro-batch 3 of 8'")
+    since: float = Field(0.0, description="unix time the phase began")
+    done: int = 0
+    total: int = 0
+
+
+class Serving(BaseModel):
+    """Inference of one model: the adapter its name serves, and its completions over the last minute."""
+
+    adapter: str = Field(description="the adapter serving the model's name: name@step")
+    in_flight: int = 0
+    completions_per_s: float = 0.0
+    tokens_per_s: float = Field(0.0, description="sampled tokens per second")
+
+
+class ModelSync(BaseModel):
+    """A model's checkpoints in the object store."""
+
+    state: Literal["off", "idle", "uploading", "failed"] = Field(
+        "off", description="off: no store configured; idle: every step so far is uploaded")
+    step: int | None = Field(None, description="the newest step this server uploaded")
+    detail: str = ""
+
+
 class ModelInfo(BaseModel):
     name: str
     project: str
     base_model: str
     step: int
     restored_from: str | None = Field(None, description="where the current step's adapter came from, if restored")
+    activity: Activity | None = None
+    serving: Serving | None = None
+    last_step: dict[str, float] = Field({}, description="the newest step's line of history.jsonl: its metrics in "
+                                                        "ART's flat keys (train/reward, costs/cum/gpu, ...)")
+    sync: ModelSync | None = None
 
 
 class WireMessage(_Strict):
@@ -177,9 +217,18 @@ class WireGroup(_Strict):
         return trajectories
 
 
+class StepClock(_Strict):
+    """What only the client knows about a step, sent with it: how long its rollouts took and what the machine costs."""
+
+    gather_s: float | None = Field(None, ge=0, description="seconds since the previous step returned (or the model "
+                                                           "was registered): the rollouts; None: the server measures")
+    hourly_cost: float | None = Field(None, ge=0, description="the cluster's price in $ per hour, where known")
+
+
 class TrainRequest(_Strict):
     groups: list[WireGroup] = Field(min_length=1)
     config: TrainConfig = TrainConfig()
+    clock: StepClock = StepClock()
 
 
 class SFTRequest(_Strict):
@@ -190,6 +239,7 @@ class SFTRequest(_Strict):
     batch_size: int = Field(2, ge=1)
     learning_rates: list[float] = Field(min_length=1, description="one per batch, or one for all")
     max_grad_norm: float = Field(1.0, gt=0)
+    clock: StepClock = StepClock()
 
     @model_validator(mode="after")
     def _one_rate_per_batch(self) -> SFTRequest:
@@ -215,11 +265,16 @@ class TrainProgress(BaseModel):
     message: str | None = None
     skipped: list[str] = Field([], description="trajectories left out of the step, each with its group and "
                                                "trajectory index and the reason")
+    activity: Activity | None = Field(None, description="progress: what the step is doing now (sent at least every "
+                                                        "few seconds, so a client sees a stall)")
+    totals: dict[str, float] = Field({}, description="result: the run's cumulative figures after this step "
+                                                     "(costs/cum/gpu)")
 
 
 class LogRequest(_Strict):
     split: str = Field("val", pattern=NAME_PATTERN)
     metrics: dict[str, float]
+    step: int | None = Field(None, ge=0, description="the step the metrics belong to; None: the current one")
 
 
 class CheckpointInfo(BaseModel):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 
 from tqdm.auto import tqdm
 
 from art_sky.errors import ArtSkyError
 
-from .trajectories import TrajectoryGroup
+from .model import completions_answered
+from .trajectories import Trajectory, TrajectoryGroup
 
 
 class TooManyRolloutErrors(ArtSkyError):
@@ -26,17 +28,38 @@ async def gather_trajectory_groups(
     """Await every group; a failed rollout is kept in its group's `exceptions`.
 
     `max_exceptions`: how many failed rollouts are tolerated, as a count or (below 1) a fraction of all rollouts.
-    Past it, TooManyRolloutErrors is raised from the first failure.
+    Past it, TooManyRolloutErrors is raised from the first failure. The progress bar counts rollouts as each ends and
+    shows the mean reward of the groups done and the chat completions per second of `model.openai_client()`s.
     """
     groups = list(groups)
     total = sum(len(g._pending) + len(g.trajectories) + len(g.exceptions) for g in groups)
-    bar = tqdm(total=total, desc=pbar_desc, disable=pbar_desc is None)
+    bar = tqdm(total=total, desc=pbar_desc, disable=pbar_desc is None, unit="rollout")
+    began, answered = time.monotonic(), completions_answered()
+    postfix: dict[str, str] = {}
+
+    def show() -> None:
+        calls = completions_answered() - answered
+        if calls:
+            postfix["completions/s"] = f"{calls / max(time.monotonic() - began, 1e-3):.1f}"
+        bar.set_postfix(postfix, refresh=False)
+
+    async def counted(rollout: Awaitable[Trajectory]) -> Trajectory:
+        try:
+            return await rollout
+        finally:
+            show()
+            bar.update(1)
+
+    for group in groups:
+        group._pending = [counted(rollout) for rollout in group._pending]
+    bar.update(sum(len(g.trajectories) + len(g.exceptions) for g in groups))  # given done
 
     async def one(group: TrajectoryGroup) -> TrajectoryGroup:
         await group
-        bar.update(len(group.trajectories) + len(group.exceptions))
-        if group.trajectories:
-            bar.set_postfix(reward=f"{sum(t.reward for t in group) / len(group):.3f}")
+        finished = [g for g in groups if not g._pending and g.trajectories]
+        if finished:
+            postfix["reward"] = f"{sum(t.reward for g in finished for t in g) / sum(len(g) for g in finished):.3f}"
+            show()
         if after_each is not None:
             result = after_each(group)
             if asyncio.iscoroutine(result):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Iterable
 from typing import Any, Protocol
 
@@ -15,12 +16,16 @@ from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig
 
+from .reporting import WandbRun, require_wandb, wandb_wanted
 from .trajectories import TrajectoryGroup, summarize
+
+log = logging.getLogger("art_sky")
 
 
 class StepResult(Protocol):
     step: int
     metrics: dict[str, float]
+    totals: dict[str, float]
 
 
 class Backend(Protocol):
@@ -28,6 +33,7 @@ class Backend(Protocol):
     not import them)."""
 
     api_key: str | None
+    settings: Settings
 
     @property
     def inference_base_url(self) -> str: ...
@@ -39,7 +45,7 @@ class Backend(Protocol):
 
     async def model_info(self, model: Model) -> ModelInfo: ...
 
-    async def log(self, model: Model, split: str, metrics: dict[str, float]) -> None: ...
+    async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None: ...
 
     async def train(self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], *,
                     config: TrainConfig | None = None, verbose: bool = False, wait: bool = True,
@@ -51,7 +57,10 @@ class Backend(Protocol):
 
 
 class Model(BaseModel):
-    """A model you sample from (any OpenAI-compatible endpoint). `TrainableModel` is the one you train."""
+    """A model you sample from (any OpenAI-compatible endpoint). `TrainableModel` is the one you train.
+
+    `report_metrics`, as ART's: None logs to Weights & Biases when WANDB_API_KEY is set; ["wandb"] asks for it; []
+    logs to the server's history only."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -61,13 +70,27 @@ class Model(BaseModel):
     inference_api_key: str | None = None
     inference_base_url: str | None = None
     trainable: bool = False
+    report_metrics: list[str] | None = None
     _backend: Backend | None = PrivateAttr(None)
     _openai: AsyncOpenAI | None = PrivateAttr(None)
     _sampling: InFlight = PrivateAttr(default_factory=lambda: InFlight())
+    _wandb: WandbRun | None = PrivateAttr(None)
 
     async def register(self, backend: Backend) -> None:
         self._backend = backend
         self._openai = None
+        key = backend.settings.wandb_api_key
+        self._wandb = None
+        if wandb_wanted(self.report_metrics, key and key.get_secret_value()):
+            try:
+                require_wandb()
+            except ConfigError:
+                if self.report_metrics is not None:
+                    raise
+                log.warning("WANDB_API_KEY is set but wandb is not installed: %s's metrics go to the server's "
+                            "history only (pip install \"art-sky[wandb]\" to log them to W&B)", self.name)
+            else:
+                self._wandb = WandbRun(self.project, self.name, key and key.get_secret_value())
 
     def openai_client(self) -> AsyncOpenAI:
         """An AsyncOpenAI client for this model's endpoint and key (one per model, reused). Its timeout is the
@@ -85,12 +108,23 @@ class Model(BaseModel):
     def get_inference_name(self) -> str:
         return self.inference_model_name or self.name
 
-    async def log(self, trajectories: Iterable[TrajectoryGroup], split: str = "val") -> dict[str, float]:
-        """Record the mean reward and metrics of these groups at the current step (history.jsonl on the server)."""
-        metrics = summarize(trajectories)
-        if metrics:
-            await self._require_backend().log(self, split, metrics)
-        return metrics
+    async def log(self, trajectories: Iterable[TrajectoryGroup] | None = None, split: str = "val", *,
+                  metrics: dict[str, float] | None = None, step: int | None = None) -> dict[str, float]:
+        """Record these groups' mean reward and metrics (ART's `model.log`), and/or `metrics` as given, at `step`
+        (default: the current one): a line of history.jsonl on the server, and a W&B row when W&B is on."""
+        values = (summarize(trajectories) if trajectories is not None else {}) | (metrics or {})
+        if not values:
+            return values
+        backend = self._require_backend()
+        if step is None:
+            step = (await backend.model_info(self)).step if self.trainable else 0
+        await backend.log(self, split, values, step)
+        self._report(split, values, step)
+        return values
+
+    def _report(self, split: str, metrics: dict[str, float], step: int) -> None:
+        if self._wandb is not None:
+            self._wandb.log(split, metrics, step)
 
     def _require_backend(self) -> Backend:
         if self._backend is None:
@@ -126,8 +160,13 @@ class TrainableModel(Model):
         they train at are dropped and counted in `discarded_stale_groups` (client/pipeline.py)."""
         step = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose,
                                                    wait=False, max_steps_off_policy=max_steps_off_policy)
-        metrics = asyncio.ensure_future(_step_metrics(step))
+        metrics = asyncio.ensure_future(self._step_metrics(step))
         return await metrics if wait else metrics
+
+    async def _step_metrics(self, step: Awaitable[StepResult]) -> dict[str, float]:
+        result = await step
+        self._report("train", result.metrics | result.totals, result.step)
+        return result.metrics | result.totals | {"step": float(result.step)}
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[CheckpointInfo]:
         """Keep the newest step and the best by `best_checkpoint_metric`; delete the rest."""
@@ -135,11 +174,6 @@ class TrainableModel(Model):
 
     async def list_checkpoints(self) -> list[CheckpointInfo]:
         return await self._require_backend().list_checkpoints(self)
-
-
-async def _step_metrics(step: Awaitable[StepResult]) -> dict[str, float]:
-    result = await step
-    return result.metrics | {"step": float(result.step)}
 
 
 class InFlight:
@@ -159,6 +193,13 @@ class InFlight:
     def end(self) -> None:
         self.count -= 1
         self.changed.set()
+
+
+_answered = 0  # chat completions this process's training clients got back (gather's progress bar shows the rate)
+
+
+def completions_answered() -> int:
+    return _answered
 
 
 class _TrainingDefaults(httpx.AsyncBaseTransport):
@@ -189,6 +230,8 @@ class _TrainingDefaults(httpx.AsyncBaseTransport):
             response = await self.inner.handle_async_request(request)
         finally:
             self.sampling.end()
+        global _answered
+        _answered += response.status_code == 200
         if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):
             return response  # errors and streams pass as they are
         content = await response.aread()  # decoded: the copy below goes out without the content encoding

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 from collections.abc import Awaitable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
@@ -219,14 +220,18 @@ def _problem(exc: Exception) -> str:
 
 
 def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
-    """Mean reward, its spread and the mean of every trajectory metric: what `model.log()` records."""
+    """What `model.log(groups)` records, as ART's `model.log` does: the mean reward, `reward_std_dev` (the mean of
+    each group's reward spread: what GRPO learns from), `exception_rate` (failed rollouts) and the mean of every
+    trajectory metric."""
+    groups = list(groups)
     trajectories = [t for g in groups for t in g.trajectories]
     if not trajectories:
         return {}
     rewards = [t.reward for t in trajectories]
-    mean = sum(rewards) / len(rewards)
-    summary = {"reward": mean, "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
-               "num_trajectories": float(len(rewards))}
+    spreads = [statistics.pstdev(t.reward for t in g.trajectories) for g in groups if len(g.trajectories) > 1]
+    failed = sum(len(g.exceptions) for g in groups)
+    summary = {"reward": sum(rewards) / len(rewards), "reward_std_dev": sum(spreads) / len(spreads) if spreads else 0.0,
+               "exception_rate": failed / (failed + len(trajectories)), "num_trajectories": float(len(rewards))}
     keys = {k for t in trajectories for k in t.metrics}
     for key in sorted(keys - summary.keys()):
         values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]

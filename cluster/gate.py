@@ -21,6 +21,11 @@ class DeviceGate:
         self._open.set()
         self._exclusive = asyncio.Lock()
 
+    @property
+    def in_flight(self) -> int:
+        """Completions holding the device now."""
+        return self._inflight
+
     async def hold(self) -> Hold:
         """A shared hold for one completion: waits while a step runs or waits. Release it when the completion's
         device work is done (its response read, its stream ended)."""

@@ -10,6 +10,7 @@ so the openai SDK, litellm and LangChain raise their usual exceptions.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from .gate import DeviceGate
 from .model_state import ModelState
 
 if TYPE_CHECKING:
+    from .activity import ModelActivity
     from .engine import Engine
 
 
@@ -108,8 +110,8 @@ def _model_card(state: ModelState, step: int | None) -> dict:
 
 
 def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str,
-            dependencies: list) -> None:
-    """Add the /v1 routes to the server's app."""
+            dependencies: list, activities: dict[str, ModelActivity]) -> None:
+    """Add the /v1 routes to the server's app; each completion is counted in its model's `activities`."""
     router = APIRouter(dependencies=dependencies)
 
     @app.exception_handler(OpenAIError)
@@ -130,7 +132,38 @@ def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: D
         return _model_card(served.state, None if "@" not in model_id else served.step)
 
     app.include_router(router)
-    app.router.add_route("/v1/chat/completions", _ChatCompletions(engine, states, gate, api_key), methods=["POST"])
+    app.router.add_route("/v1/chat/completions", _ChatCompletions(engine, states, gate, api_key, activities),
+                         methods=["POST"])
+
+
+class SampledTokens:
+    """The tokens a completion sampled, read from the bytes its client gets (cheap: a regular expression, no JSON):
+    a response's usage, or a stream's sampled `token_ids` (vLLM's fields, sent by default), events split across
+    network reads included; a stream's usage (include_usage) wins where it comes."""
+
+    _IDS = re.compile(rb'(?<!prompt_)"token_ids":\s*\[([0-9,\s]*)\]')
+    _USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
+    _TAIL = 64  # bytes kept from one read for the next: a field cut in two is read whole
+
+    def __init__(self) -> None:
+        self.sampled = 0
+        self.usage: int | None = None
+        self._tail = b""
+
+    def feed(self, data: bytes) -> None:
+        text = self._tail + data
+        end = 0
+        for match in self._IDS.finditer(text):
+            ids = match.group(1).strip()
+            self.sampled += ids.count(b",") + 1 if ids else 0
+            end = match.end()
+        for match in self._USAGE.finditer(text):
+            self.usage, end = int(match.group(1)), max(end, match.end())
+        self._tail = text[max(end, len(text) - self._TAIL):]
+
+    @property
+    def tokens(self) -> int:
+        return self.usage if self.usage is not None else self.sampled
 
 
 class _ChatCompletions:
@@ -138,8 +171,9 @@ class _ChatCompletions:
     cores its per-request work is taken from vLLM's own: no dependency injection, no response classes, each
     server-sent event passed on as the bytes it arrived as."""
 
-    def __init__(self, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str):
-        self.engine, self.states, self.gate = engine, states, gate
+    def __init__(self, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str,
+                 activities: dict[str, ModelActivity]):
+        self.engine, self.states, self.gate, self.activities = engine, states, gate, activities
         self.api_key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -147,10 +181,13 @@ class _ChatCompletions:
         if scheme.lower() != b"bearer" or not secrets.compare_digest(key.strip(), self.api_key):
             return await OpenAIError(401, UNAUTHORIZED, type="authentication_error").response()(scope, receive, send)
         try:
-            result = await self._complete(await _body(receive))
+            activity, result = await self._complete(await _body(receive))
         except OpenAIError as exc:
             return await exc.response()(scope, receive, send)
+        counted = SampledTokens()
         if not isinstance(result, SSE):
+            counted.feed(result)
+            activity.completion_finished(counted.tokens)
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(result)).encode())]})
             return await send({"type": "http.response.body", "body": result})
@@ -158,12 +195,16 @@ class _ChatCompletions:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
             async for chunk in result.chunks:
+                counted.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
+            activity.completion_finished(counted.tokens)
             await result.close()
 
-    async def _complete(self, raw: bytes) -> bytes | SSE:
+    async def _complete(self, raw: bytes) -> tuple[ModelActivity, bytes | SSE]:
+        """The completion (its JSON, or its events) and the activity of the model serving it, which counts it in
+        flight until the caller says it finished."""
         try:
             body = json.loads(raw)
         except ValueError as exc:
@@ -176,13 +217,21 @@ class _ChatCompletions:
             raise OpenAIError(400, problem)
         hold = await self.gate.hold()  # the model's step is read after a running training step, never before
         try:
-            return await engine.chat(resolve(self.states, body.get("model")), honoured_only(body, engine.honoured),
-                                     hold)
+            served = resolve(self.states, body.get("model"))
+        except BaseException:
+            hold.release()
+            raise
+        activity = self.activities[served.state.name]
+        activity.completion_started()
+        try:
+            return activity, await engine.chat(served, honoured_only(body, engine.honoured), hold)
         except (ValueError, TemplateError) as exc:
             hold.release()
+            activity.completion_finished(0)
             raise OpenAIError(400, str(exc)) from exc
         except BaseException:
             hold.release()
+            activity.completion_finished(0)
             raise
 
 

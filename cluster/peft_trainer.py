@@ -42,14 +42,15 @@ class PeftTrainer:
             group["lr"] = config.learning_rate
         total_tokens = sum(s.trained_tokens for s in sequences)
         batches = self._microbatches(sequences)
-        sums = torch.zeros(3, device=device())  # policy, kl, clipped: summed on the device, read once at the end
+        measured_kl = config.beta > 0 or config.kl_penalty_coef > 0  # a reference pass runs only then
+        sums = torch.zeros(4, device=device())  # policy, kl, clipped, entropy: summed on the device, read once
         model.train()
         try:
             for done, batch in enumerate(batches, start=1):
-                parts = self._loss(state, batch, config)
+                parts, entropy = self._loss(state, batch, config)
                 loss = (parts.policy + config.beta * parts.kl) / total_tokens
                 loss.backward()
-                sums += torch.stack([parts.policy, parts.kl, parts.clipped]).detach()
+                sums += torch.stack([parts.policy, parts.kl, parts.clipped, entropy]).detach()
                 progress(done, len(batches))
             trainable = [p for group in state.optimizer.param_groups for p in group["params"]]
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
@@ -57,13 +58,15 @@ class PeftTrainer:
         finally:
             state.optimizer.zero_grad(set_to_none=True)
             model.eval()
-        policy, kl, clipped = (sums / total_tokens).tolist()
+        policy, kl, clipped, entropy = (sums / total_tokens).tolist()
         return {
             "loss": policy + config.beta * kl,
             "policy_loss": policy,
-            "kl": kl,
+            **({"kl": kl} if measured_kl else {}),
+            "entropy": entropy,
             "clip_fraction": clipped,
             "grad_norm": float(grad_norm),
+            "learning_rate": config.learning_rate,
             "trained_tokens": float(total_tokens),
             "sequences": float(len(sequences)),
         }
@@ -95,7 +98,7 @@ class PeftTrainer:
                 tokens = sum(s.trained_tokens for s in batch)
                 loss_sum = 0.0
                 for micro in self._microbatches(batch):
-                    new, trained, _, _ = self._logprobs(state, micro)
+                    new, trained, _, _, _ = self._logprobs(state, micro)
                     nll = -(new * trained).sum()
                     (nll / tokens).backward()
                     loss_sum += float(nll.detach())
@@ -110,9 +113,9 @@ class PeftTrainer:
             model.eval()
         return results
 
-    def _logprobs(self, state: ModelState, batch: list[Sequence]):
+    def _logprobs(self, state: ModelState, batch: list[Sequence], entropy: bool = False):
         """A micro-batch's new logprobs and trained mask from its first trained position on (shifted by one
-        token), its padded ids, and that position.
+        token), its padded ids, that position, and (with `entropy`) the policy's entropy at each position.
 
         Rows are right-padded and attention is causal, so no real token sees a pad and no attention mask is needed
         (SDPA keeps its fast causal path); logits are computed only from the first position that predicts a
@@ -121,8 +124,9 @@ class PeftTrainer:
         ids = _padded([s.token_ids for s in batch], pad)
         start = max(min(next((i for i, t in enumerate(s.trained) if t), len(s.trained)) for s in batch) - 1, 0)
         trained = _padded([s.trained for s in batch], False)[:, start + 1:]
-        new = _token_logprobs(self._logits(state, ids, start), ids[:, start:])
-        return new, trained, ids, start
+        logits = self._logits(state, ids, start)
+        new = _token_logprobs(logits, ids[:, start:])
+        return new, trained, ids, start, (_entropies(logits) if entropy else None)
 
     @staticmethod
     def _logits(state: ModelState, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -130,17 +134,19 @@ class PeftTrainer:
         return state.model(input_ids=ids, logits_to_keep=ids.shape[1] - start).logits
 
     def _loss(self, state: ModelState, batch: list[Sequence], config: TrainConfig):
+        """The micro-batch's loss sums and the summed entropy of the policy over its trained tokens."""
         dev = device()
-        new, trained, ids, start = self._logprobs(state, batch)
+        new, trained, ids, start, entropies = self._logprobs(state, batch, entropy=True)
         old = _padded([s.old_logprobs for s in batch], float("nan"))[:, start + 1:]
         advantages = torch.tensor([[s.advantage] for s in batch], device=dev)
         ref = None
         if config.beta > 0 or config.kl_penalty_coef > 0:
             with torch.no_grad(), state.model.disable_adapter():
                 ref = _token_logprobs(self._logits(state, ids, start), ids[:, start:])
-        return grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
-                              epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
-                              loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
+        parts = grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
+                               epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
+                               loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
+        return parts, (entropies * trained).sum()
 
 
 def _optimizer(state: ModelState) -> torch.optim.Optimizer:
@@ -163,3 +169,19 @@ def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     targets = ids[:, 1:]
     return -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                             reduction="none").view(targets.shape)
+
+
+_ENTROPY_CHUNK = 1 << 24  # logits elements per slice: the entropy's temporaries stay small beside the logits
+
+
+@torch.no_grad()
+def _entropies(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of the next-token distribution at each position but the last, shape (batch, length - 1): from the
+    logits the loss already computed, a slice of positions at a time, with no graph kept."""
+    logits = logits[:, :-1]
+    out = torch.empty(logits.shape[:2], device=logits.device)
+    step = max(1, _ENTROPY_CHUNK // max(1, logits.shape[0] * logits.shape[2]))
+    for begin in range(0, logits.shape[1], step):
+        logp = torch.log_softmax(logits[:, begin:begin + step].float(), dim=-1)
+        out[:, begin:begin + step] = -(logp.exp() * logp).sum(-1)
+    return out

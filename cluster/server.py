@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import statistics
+import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -39,12 +41,14 @@ from art_sky.wire import (
     ModelInfo,
     RegisterRequest,
     SFTRequest,
+    StepClock,
     SyncStatus,
     TrainProgress,
     TrainRequest,
 )
 
 from . import openai_api
+from .activity import ModelActivity, StepTimer, reset_peak_memory, step_metrics
 from .gate import DeviceGate
 from .gpu_sharing import sharing_of
 from .grpo import group_advantages
@@ -57,6 +61,7 @@ from .sync import CheckpointSync
 
 log = logging.getLogger("art_sky.cluster")
 _LOGGED_SKIPS = 100  # skipped trajectories named one by one in the log and the step's result
+HEARTBEAT = 5.0  # seconds between progress lines of a training step, so a client sees what a slow step waits on
 
 
 class BodySizeLimit:
@@ -98,6 +103,18 @@ class _TooLarge(Exception):
     pass
 
 
+class Arrival:
+    """Stamp each request with when it reached the server, before its body is read: a step's upload time."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrived"] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
 def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine, trainer = select_engine(settings, art_path, api_key), select_trainer(settings)
@@ -106,6 +123,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
     sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
     states: dict[str, ModelState] = {}
     gate = DeviceGate()
+    activities: dict[str, ModelActivity] = {}  # what the server is doing with each model (cluster/activity.py)
     background: set[asyncio.Task] = set()
     bearer = HTTPBearer(auto_error=False)
 
@@ -123,6 +141,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
 
     app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    app.add_middleware(Arrival)
     guarded = [Depends(authorized)]
 
     @app.exception_handler(ArtSkyError)
@@ -147,7 +166,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                               engine_port=engine.engine_port, versions=versions, stack=stack,
                               gpu_sharing=sharing_of(engine))
 
-    openai_api.install(app, engine, states, gate, api_key, guarded)
+    openai_api.install(app, engine, states, gate, api_key, guarded, activities)
 
     @app.post("/art/models", dependencies=guarded)
     async def register(body: RegisterRequest) -> ModelInfo:
@@ -164,6 +183,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
             state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model,
                                             downloaded)
             await asyncio.to_thread(engine.attach, state)
+            activities[body.name] = ModelActivity(gate, state.checkpoints.history())
             states[body.name] = state
         if sync:
             sync.submit(states[body.name].checkpoints, states[body.name].step)
@@ -172,67 +192,111 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
 
     @app.get("/art/models/{name}", dependencies=guarded)
     async def model_info(name: str) -> ModelInfo:
-        return model(name).info()
+        """The model, with what the server is doing with it now (`art-sky status`)."""
+        state, activity = model(name), activities[name]
+        return state.info().model_copy(update={
+            "activity": activity.activity(), "serving": activity.serving(f"{name}@{state.step}"),
+            "last_step": activity.last_step, "sync": sync.model_sync(name) if sync else None})
 
-    def stream_step(name: str, state: ModelState, work: Callable[[Progress], dict[str, float]],
-                    batches: Callable[[], list[dict[str, float]]] = list,
+    @app.get("/art/models/{name}/history", dependencies=guarded)
+    async def history(name: str) -> list[dict]:
+        """The model's history.jsonl: a line per step and per `model.log` (`art-sky plot`)."""
+        return model(name).checkpoints.history()
+
+    def stream_step(name: str, state: ModelState, work: Callable[[Progress], dict[str, float]], timer: StepTimer,
+                    clock: StepClock, batches: Callable[[], list[dict[str, float]]] = list,
                     skipped: list[str] | None = None) -> StreamingResponse:
         """Run one training step (`work(progress)` returns its metrics) with inference paused, commit it as the next
-        checkpoint, and stream progress lines then the result (or the error), naming what was `skipped`."""
+        checkpoint, and stream progress lines (at least every HEARTBEAT seconds, with what the step is doing) then
+        the result (or the error), naming what was `skipped`. `timer` times its phases; `clock` is the client's."""
         if sync and (problem := sync.blocking_error()):
+            timer.end()
             raise HTTPException(502, problem)
         queue: asyncio.Queue[TrainProgress] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        activity = timer.activity
 
         def progress(done: int, total: int) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, TrainProgress(type="progress", done=done, total=total))
+            activity.trained(done, total)
+            loop.call_soon_threadsafe(queue.put_nowait, TrainProgress(type="progress", done=done, total=total,
+                                                                      activity=activity.activity()))
 
-        def step() -> dict[str, float]:
+        def step() -> tuple[dict[str, float], dict[str, float]]:
+            reset_peak_memory()
+            timer.begin("swapping", "the engine hands the device to the trainer")
             engine.pause()  # inference waits while training (a vLLM engine also frees its GPU memory)
             trained = False
             try:
+                timer.begin("training")
                 metrics = work(progress)
                 state.step += 1
+                timer.begin("saving", f"checkpoint of step {state.step}")
                 state.save_checkpoint(metrics)
                 trained = True
             finally:
+                timer.begin("swapping", "the engine loads the new adapter" if trained else "the engine resumes")
                 engine.resume(state, trained)  # serves the new step before inference resumes
-            state.checkpoints.append_history(history_entry(state.step, "train", metrics))
-            return metrics
+                timer.end()
+            metrics, totals = step_metrics(timer, metrics, clock.gather_s, clock.hourly_cost)
+            entry = history_entry(state.step, "train", metrics | totals)
+            state.checkpoints.append_history(entry)
+            activity.last_step = {key: value for key, value in entry.items() if key != "recorded_at"}
+            return metrics, totals
 
         async def run() -> None:
-            async with gate.exclusive():
-                try:
-                    metrics = await asyncio.to_thread(step)
-                except Exception as exc:  # reported to the client; the server keeps serving
-                    log.exception("training %s failed", name)
-                    await queue.put(TrainProgress(type="error", message=f"training failed: {exc}"))
-                    return
+            timer.begin("waiting")
+            try:
+                async with gate.exclusive():
+                    try:
+                        metrics, totals = await asyncio.to_thread(step)
+                    except Exception as exc:  # reported to the client; the server keeps serving
+                        log.exception("training %s failed", name)
+                        await queue.put(TrainProgress(type="error", message=f"training failed: {exc}"))
+                        return
+            finally:
+                timer.end()
             if sync:
                 sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
             named = (skipped or [])[:_LOGGED_SKIPS]
             if len(skipped or []) > _LOGGED_SKIPS:
                 named.append(f"... and {len(skipped) - _LOGGED_SKIPS} more")
             await queue.put(TrainProgress(type="result", step=state.step, metrics=metrics, batches=batches(),
-                                          skipped=named))
+                                          skipped=named, totals=totals))
 
         task = asyncio.create_task(run())  # runs to the end even if the client goes away
         background.add(task)
         task.add_done_callback(background.discard)
 
+        def now() -> TrainProgress:
+            return TrainProgress(type="progress", done=activity.done, total=activity.total,
+                                 activity=activity.activity())
+
         async def lines():
+            yield now().model_dump_json(exclude_defaults=True) + "\n"  # where the step stands, at once
             while True:
-                item = await queue.get()
+                try:
+                    item = await asyncio.wait_for(queue.get(), HEARTBEAT)
+                except TimeoutError:
+                    item = now()
                 yield item.model_dump_json(exclude_defaults=True) + "\n"
                 if item.type != "progress":
                     return
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    def step_timer(name: str, request: Request) -> StepTimer:
+        return StepTimer(activities[name], getattr(request.state, "arrived", time.monotonic()))
+
     @app.post("/art/models/{name}/train", dependencies=guarded)
-    async def train(name: str, body: TrainRequest) -> StreamingResponse:
+    async def train(name: str, body: TrainRequest, request: Request) -> StreamingResponse:
         state = model(name)
-        prepared = await asyncio.to_thread(_prepare, state, body)  # templates and tokenizers: off the event loop
+        timer = step_timer(name, request)
+        timer.begin("preparing", f"building the sequences of {len(body.groups)} groups")
+        try:
+            prepared = await asyncio.to_thread(_prepare, state, body)  # templates and tokenizers: off the event loop
+        except BaseException:
+            timer.end()
+            raise
 
         def work(progress: Progress) -> dict[str, float]:
             sequences = prepared.sequences
@@ -240,28 +304,34 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                        {"trained_tokens": 0.0, "sequences": 0.0})  # nothing to learn
             return metrics | prepared.metrics
 
-        return stream_step(name, state, work, skipped=prepared.skipped)
+        return stream_step(name, state, work, timer, body.clock, skipped=prepared.skipped)
 
     @app.post("/art/models/{name}/sft", dependencies=guarded)
-    async def sft(name: str, body: SFTRequest) -> StreamingResponse:
+    async def sft(name: str, body: SFTRequest, request: Request) -> StreamingResponse:
         """ART's `_train_sft`: one optimizer step per batch, one checkpoint (one step) for the request."""
         state = model(name)
+        timer = step_timer(name, request)
+        timer.begin("preparing", f"tokenizing {len(body.trajectories)} trajectories")
         size, count = body.batch_size, len(body.trajectories)
-        rates = body.learning_rates * -(-count // size) if len(body.learning_rates) == 1 else body.learning_rates
-        batches, batch_rates, dropped = [], [], []
-        for start, rate in zip(range(0, count, size), rates):  # as ART: batches of the list given, each its rate
-            batch = []
-            for index in range(start, min(start + size, count)):
-                try:
-                    batch.append(sft_sequence(state.tokenizer, body.trajectories[index],
-                                              state.request.config.max_seq_length))
-                except TokenizationError as exc:  # skipped and reported, as ART drops it from its batch
-                    dropped.append(f"trajectory {index}: {exc}")
-            if batch:
-                batches.append(batch)
-                batch_rates.append(rate)
-        if not batches:
-            raise HTTPException(422, "no trajectory can be trained: " + "; ".join(dropped[:3]))
+        try:
+            rates = body.learning_rates * -(-count // size) if len(body.learning_rates) == 1 else body.learning_rates
+            batches, batch_rates, dropped = [], [], []
+            for start, rate in zip(range(0, count, size), rates):  # as ART: batches of the list given, each its rate
+                batch = []
+                for index in range(start, min(start + size, count)):
+                    try:
+                        batch.append(sft_sequence(state.tokenizer, body.trajectories[index],
+                                                  state.request.config.max_seq_length))
+                    except TokenizationError as exc:  # skipped and reported, as ART drops it from its batch
+                        dropped.append(f"trajectory {index}: {exc}")
+                if batch:
+                    batches.append(batch)
+                    batch_rates.append(rate)
+            if not batches:
+                raise HTTPException(422, "no trajectory can be trained: " + "; ".join(dropped[:3]))
+        except BaseException:
+            timer.end()
+            raise
         for problem in dropped:
             log.warning("SFT of %s skips %s", name, problem)
         per_batch: list[dict[str, float]] = []
@@ -273,12 +343,12 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
                     "trained_tokens": tokens, "num_trajectories": float(count - len(dropped)),
                     "num_dropped_trajectories": float(len(dropped)), "num_batches": float(len(batches))}
 
-        return stream_step(name, state, work, lambda: per_batch)
+        return stream_step(name, state, work, timer, body.clock, lambda: per_batch)
 
     @app.post("/art/models/{name}/log", dependencies=guarded)
     async def log_metrics(name: str, body: LogRequest) -> dict:
         state = model(name)
-        entry = history_entry(state.step, body.split, body.metrics)
+        entry = history_entry(state.step if body.step is None else body.step, body.split, body.metrics)
         state.checkpoints.append_history(entry)
         return entry
 
@@ -348,10 +418,12 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
     sequences: list[Sequence] = []
     skipped: list[str] = []
     rewards: list[float] = []
+    group_stds: list[float] = []
     metric_values: dict[str, list[float]] = {}
     groups_skipped = exact = rerendered = 0
     for g, group in enumerate(body.groups):
         built: list[tuple[float, Built]] = []
+        group_stds.append(statistics.pstdev(t.reward for t in group.trajectories))
         for t, trajectory in enumerate(group.trajectories):
             rewards.append(trajectory.reward)
             for key, value in trajectory.metrics.items():
@@ -381,7 +453,8 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
         log.warning("training %s skips %s", state.name, line)
     if len(skipped) > _LOGGED_SKIPS:
         log.warning("training %s skips %d more trajectories", state.name, len(skipped) - _LOGGED_SKIPS)
-    metrics = {"reward": sum(rewards) / len(rewards), "num_groups": float(len(body.groups)),
+    metrics = {"reward": sum(rewards) / len(rewards), "reward_std_dev": sum(group_stds) / len(group_stds),
+               "num_groups": float(len(body.groups)),
                "num_trajectories": float(len(rewards)), "num_groups_skipped": float(groups_skipped),
                "num_trajectories_skipped": float(len(skipped)), "trained_tokens_exact": float(exact),
                "trained_tokens_rerendered": float(rerendered)}

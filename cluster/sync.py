@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from art_sky.checkpoints import CheckpointDir, steps_to_keep
 from art_sky.errors import CheckpointStoreError
 from art_sky.store import CheckpointStore
-from art_sky.wire import SyncStatus
+from art_sky.wire import ModelSync, SyncStatus
 
 log = logging.getLogger("art_sky.cluster")
 
@@ -25,6 +26,8 @@ class CheckpointSync:
         self._pending: list[str] = []
         self._failed: dict[tuple[str, str, int], tuple[CheckpointDir, str]] = {}
         self._synced: dict[str, int] = {}
+        self._uploading: dict[str, int] = {}  # model name -> the step uploading now
+        self._took: dict[str, float] = {}  # model name -> seconds its last upload took
         self._bytes = 0
 
     def submit(self, checkpoints: CheckpointDir, step: int) -> None:
@@ -35,6 +38,8 @@ class CheckpointSync:
             if checkpoints.manifest(step) is None:  # deleted locally since (retention): nothing to keep
                 self._failed.pop(key, None)
                 return
+            self._uploading[checkpoints.name] = step
+            began = time.monotonic()
             try:
                 self._bytes += await self.store.upload_step(checkpoints, step)
                 await self.store.upload_history(checkpoints)
@@ -44,9 +49,12 @@ class CheckpointSync:
                 log.warning("%s", message)
                 self._failed[key] = (checkpoints, message)
                 return
+            finally:
+                self._uploading.pop(checkpoints.name, None)
             self._failed.pop(key, None)
             self._synced[checkpoints.name] = max(step, self._synced.get(checkpoints.name, -1))
-            log.info("uploaded %s", self.store.where(*key))
+            self._took[checkpoints.name] = time.monotonic() - began
+            log.info("uploaded %s in %.1f s", self.store.where(*key), self._took[checkpoints.name])
 
         self._put(f"upload {checkpoints.name} step {step}", upload)
 
@@ -86,6 +94,19 @@ class CheckpointSync:
         return SyncStatus(uri=self.store.uri, strict=self.strict, pending=list(self._pending),
                           errors=[message for _, message in self._failed.values()], synced=dict(self._synced),
                           bytes_uploaded=self._bytes)
+
+    def model_sync(self, name: str) -> ModelSync:
+        """Where one model's checkpoints stand in the store (`art-sky status`)."""
+        failed = [message for (_, model, _), (_, message) in self._failed.items() if model == name]
+        if failed:
+            state, detail = "failed", failed[-1]
+        elif name in self._uploading:
+            state, detail = "uploading", f"step {self._uploading[name]} to {self.store.uri}"
+        elif name in self._took:
+            state, detail = "idle", f"{self.store.uri}, last upload took {self._took[name]:.1f} s"
+        else:
+            state, detail = "idle", self.store.uri
+        return ModelSync(state=state, step=self._synced.get(name), detail=detail)
 
     def _put(self, label: str, job: Callable[[], Awaitable[None]]) -> None:
         if self._queue is None:  # created on the server's running loop at first use

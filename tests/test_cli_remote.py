@@ -1,5 +1,6 @@
 """`art-sky up --host / --local`, `status / logs / tunnel / down` against a real sshd on this machine, with a
-rollout and a training step through each cluster (the SkyPilot path is in test_skypilot.py)."""
+rollout and a training step through each cluster (the SkyPilot path is in test_skypilot.py). The SSH test spells
+the name `--name NAME` (the alias), the local one `NAME` (the first argument)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def home(art_sky_home):  # noqa: F811
     """A private ART_SKY_HOME; a server a failed test left up is stopped with `art-sky down`."""
     yield art_sky_home
     for name in clusters.all_names(art_sky_home):
-        CliRunner().invoke(app, ["down", "--name", name])
+        CliRunner().invoke(app, ["down", name, "--force"])
 
 
 def alive(pid: int) -> bool:
@@ -71,7 +72,7 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, home):  # noqa: F811
     result = runner.invoke(app, up)
     assert result.exit_code == 0 and "already up" in result.output, result.output
     result = runner.invoke(app, ["up", "--host", f"{sshd.target().user}@localhost:{sshd.port}", "--name", "box"])
-    assert result.exit_code == 1 and "runs on" in result.output and "art-sky down --name box" in result.output
+    assert result.exit_code == 1 and "runs on" in result.output and "`art-sky down box` first" in result.output
 
     asyncio.run(attached_round("box", "cli-ssh"))
     result = runner.invoke(app, ["status"])
@@ -110,13 +111,13 @@ def test_up_local_is_a_detached_server_that_down_stops(home, tmp_path, monkeypat
     """`up --local` keeps the model's files where `art.LocalBackend()` does: ./.art of the working directory."""
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
-    result = runner.invoke(app, ["up", "--local", "--name", "here"])
+    result = runner.invoke(app, ["up", "here", "--local"])
     assert result.exit_code == 0 and "up on this machine" in result.output, result.output
     record = home / "clusters" / "here.json"
     pid = clusters.load(home, "here").pid
     assert alive(pid) and record.stat().st_mode & 0o777 == 0o600
-    assert "already up" in runner.invoke(app, ["up", "--local", "--name", "here"]).output
-    result = runner.invoke(app, ["up", "--host", "someone@example.invalid", "--name", "here"])
+    assert "already up" in runner.invoke(app, ["up", "here", "--local"]).output
+    result = runner.invoke(app, ["up", "here", "--host", "someone@example.invalid"])
     assert result.exit_code == 1 and "runs on this machine (local)" in result.output, result.output
 
     asyncio.run(attached_round("here", "cli-local"))
@@ -125,12 +126,12 @@ def test_up_local_is_a_detached_server_that_down_stops(home, tmp_path, monkeypat
     assert (tmp_path / ".art" / "run" / "here" / "server.log").exists()
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 0 and "this machine" in result.output and "agent (1)" in result.output, result.output
-    result = runner.invoke(app, ["logs", "--name", "here", "--lines", "200"])
+    result = runner.invoke(app, ["logs", "here", "--lines", "200"])
     assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
-    result = runner.invoke(app, ["ssh", "--name", "here"])
+    result = runner.invoke(app, ["ssh", "here"])
     assert result.exit_code == 1 and "runs on this machine" in result.output
 
-    result = runner.invoke(app, ["down", "--name", "here"])
+    result = runner.invoke(app, ["down", "here"])
     assert result.exit_code == 0 and "server stopped" in result.output, result.output
     assert not alive(pid) and not record.exists()
 

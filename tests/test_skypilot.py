@@ -169,7 +169,7 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
 def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
     monkeypatch.setattr(console, "width", 200)
     runner = CliRunner()
-    up = ["up", "--name", CLI_CLUSTER, "--infra", slurm_harness.INFRA, "--gpu", "none", "--cpus", "1",
+    up = ["up", CLI_CLUSTER, "--infra", slurm_harness.INFRA, "--gpu", "none", "--cpus", "1",
           "--memory", "1", "--autostop", "0"]
     for _ in range(6):  # the one local node may be full of other test runs' clusters for a while
         result = runner.invoke(app, up)
@@ -197,11 +197,11 @@ def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
     (line,) = [line for line in result.output.splitlines() if CLI_CLUSTER in line]
     assert all(part in line for part in ("sky", "Slurm/localcluster (UP)", "CPUs", "$0.00/h", "ok, portable",
                                          "agent (1)")), result.output
-    result = runner.invoke(app, ["logs", "--name", CLI_CLUSTER, "--lines", "200"])
+    result = runner.invoke(app, ["logs", CLI_CLUSTER, "--lines", "200"])
     assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
     assert "/.sky_clusters/" in ssh_and_follow(CLI_CLUSTER)  # into the Slurm job, its HOME set
 
-    result = runner.invoke(app, ["down", "--name", CLI_CLUSTER])
+    result = runner.invoke(app, ["down", CLI_CLUSTER])
     assert result.exit_code == 0 and "torn down" in result.output, result.output
     assert not slurm_harness.slurm_jobs(CLI_CLUSTER)
     assert asyncio.run(provisioner.cluster_status(CLI_CLUSTER)) is None

@@ -49,9 +49,10 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
         assert backend.base_url == f"http://127.0.0.1:{backend.tunnel.local_port}"
         assert model.inference_base_url == f"{backend.base_url}/v1"  # one tunnel, inference included
         assert (await backend.health()).version == art_sky.__version__
-        # The server runs the shipped wheel, installed in the venv's lib/, and got its key by environment only.
+        # The server runs the shipped wheel, installed in its own directory's lib/ (an unnamed backend's is
+        # clusters/default), with the host's venv; it got its key by environment only.
         assert (remote_dir / "venv" / "bin" / "python").exists()
-        assert (remote_dir / "lib" / "art_sky" / "cluster" / "server.py").exists()
+        assert (remote_dir / "clusters" / "default" / "lib" / "art_sky" / "cluster" / "server.py").exists()
         pid = backend.server.pid
         assert backend.api_key not in Path(f"/proc/{pid}/cmdline").read_text()
         assert f"ART_SKY_API_KEY={backend.api_key}" in Path(f"/proc/{pid}/environ").read_text().split("\0")
@@ -68,7 +69,7 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
     finally:
         await backend.close()
     assert not alive(pid)
-    assert not (remote_dir / "run" / "server.pid").exists()
+    assert not (remote_dir / "clusters" / "default" / "run" / "server.pid").exists()
 
 
 @pytest.fixture
@@ -137,14 +138,15 @@ async def test_logs_and_stop_reach_the_remote_server(sshd, prepared, art_sky_hom
     """keep_server leaves the server running after close(); stop_server() ends it."""
     backend = art_sky.SSHBackend(sshd.target(), options=prepared, keep_server=True)
     await backend.health()
-    pid = backend.server.pid
+    pid, pid_file = backend.server.pid, backend.server.layout.pid_file
+    assert pid_file == f"{prepared.remote_dir}/clusters/default/run/server.pid"
     assert "listening on 127.0.0.1" in await backend.logs()
     await backend.close()
     assert alive(pid)
     assert await backend.stop_server()
     assert not alive(pid)
     with SSHRunner(sshd.target(), Settings()) as session:
-        assert session.run(f"test -e {prepared.remote_dir}/run/server.pid", timeout=10, check=False).exit_code == 1
+        assert session.run(f"test -e {pid_file}", timeout=10, check=False).exit_code == 1
 
 
 @pytest.mark.slow

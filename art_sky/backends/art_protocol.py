@@ -22,10 +22,12 @@ log = logging.getLogger("art_sky")
 @dataclass
 class TrainResult:
     """What `backend.train(model, groups, ...)` returns, as ART 0.5's `TrainResult`: the step after training and
-    the step's metrics."""
+    the step's metrics; and art-sky's `totals`, the run's cumulative figures (`costs/cum/gpu`), kept apart because
+    ART's `model.log(metrics=...)` computes its own cumulative keys and refuses given ones."""
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
 
 
 # ART 0.5's LocalBackend.train keywords that art-sky's trainer maps onto TrainConfig.

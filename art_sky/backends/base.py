@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from art_sky.errors import (
     ConfigError,
     NotFoundError,
     ServerError,
+    TrainingStalledError,
     VersionMismatchError,
 )
 from art_sky.settings import Settings
@@ -35,6 +37,7 @@ from art_sky.wire import (
     ModelInfo,
     RegisterRequest,
     SFTRequest,
+    StepClock,
     SyncStatus,
     TrainConfig,
     TrainProgress,
@@ -68,6 +71,8 @@ class Backend:
         self._started = False
         self._start_lock = asyncio.Lock()
         self._steps: dict[str, asyncio.Task[TrainResult]] = {}  # each model's newest training step, in turn
+        self._returned: dict[str, float] = {}  # model name -> when its last step returned (or it registered)
+        self._price: tuple[float | None] | None = None  # the machine's hourly price, once asked
 
     @property
     def inference_base_url(self) -> str:
@@ -112,8 +117,10 @@ class Backend:
             return None
         request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
                                   config=model_config(model))
-        return ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
+        info = ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             idempotent=True))
+        self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
+        return info
 
     async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
         """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses."""
@@ -140,10 +147,37 @@ class Backend:
         await self._ensure_started()
         return ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
 
-    async def log(self, model: Model, split: str, metrics: dict[str, float]) -> None:
+    async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None:
+        """Add a line to the model's history (at `step`, default the current one)."""
         await self._ensure_started()
         await self._request("POST", f"/art/models/{model.name}/log",
-                            json=LogRequest(split=split, metrics=metrics).model_dump())
+                            json=LogRequest(split=split, metrics=metrics, step=step).model_dump())
+
+    async def history(self, name: str) -> list[dict]:
+        """Model `name`'s history.jsonl on the server: a line per step and per `model.log`, ART's flat keys."""
+        await self._ensure_started()
+        return await self._request("GET", f"/art/models/{name}/history")
+
+    async def hourly_cost(self) -> float | None:
+        """The machine's price in $ per hour: ART_SKY_HOURLY_COST where set, else what its provider knows (SkyPilot's
+        price of the cluster), else None. Each step's cost is this price over the step's wall time."""
+        if self.settings.hourly_cost is not None:
+            return self.settings.hourly_cost
+        if self._price is None:
+            self._price = (await self._provider_price(),)
+        return self._price[0]
+
+    async def _provider_price(self) -> float | None:
+        """The price the machine's provider knows; a plain server's machine has none."""
+        return None
+
+    # ART's hooks for `model.log(groups, split="train")`: it times the steps between its calls and, with a price,
+    # adds `costs/gpu` (ART's LocalBackend does the same for the GPUs it knows).
+    def supports_automatic_train_step_metrics(self) -> bool:
+        return True
+
+    def automatic_gpu_cost_per_hour_usd(self, model: Any) -> float | None:
+        return self.settings.hourly_cost if self.settings.hourly_cost is not None else (self._price or (None,))[0]
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]:
         await self._ensure_started()
@@ -231,7 +265,7 @@ class Backend:
             return TrainResult(step=current, metrics=staleness | {"num_trajectories": 0.0})
         result = await self._stream_step(model, "train", TrainRequest(groups=kept, config=config), verbose)
         assert result.step is not None
-        return TrainResult(step=result.step, metrics=result.metrics | staleness)
+        return TrainResult(step=result.step, metrics=result.metrics | staleness, totals=result.totals)
 
     async def _train_sft(self, model: TrainableModel, trajectories: Iterable[Any], config: Any,
                          dev_config: dict | None = None, verbose: bool = False) -> AsyncIterator[dict[str, float]]:
@@ -256,9 +290,16 @@ class Backend:
 
     async def _stream_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
                            verbose: bool) -> TrainProgress:
-        """POST a training request and follow its progress stream to the result."""
+        """POST a training request and follow its progress stream to the result. The request carries the step's
+        clock (how long its rollouts took, the machine's price); a step whose progress stops for
+        ART_SKY_TRAIN_STALL_TIMEOUT seconds raises TrainingStalledError, naming what the server is doing."""
         await self._ensure_started()
+        began = time.monotonic()
+        returned = self._returned.get(model.name)
+        request.clock = StepClock(gather_s=began - returned if returned is not None else None,
+                                  hourly_cost=await self.hourly_cost())
         bar = tqdm(desc=f"{route} {model.name}", unit="batch", disable=not verbose)
+        stall = _StallWatch(model.name, self.settings.train_stall_timeout)
         try:
             async with self._client().stream("POST", f"/art/models/{model.name}/{route}",
                                              content=request.model_dump_json(),
@@ -266,19 +307,30 @@ class Backend:
                 if response.status_code >= 400:
                     await response.aread()
                     self._raise_for(response)
-                async for line in response.aiter_lines():
+                lines = response.aiter_lines()
+                while True:
+                    try:
+                        line = await asyncio.wait_for(anext(lines), stall.remaining())
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        raise stall.error() from None
                     if not line.strip():
                         continue
                     event = TrainProgress.model_validate_json(line)
                     if event.type == "progress":
                         bar.total = event.total
                         bar.n = event.done
+                        if event.activity is not None:
+                            bar.set_description(f"{route} {model.name}: {event.activity.phase}", refresh=False)
                         bar.refresh()
+                        stall.saw(event)
                     elif event.type == "error":
                         raise ServerError(500, event.message or "training failed")
                     else:
                         for skipped in event.skipped:  # the step trained without them; say which and why
                             log.warning("%s: skipped %s", model.name, skipped)
+                        self._returned[model.name] = time.monotonic()
                         return event
         except httpx.TransportError as exc:
             raise BackendUnavailableError(
@@ -334,3 +386,44 @@ class Backend:
             detail = response.text
         kind = {401: AuthError, 404: NotFoundError}.get(response.status_code, ServerError)
         raise kind(response.status_code, str(detail))
+
+
+class _StallWatch:
+    """Follows a step's progress lines: what the server is doing, and since when nothing changed (no micro-batch
+    done, no new phase). A warning a third of the way to `timeout`; at it, `error()` says what the server was doing."""
+
+    def __init__(self, name: str, timeout: float):
+        self.name, self.timeout = name, timeout
+        self.last: TrainProgress | None = None
+        self.changed = time.monotonic()
+        self.warned = False
+
+    def saw(self, event: TrainProgress) -> None:
+        activity = event.activity
+        if self.last is None or (event.done, event.total, activity) != (self.last.done, self.last.total,
+                                                                        self.last.activity):
+            self.last, self.changed, self.warned = event, time.monotonic(), False
+        elif self.quiet() >= self.timeout / 3 and not self.warned:
+            self.warned = True
+            log.warning("training %s: no progress for %.0f s; the server is %s", self.name, self.quiet(),
+                        self.doing())
+        if self.quiet() >= self.timeout:
+            raise self.error()
+
+    def quiet(self) -> float:
+        return time.monotonic() - self.changed
+
+    def remaining(self) -> float:
+        return max(self.timeout - self.quiet(), 0.01)
+
+    def doing(self) -> str:
+        activity = self.last.activity if self.last is not None else None
+        if activity is None:
+            return "not saying what it does (no progress line came)"
+        return f"{activity.phase} {activity.detail}".strip()
+
+    def error(self) -> TrainingStalledError:
+        return TrainingStalledError(
+            f"training {self.name} made no progress for {self.quiet():.0f} s: the server is {self.doing()}. The step "
+            "goes on there: `art-sky status` shows what it does, `art-sky logs` its log, and `await "
+            "model.get_step()` tells when it committed. If steps are this slow, raise ART_SKY_TRAIN_STALL_TIMEOUT")

@@ -11,8 +11,10 @@ import asyncio
 import secrets
 from typing import ClassVar
 
+from pydantic import BaseModel
+
 from art_sky import clusters
-from art_sky.errors import ArtSkyError, ConfigError
+from art_sky.errors import ArtSkyError, BackendUnavailableError, ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.remote import lifecycle
 from art_sky.remote.lifecycle import RemoteServer
@@ -25,6 +27,17 @@ from .base import Backend
 ATTACH_TIMEOUT = 30.0  # a recorded server answers at once, or is broken
 
 
+class Machine(BaseModel):
+    """A cluster's machine as `art-sky status` shows it; what the kind knows (SkyPilot: state, price)."""
+
+    where: str  # the machine, in words (SkyPilot: its infra)
+    state: str | None = None  # SkyPilot's: UP, INIT, STOPPED; "gone" once it is not listed; None: not tracked
+    accelerators: str | None = None  # "H100:1", "CPUs"; None: not known
+    uptime_s: float | None = None
+    hourly_cost: float | None = None  # dollars an hour, where SkyPilot knows the price
+    note: str | None = None  # why something is not known
+
+
 class ClusterBackend(Backend):
     """Starts a cluster server (or attaches to a recorded one: `server` set) and talks to it over HTTP.
 
@@ -33,6 +46,7 @@ class ClusterBackend(Backend):
     """
 
     kind: ClassVar[str]  # how the machine was obtained, as the cluster record says: local, ssh, sky
+    name: str | None = None  # the cluster's name, where it has one (a record's; `art-sky up NAME`)
 
     def __init__(self, *, api_key: str | None = None, keep_server: bool = False, settings: Settings | None = None):
         super().__init__(settings=settings)
@@ -82,6 +96,7 @@ class ClusterBackend(Backend):
         return self._machine
 
     def _attached(self, record: clusters.ClusterRecord) -> ClusterBackend:
+        self.name = record.name
         self.keep_server = True
         self._api_key = record.api_key.get_secret_value()
         self.server = RemoteServer(layout=record.layout, port=record.port, pid=record.pid)
@@ -112,7 +127,8 @@ class ClusterBackend(Backend):
             raise
 
     def _wait_ready(self, layout: ServerLayout, timeout: float, stop: bool, attached: bool) -> RemoteServer:
-        hint = " (start it again with `art-sky up`)" if attached else ""
+        hint = (f"`art-sky logs {self.name}` shows why, `art-sky up {self.name}` starts it again" if attached
+                else "")
 
         def reach(port: int) -> str:
             self.base_url = self._reach(port)
@@ -121,9 +137,9 @@ class ClusterBackend(Backend):
         return lifecycle.wait_ready(self.machine_runner(), layout, timeout=timeout, reach=reach, stop_on_timeout=stop,
                                     waits_for_start=self.waits_for_start and not attached, hint=hint)
 
-    async def machine(self) -> dict[str, str]:
-        """The machine for `art-sky status`: where (and, where known, accelerators and cost)."""
-        return {"where": self.where}
+    async def machine(self) -> Machine:
+        """The machine for `art-sky status`: where (and, where the kind knows them, state, accelerators, cost)."""
+        return Machine(where=self.where)
 
     async def logs(self, lines: int = 30) -> str:
         """The last lines of the server's log (it need not be running)."""
@@ -156,27 +172,54 @@ class ClusterBackend(Backend):
             await self._flush_before_stop(force, f"{self.where}:{self._layout().art_path}")
         await self._shutdown(stop_server=not self.keep_server)
 
+    async def server_state(self) -> lifecycle.ServerStatus:
+        """Is the recorded server running (a look at its run files, no request to it)? Raises
+        `BackendUnavailableError` when the machine cannot be reached."""
+        return await asyncio.to_thread(lifecycle.status, self.machine_runner(), self._layout())
+
     async def down(self, force: bool = False) -> str:
         """Stop the server for good once every checkpoint is in the store (`force`: even if not, or if the server
-        cannot be asked); say what was done. A SkyPilot cluster is torn down."""
+        cannot be asked); say what was done. A server that has already exited is done at once (nothing can be
+        flushed from it). A SkyPilot cluster is torn down."""
         layout = self._layout()
-        if not force:
+        try:
+            state = (await self.server_state()).state
+        except BackendUnavailableError as exc:
+            if not force:
+                first, detail = _split(exc)
+                raise ConfigError(f"cannot reach {self.where} to stop the server ({first}): fix that and retry, or "
+                                  f"forget the cluster anyway with {self._forced_down}{detail}") from exc
+            state = None  # unreachable: `_end` does what it can without the machine
+        if state != "stopped" and not force:
             try:
                 await self.flush_checkpoints()
             except ArtSkyError as exc:
-                raise ConfigError(f"not stopping the server on {self.where}: {exc}. Fix it, or stop it anyway with "
-                                  "force=True (`art-sky down --force`)") from exc
+                first, detail = _split(exc)
+                raise ConfigError(f"not stopping the server on {self.where}: {first}. Fix it, or stop it anyway "
+                                  f"with {self._forced_down}{detail}") from exc
         await Backend.close(self)
         await asyncio.to_thread(self._unreach)
         self.server = None
         try:
-            return await self._end(layout)
+            return await self._end(layout, state)
         finally:
             await self._shutdown(stop_server=False)  # and the machine's runner, once `_end` is done with it
 
-    async def _end(self, layout: ServerLayout) -> str:
-        """What `down` does once the checkpoints are safe: stop the server."""
-        return "server stopped" if await asyncio.to_thread(self._stop, layout) else "server was not running"
+    async def _end(self, layout: ServerLayout, state: str | None) -> str:
+        """What `down` does once the checkpoints are safe: stop the server (`state`: what `server_state` found,
+        None when the machine could not be reached)."""
+        if state is None:
+            return (f"{self.where} could not be reached: a server still running there was left alone (stop it "
+                    f"there: its pid is in {layout.pid_file})")
+        if await asyncio.to_thread(self._stop, layout):
+            return "server stopped"
+        if state == "stopped":
+            return f"the server had already exited (its log: {layout.log_file})"
+        return "server was not running"
+
+    @property
+    def _forced_down(self) -> str:
+        return f"`art-sky down {self.name} --force`" if self.name else "down(force=True)"
 
     def record(self, name: str) -> clusters.ClusterRecord:
         """What `art-sky up` saves about this backend's running server."""
@@ -199,3 +242,9 @@ class ClusterBackend(Backend):
         machine, self._machine = self._machine, None
         if machine is not None:
             machine.close()
+
+
+def _split(exc: Exception) -> tuple[str, str]:
+    """An error's first line, and the rest (detail) with its leading newline, to word a new error around it."""
+    first, newline, rest = str(exc).partition("\n")
+    return first.rstrip(". :"), newline + rest

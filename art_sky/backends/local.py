@@ -40,6 +40,7 @@ class LocalBackend(ClusterBackend):
         self.python = python
         self.port = port
         self.env = server_env(self.settings, checkpoint_uri) | (env or {})
+        self.name = name
         server = name or f"backend-{os.getpid()}-{next(_INSTANCES)}"
         self.layout = ServerLayout(run_dir=str(self.path / "run" / clusters.check_name(server)),
                                    art_path=str(self.path))

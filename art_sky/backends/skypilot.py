@@ -9,6 +9,7 @@ left behind by an SSH session is reaped, a job is not, and SkyPilot's autostop s
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,15 @@ from art_sky.errors import ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.provisioners import sky as provisioner
 from art_sky.provisioners.sky_task import SERVER_DIR, ClusterSpec, render_task, validate_task
+from art_sky.remote.runner import first_line
 from art_sky.remote.wheel import build_wheel
 from art_sky.settings import Settings, read_env_file
 from art_sky.store import server_env
 
+from .cluster import Machine
 from .ssh import SSHBackend
+
+log = logging.getLogger("art_sky")
 
 
 class SkyPilotBackend(SSHBackend):
@@ -42,7 +47,8 @@ class SkyPilotBackend(SSHBackend):
     def __init__(self, cluster_name: str, spec: ClusterSpec | None, *, force_restart: bool = False,
                  api_key: str | None = None, source: Path | None = None, local_port: int = 0,
                  settings: Settings | None = None):
-        super().__init__(keep_server=True, api_key=api_key, local_port=local_port, settings=settings)
+        super().__init__(keep_server=True, api_key=api_key, local_port=local_port, name=cluster_name,
+                         settings=settings)
         self.cluster_name = clusters.check_name(cluster_name)
         self.spec = spec
         self.force_restart = force_restart
@@ -109,32 +115,52 @@ class SkyPilotBackend(SSHBackend):
         home = await asyncio.to_thread(self.machine_runner().run, f'echo "$HOME/{SERVER_DIR}"', timeout=30)
         return ServerLayout.under(home.stdout.strip())
 
-    async def _end(self, layout: ServerLayout) -> str:
+    async def _end(self, layout: ServerLayout, state: str | None) -> str:
         await provisioner.down(self.cluster_name)
         return "SkyPilot cluster torn down"
 
     async def down(self, force: bool = False) -> str:
         """Tear the cluster down (its VM, pod or Slurm job goes away) once every checkpoint is in the store;
-        `force=True` tears it down anyway. Its record is removed."""
-        if self.server is None:  # never started here: nothing to flush, nothing to ask
-            done = await self._end(ServerLayout.under(SERVER_DIR))
+        `force=True` tears it down anyway. A cluster that no longer exists is only forgotten. Its record is
+        removed."""
+        state = await provisioner.cluster_status(self.cluster_name)
+        if state is None:
+            done = "the SkyPilot cluster no longer exists"
+        elif self.server is None:  # never started here: nothing to flush, nothing to ask
+            done = await self._end(ServerLayout.under(SERVER_DIR), None)
+        elif state != "UP" and not force:
+            raise ConfigError(f"{self.where} is {state}: `sky start {self.cluster_name}` so that its checkpoints "
+                              f"can reach the store first, or tear it down as it is with `art-sky down "
+                              f"{self.cluster_name} --force`")
+        elif state != "UP":
+            done = await self._end(self._layout(), None)
         else:
             done = await super().down(force)
         clusters.remove(self.settings.home, self.cluster_name)
         return done
 
-    async def machine(self) -> dict[str, str]:
-        """The cluster as SkyPilot lists it: infra and status, accelerators, uptime and cost."""
+    async def machine(self) -> Machine:
+        """The cluster as SkyPilot lists it: infra and state, accelerators, uptime and price."""
         try:
             rows = {row.name: row for row in await provisioner.status()}
         except Exception as exc:  # noqa: BLE001 (status is a report: say why SkyPilot could not be asked)
-            return {"where": f"SkyPilot unreachable: {exc}"}
+            return Machine(where=self.where, note=f"SkyPilot could not be asked: {first_line(str(exc))}")
         row = rows.get(self.cluster_name)
         if row is None:
-            return {"where": "gone (not in `sky status`)"}
-        return {"where": f"{row.infra} ({row.status})",
-                "accelerators": ", ".join(f"{k}:{v:g}" for k, v in (row.accelerators or {}).items()) or "CPUs",
-                "cost": _uptime_and_cost(row)}
+            return Machine(where=self.where, state="gone", note="not in `sky status`")
+        return Machine(where=row.infra, state=row.status, uptime_s=row.uptime_s, hourly_cost=row.hourly_cost,
+                       accelerators=", ".join(f"{k}:{v:g}" for k, v in (row.accelerators or {}).items()) or "CPUs")
+
+    async def _provider_price(self) -> float | None:
+        """SkyPilot's price of the cluster (its launched resources), for each step's cost."""
+        try:
+            rows = {row.name: row for row in await provisioner.status()}
+        except Exception as exc:  # noqa: BLE001 (the price is a report: steps go on without it)
+            log.warning("no price for %s: SkyPilot could not be asked (%s); steps are not costed", self.cluster_name,
+                        exc)
+            return None
+        row = rows.get(self.cluster_name)
+        return row.hourly_cost if row is not None else None
 
     @classmethod
     def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
@@ -142,16 +168,6 @@ class SkyPilotBackend(SSHBackend):
         backend = cls(record.name, None, local_port=local_port, settings=settings)
         backend.target = record.target
         return backend._attached(record)
-
-
-def _uptime_and_cost(row: provisioner.ClusterInfo) -> str:
-    """"2h05m, $3.20/h, $6.67 so far": the price where SkyPilot knows one."""
-    uptime = row.uptime_s or 0.0
-    minutes = int(uptime // 60)
-    shown = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
-    if row.hourly_cost is None:
-        return f"{shown}, price unknown"
-    return f"{shown}, ${row.hourly_cost:.2f}/h, ${row.hourly_cost * uptime / 3600:.2f} so far"
 
 
 def _version_or_source(value: str | Path | None) -> tuple[str | None, Path | None]:
@@ -173,5 +189,5 @@ def _recorded_key(home: Path, cluster_name: str) -> str | None:
     record = clusters.load(home, cluster_name)
     if record.kind != "sky":
         raise ConfigError(f"the name {cluster_name!r} is taken by a {record.kind} cluster on {record.where}: "
-                          f"`art-sky down --name {cluster_name}` first, or pick another cluster_name")
+                          f"`art-sky down {cluster_name}` first, or pick another cluster_name")
     return record.api_key.get_secret_value()

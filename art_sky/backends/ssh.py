@@ -30,15 +30,20 @@ class SSHBackend(ClusterBackend):
     `close()` closes the tunnel and, unless `keep_server`, stops the remote server once its checkpoints are in the
     store (`force=True` stops it anyway). `options` say where and how the server runs (remote dir, a prepared
     `python`, port, extra environment); `checkpoint_uri` (default ART_SKY_CHECKPOINT_URI) is the object store the
-    server mirrors checkpoints to, with the store's credentials set here (environment or .env).
+    server mirrors checkpoints to, with the store's credentials set here (environment or .env). `name` names the
+    server's own directory on the host (`<remote_dir>/clusters/<name>`: its build and run files; `art-sky up`
+    passes the cluster's name): backends of one host with different names run side by side, and starting one
+    replaces only a server of the same name.
     """
 
     kind = "ssh"
 
     def __init__(self, target: SSHTarget | str | None = None, *, key_path: str | Path | None = None,
                  options: BootstrapOptions | None = None, local_port: int = 0, keep_server: bool = False,
-                 api_key: str | None = None, checkpoint_uri: str | None = None, settings: Settings | None = None):
+                 api_key: str | None = None, checkpoint_uri: str | None = None, name: str = "default",
+                 settings: Settings | None = None):
         super().__init__(api_key=api_key, keep_server=keep_server, settings=settings)
+        self.name = clusters.check_name(name)
         self.target = SSHTarget.parse(target, key_path) if isinstance(target, str) else target
         options = options or BootstrapOptions()
         self.options = options.model_copy(update={"env": server_env(self.settings, checkpoint_uri) | options.env})
@@ -75,7 +80,8 @@ class SSHBackend(ClusterBackend):
     def _install_and_start(self) -> ServerLayout:
         runner = self.machine_runner()
         with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
-            installed = install(runner, build_wheel(Path(tmp)), self.options, self.settings.remote_install_timeout)
+            installed = install(runner, build_wheel(Path(tmp)), self.options, self.settings.remote_install_timeout,
+                                name=self.name)
             self._launch_server(runner, installed.layout, python=installed.python, env=self.options.env,
                                 port=self.options.port, pythonpath=installed.pythonpath)
             return installed.layout
@@ -83,4 +89,4 @@ class SSHBackend(ClusterBackend):
     @classmethod
     def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
                     settings: Settings | None = None) -> SSHBackend:
-        return cls(record.target, local_port=local_port, settings=settings)._attached(record)
+        return cls(record.target, local_port=local_port, name=record.name, settings=settings)._attached(record)

@@ -1,5 +1,10 @@
 """`art-sky`: the command line. Each command wraps the async Python API: clusters (up, down, status, logs, tunnel,
-ssh), checkpoints in the object store, CI jobs, and the demo."""
+ssh), checkpoints in the object store, CI jobs, and the demo.
+
+Conventions: a cluster command's first argument is the cluster's NAME (`--name` is an alias; default `art`); a
+checkpoints command's are PROJECT [MODEL], since it acts on the object store, which outlives clusters. Errors are
+one or two lines from one boundary (cli/errors.py); `art-sky --verbose COMMAND` adds their detail and every
+library's log."""
 
 from __future__ import annotations
 
@@ -10,11 +15,18 @@ import typer
 
 import art_sky
 
-from . import checkpoints, ci, clusters
-from .errors import console, friendly
+from . import checkpoints, ci, clusters, plot
+from .errors import ErrorBoundary, console
 
 app = typer.Typer(help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, cls=ErrorBoundary)
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="show errors in full (a server log's last "
+                                                                      "lines, a remote command's output) and every "
+                                                                      "library's log lines")) -> None:
+    """Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters."""
 
 
 @app.command()
@@ -26,12 +38,14 @@ def demo(
     seed: int = typer.Option(0, help="seed for prompts and sampling"),
     path: Path = typer.Option(Path(".art"), help="checkpoint root (ART's .art)"),
     plot: Path = typer.Option(Path("demo-reward.png"), help="where to draw the reward curve"),
+    resume: bool = typer.Option(False, "--resume", help="continue the previous run's model (default: a fresh model, "
+                                                        "the previous run's demo checkpoints removed)"),
 ) -> None:
     """Run the whole loop on this machine's CPU with the embedded tiny model and watch the reward climb."""
     from art_sky.demo import run_demo
 
     rewards = asyncio.run(run_demo(steps=steps, groups=groups, group_size=group_size, learning_rate=learning_rate,
-                                   seed=seed, path=path, plot=plot, echo=_plain))
+                                   seed=seed, path=path, plot=plot, resume=resume, echo=_plain))
     console.print(f"mean reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")
 
 
@@ -46,7 +60,9 @@ def version() -> None:
     console.print(art_sky.__version__)
 
 
-for command in (clusters.up, clusters.down, clusters.status, clusters.logs, clusters.tunnel, clusters.ssh):
-    app.command()(friendly(command))
+for command in (clusters.up, clusters.down, clusters.status, clusters.logs, clusters.tunnel):
+    app.command()(command)
+app.command(cls=clusters.CommandAfterDashes)(clusters.ssh)
+app.command()(plot.plot)
 app.add_typer(checkpoints.app, name="checkpoints", help="List, pull, push and delete checkpoints in the object store.")
 app.add_typer(ci.app, name="ci")

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import typer
-from rich.table import Column, Table
 from tqdm.auto import tqdm
 
 from art_sky.checkpoints import CheckpointDir, steps_to_keep
@@ -16,11 +15,12 @@ from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 
-from .errors import console, friendly
+from . import table
+from .errors import ErrorBoundary, console
 
 app = typer.Typer(
     help="LoRA checkpoints in the object store (ART_SKY_CHECKPOINT_URI or --uri): list, pull, push, delete.",
-    no_args_is_help=True)
+    no_args_is_help=True, cls=ErrorBoundary)
 
 URI_HELP = "store URI: s3://bucket/prefix, gs://bucket/prefix or file:///path (default ART_SKY_CHECKPOINT_URI)"
 
@@ -38,36 +38,37 @@ def _bar(description: str, total: int) -> tqdm:
 
 
 @app.command("ls")
-@friendly
 def ls(
     project: str | None = typer.Argument(None, help="only this project"),
     model: str | None = typer.Argument(None, help="only this model of the project"),
     uri: str | None = typer.Option(None, help=URI_HELP),
+    as_json: bool = typer.Option(False, "--json", help="print JSON for scripts: a list with one object per step"),
 ) -> None:
     """List the complete steps in the store: step, size, time, metrics and where each is."""
 
-    async def work() -> None:
+    async def work() -> tuple[str, list[dict]]:
         store = _store(uri)
         pairs = [(project, model)] if project and model else [
             pair for pair in await store.models() if project in (None, pair[0])]
-        table = Table("project", "model", "step", "size", "saved", Column("metrics", overflow="fold"),
-                      Column("where", overflow="fold"))
-        for pair in pairs:
-            for manifest in await store.manifests(*pair):
-                metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(manifest.metrics.items()))
-                table.add_row(*pair, str(manifest.step), _size(manifest.size_bytes),
-                              time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created_at)), metrics,
-                              store.where(*pair, manifest.step))
-        if table.row_count:
-            console.print(table)
-        else:
-            console.print(f"no checkpoints in {store.uri}" + (f" for {project}" if project else ""))
+        return store.uri, [{"project": p, "model": m, "step": step.step, "size_bytes": step.size_bytes,
+                            "created_at": step.created_at, "metrics": step.metrics,
+                            "where": store.where(p, m, step.step)}
+                           for p, m in pairs for step in await store.manifests(p, m)]
 
-    asyncio.run(work())
+    where, steps = asyncio.run(work())
+    if as_json:
+        print(json.dumps(steps, indent=2))
+    elif steps:
+        table.show(("PROJECT", "MODEL", "STEP", "SIZE", "SAVED", "METRICS", "WHERE"),
+                   [(s["project"], s["model"], str(s["step"]), _size(s["size_bytes"]),
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created_at"])),
+                     ", ".join(f"{k}={v:.4g}" for k, v in sorted(s["metrics"].items())) or "-", s["where"])
+                    for s in steps], shrink=(5, 6))
+    else:
+        console.print(f"no checkpoints in {where}" + (f" for {project}" if project else ""))
 
 
 @app.command("pull")
-@friendly
 def pull(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),
@@ -94,7 +95,6 @@ def pull(
 
 
 @app.command("push")
-@friendly
 def push(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),
@@ -121,7 +121,6 @@ def push(
 
 
 @app.command("rm")
-@friendly
 def rm(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 import secrets
 import shlex
@@ -17,15 +16,22 @@ from art_sky.provisioners.sky_task import CIJobSpec, parse_gpus
 from art_sky.remote.ssh import SSHTarget
 from art_sky.settings import Settings, read_env_file
 
-from .errors import friendly
+from .errors import ErrorBoundary
+
+
+class CIErrors(ErrorBoundary):
+    """art-sky's own failures exit with 2, apart from the command's own exit codes."""
+
+    exit_code = EXIT_ERROR
+    prefix = "art-sky ci: "
+
 
 app = typer.Typer(help="Run tests or a training smoke run on a fresh GPU machine, always torn down (for CI).",
-                     no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, cls=CIErrors)
 AUTODOWN_MARGIN_MINUTES = 5  # idle minutes after the job ends (the node's own timeout ends it) before autodown
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
-@functools.partial(friendly, exit_code=EXIT_ERROR, prefix="art-sky ci: ")
 def run(
     command: list[str] = typer.Argument(..., help="the command, after `--`; one argument runs as a shell line "
                                                   "(\"pip install . && pytest\")"),

@@ -1,8 +1,9 @@
 """CLI commands for clusters: up, down, status, logs, tunnel, ssh (mounted by art_sky.cli).
 
-Each command is a thin wrapper over the backends: `up` builds the backend its flags ask for (a SkyPilot cluster by
-default, `--host`, or `--local`), starts it and records it; the others `attach` to the record (the one place its
-kind picks a backend) and call the same methods whatever the kind.
+Each takes the cluster's name as its first argument (`art-sky down box`, as `sky down box`), `--name` as an
+alias, `art` by default. Each command is a thin wrapper over the backends: `up` builds the backend its flags ask
+for (a SkyPilot cluster by default, `--host`, or `--local`), starts it and records it; the others `attach` to the
+record (the one place its kind picks a backend) and call the same methods whatever the kind.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import asyncio
 import os
 from enum import Enum
 from pathlib import Path
+from typing import NoReturn
 
 import typer
-from rich.table import Table
+from typer.core import TyperCommand
 
 from art_sky import clusters
 from art_sky.backends import ClusterBackend, LocalBackend, SkyPilotBackend, SSHBackend, attach
@@ -23,6 +25,7 @@ from art_sky.remote.install import BootstrapOptions
 from art_sky.settings import Settings
 
 from .errors import console
+from .status import status_command
 
 SKY, HOST = "SkyPilot cluster (default)", "SSH host (--host) and this machine (--local)"
 
@@ -32,12 +35,36 @@ class Extras(str, Enum):
     gpu = "gpu"
 
 
-NAME = typer.Option("art", "--name", "-n", help="the cluster's name (its record: ~/.art-sky/clusters/NAME.json; "
-                                                 "a SkyPilot cluster's name too)")
+DEFAULT_NAME = "art"
+NAME = typer.Argument(None, metavar="NAME", show_default=False,
+                      help=f"the cluster's name (default: {DEFAULT_NAME}); its record is "
+                           "~/.art-sky/clusters/NAME.json, and a SkyPilot cluster has this name too")
+NAME_OPTION = typer.Option(None, "--name", "-n", metavar="NAME", show_default=False, help="the same as NAME")
+
+
+def cluster_name(argument: str | None, option: str | None) -> str:
+    """The cluster a command is about: NAME, or `--name` (its older spelling), or the default."""
+    if argument and option and argument != option:
+        raise ConfigError(f"two cluster names, {argument!r} and --name {option!r}: give one")
+    return clusters.check_name(argument or option or DEFAULT_NAME)
+
+
+class CommandAfterDashes(TyperCommand):
+    """`art-sky ssh NAME -- COMMAND...`: everything after `--` is the command, so `art-sky ssh -- ls` runs `ls` on
+    the default cluster rather than taking `ls` for a cluster's name."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if "--" not in args:
+            return super().parse_args(ctx, args)
+        split = args.index("--")
+        rest = super().parse_args(ctx, args[:split])
+        ctx.params["command"] = args[split + 1:]
+        return rest
 
 
 def up(
-    name: str = NAME,
+    name: str | None = NAME,
+    name_option: str | None = NAME_OPTION,
     host: str | None = typer.Option(None, "--host", help="user@host[:port] of a machine you can ssh into, instead "
                                                         "of a SkyPilot cluster", rich_help_panel=HOST),
     local: bool = typer.Option(False, "--local", help="run the server detached on this machine instead",
@@ -66,8 +93,9 @@ def up(
                                                           "torch)", rich_help_panel=HOST),
     extras: Extras = typer.Option(Extras.cluster, help="extras installed in the venv: cluster, or gpu for vLLM "
                                                        "and Unsloth", rich_help_panel=HOST),
-    remote_dir: str = typer.Option(".art-sky/server", help="working directory on the host (relative: under home)",
-                                   rich_help_panel=HOST),
+    remote_dir: str = typer.Option(".art-sky/server", help="art-sky's directory on the host (relative: under home), "
+                                                           "shared by its clusters; each has its own clusters/NAME "
+                                                           "there", rich_help_panel=HOST),
     path: Path = typer.Option(Path(".art"), help="--local: the checkpoint root (ART's .art, as LocalBackend's)",
                               rich_help_panel=HOST),
     port: int = typer.Option(0, help="the server's port on the host (it binds 127.0.0.1 only); 0 picks a free "
@@ -75,13 +103,15 @@ def up(
     force_restart: bool = typer.Option(False, help="restart the server even if one is up with this version"),
 ) -> None:
     """Start a cluster server: on a SkyPilot cluster (launched or reused), an SSH host, or this machine."""
+    name = cluster_name(name, name_option)
     if host and local:
         raise ConfigError("--host and --local name two different machines: give one (or neither, for SkyPilot)")
     settings = Settings()
     if host:
         options = BootstrapOptions(remote_dir=remote_dir, python=python, venv_python=venv_python,
                                    system_site_packages=system_site_packages, extras=extras.value, port=port)
-        backend: ClusterBackend = SSHBackend(host, key_path=key, options=options, keep_server=True, settings=settings)
+        backend: ClusterBackend = SSHBackend(host, key_path=key, options=options, keep_server=True, name=name,
+                                             settings=settings)
     elif local:
         backend = LocalBackend(path=path, name=name, port=port, keep_server=True, settings=settings)
     else:
@@ -92,8 +122,8 @@ def up(
     if name in clusters.all_names(settings.home):
         existing = clusters.load(settings.home, name)
         if (existing.kind, existing.where) != (backend.kind, backend.where):
-            raise ConfigError(f"cluster {name!r} runs on {existing.where} ({existing.kind}): `art-sky down --name "
-                              f"{name}` first, or pick another --name")
+            raise ConfigError(f"cluster {name!r} runs on {existing.where} ({existing.kind}): `art-sky down {name}` "
+                              "first, or pick another name")
         if not force_restart and asyncio.run(_answers(attach(name, settings=settings))):
             console.print(f"cluster {name!r} is already up (same version); --force-restart restarts it")
             return
@@ -101,7 +131,7 @@ def up(
     record = asyncio.run(_start(backend, name))
     console.print(f"cluster {name!r} up on {record.where}, server port {record.port} (127.0.0.1 there).\n"
                   f"Use it from Python with `art_sky.attach({name!r})`, or hold a tunnel with "
-                  f"`art-sky tunnel --name {name}`.")
+                  f"`art-sky tunnel {name}`.")
 
 
 async def _start(backend: ClusterBackend, name: str) -> clusters.ClusterRecord:
@@ -125,64 +155,51 @@ async def _answers(backend: ClusterBackend) -> bool:
         await backend.close()
 
 
-def down(name: str = NAME,
+def down(name: str | None = NAME, name_option: str | None = NAME_OPTION,
          force: bool = typer.Option(False, "--force", help="stop even if checkpoints are not in the object store "
-                                                           "yet, or the server cannot be reached to ask")) -> None:
+                                                           "yet, or the machine cannot be reached to ask")) -> None:
     """Stop the cluster's server and forget the cluster. A SkyPilot cluster is torn down (`sky down`); an SSH host
-    and its files stay. Waits first until every checkpoint is in the object store (when one is configured)."""
+    and its files stay. Waits first until every checkpoint is in the object store (when one is configured); a
+    server that has already exited is forgotten at once."""
+    name = cluster_name(name, name_option)
     settings = Settings()
     backend = attach(name, settings=settings)
-    with console.status(f"waiting until {name!r} has its checkpoints in the store, then stopping it ..."):
+    with console.status(f"stopping {name!r} once its checkpoints are in the store ..."):
         done = asyncio.run(backend.down(force=force))
     clusters.remove(settings.home, name)
-    console.print(f"cluster {name!r}: {done}; record removed")
+    console.print(f"cluster {name!r}: {done}; record removed", markup=False, highlight=False, soft_wrap=True)
 
 
-def status() -> None:
-    """The clusters: kind, where, accelerators, uptime and cost (where SkyPilot knows the price), server health,
-    models and their steps."""
-    settings = Settings()
-    names = clusters.all_names(settings.home)
-    if not names:
-        console.print("no clusters: start one with `art-sky up` (SkyPilot), `--host user@host` or `--local`")
-        return
-    table = Table("name", "kind", "where", "accelerators", "uptime, cost", "server", "models (step)")
-    for column in table.columns:
-        column.overflow = "fold"  # show every character: names and hosts get copied from here
-    for name in names:
-        backend = attach(name, settings=settings)
-        machine, health, models = asyncio.run(_describe(backend))
-        table.add_row(name, backend.kind, machine["where"], machine.get("accelerators", "-"),
-                      machine.get("cost", "-"), health, models)
-    console.print(table)
+def status(names: list[str] | None = typer.Argument(None, metavar="NAME", show_default=False,
+                                                    help="only these clusters (default: every one)"),
+           as_json: bool = typer.Option(False, "--json", help="print JSON for scripts: a list with one object per "
+                                                              "cluster")) -> None:
+    """The clusters: kind, where, accelerators, uptime and cost (where SkyPilot knows the price), server state,
+    models and their steps. One line per cluster; a narrow terminal cuts other columns, never names."""
+    status_command(names, as_json)
 
 
-async def _describe(backend: ClusterBackend) -> tuple[dict[str, str], str, str]:
-    """The machine, the server's health, and its models with their steps."""
-    machine = await backend.machine()
+def logs(name: str | None = NAME, name_option: str | None = NAME_OPTION,
+         lines: int = typer.Option(50, "--lines", "-l", min=1, help="how many lines"),
+         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C ends)")) -> None:
+    """Print the last lines of the cluster server's log (it need not be running), or follow it."""
+    backend = attach(cluster_name(name, name_option))
+    if follow:
+        _exec(backend.follow_argv(lines))
+    console.print(asyncio.run(_logs(backend, lines)), markup=False, highlight=False, soft_wrap=True)
+
+
+async def _logs(backend: ClusterBackend, lines: int) -> str:
     try:
-        health = await backend.health()
-        models = ", ".join(f"{m.name} ({m.step})" for m in await backend.models()) or "none"
-        return machine, f"ok, {health.engine} on {health.device}", models
-    except ArtSkyError as exc:
-        return machine, f"unreachable: {exc}", "-"
+        return await backend.logs(lines)
     finally:
         await backend.close()
 
 
-def logs(name: str = NAME, lines: int = typer.Option(50, "--lines", "-l", min=1, help="how many lines"),
-         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C ends)")) -> None:
-    """Print the last lines of the cluster server's log, or follow it."""
-    backend = attach(name)
-    if follow:
-        argv = backend.follow_argv(lines)
-        os.execvp(argv[0], argv)
-    console.print(asyncio.run(backend.logs(lines)), markup=False, highlight=False, soft_wrap=True)
-
-
-def tunnel(name: str = NAME, local_port: int = typer.Option(0, help="local port on 127.0.0.1; 0 picks one")) -> None:
+def tunnel(name: str | None = NAME, name_option: str | None = NAME_OPTION,
+           local_port: int = typer.Option(0, help="local port on 127.0.0.1; 0 picks one")) -> None:
     """Hold a tunnel to the cluster's server in the foreground (Ctrl-C ends it); prints base URL and API key."""
-    backend = attach(name, local_port=local_port)
+    backend = attach(cluster_name(name, name_option), local_port=local_port)
 
     async def hold() -> None:
         try:
@@ -200,8 +217,18 @@ def tunnel(name: str = NAME, local_port: int = typer.Option(0, help="local port 
         console.print("tunnel closed")
 
 
-def ssh(name: str = NAME, command: list[str] | None = typer.Argument(None, help="a command to run instead of a shell"),
-        ) -> None:
-    """Open a shell (or run a command) on the cluster's machine with the system's ssh client."""
-    argv = attach(name).shell_argv(command or [])
-    os.execvp(argv[0], argv)
+def ssh(name: str | None = NAME,
+        command: list[str] | None = typer.Argument(None, metavar="COMMAND", show_default=False,
+                                                   help="a command to run instead of a shell, after `--`"),
+        name_option: str | None = NAME_OPTION) -> None:
+    """Open a shell (or run a command: `art-sky ssh NAME -- COMMAND...`) on the cluster's machine with the system's
+    ssh client."""
+    _exec(attach(cluster_name(name, name_option)).shell_argv(command or []))
+
+
+def _exec(argv: list[str]) -> NoReturn:
+    """Become `argv` (ssh, tail): its output, its Ctrl-C and its exit code are the command's."""
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        raise ConfigError(f"cannot run {argv[0]!r} ({exc.strerror}): install it (OpenSSH's client for `ssh`)") from exc

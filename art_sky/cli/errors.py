@@ -1,32 +1,101 @@
-"""The CLI's one error boundary: an art-sky error (or invalid input) ends a command with its message and an exit
-code, not a traceback."""
+"""The CLI's one error boundary and its terminal: every command group is an `ErrorBoundary`, so an error ends any
+command with one or two lines (what happened, what to do) and an exit code, never a traceback or a library's log.
+
+- An art-sky error (or invalid input) prints its first line; the lines after it (a server log's last lines, a
+  remote command's output) are detail, printed only with `art-sky --verbose`.
+- Anything else is a bug: one line naming it, the traceback with `--verbose`.
+- Logging while a command runs: art-sky's own warnings as `warning: ...` lines on stderr; other libraries'
+  records (paramiko's "Secsh channel N open FAILED", httpx's request lines, uvicorn's) only with `--verbose`.
+"""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import TypeVar
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from art_sky.errors import ArtSkyError
 
-console = Console()
-F = TypeVar("F", bound=Callable)
+console = Console(soft_wrap=True)  # long lines (commands to copy) are never broken: the terminal wraps them
 
 
-def friendly(command: F, *, exit_code: int = 1, prefix: str = "") -> F:
-    """Wrap a command: an `ArtSkyError` or a `ValueError` (pydantic's validation too) prints
-    "<prefix>error: message" and exits with `exit_code`."""
+class ErrorBoundary(TyperGroup):
+    """A command group whose commands (and sub-groups') end in `exit_code` with a short message on error. The
+    outermost one also sets up logging for the command (`--verbose`: everything at INFO)."""
 
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except (ArtSkyError, ValueError) as exc:
-            console.print(f"{escape(prefix)}[red]error:[/red]", escape(str(exc)), highlight=False, soft_wrap=True)
-            raise typer.Exit(exit_code) from None
+    exit_code = 1
+    prefix = ""  # before "error:" (`art-sky ci: error: ...`, so CI logs show who failed)
 
-    return wrapper  # type: ignore[return-value]
+    def invoke(self, ctx: typer.Context):
+        verbose = bool(ctx.find_root().params.get("verbose"))
+        logs = quiet_logs(verbose) if ctx.parent is None else contextlib.nullcontext()
+        with logs:
+            try:
+                return super().invoke(ctx)
+            except (typer.Exit, typer.Abort, typer.TyperException):  # --help, Ctrl-C, usage errors: typer's own
+                raise
+            except (ArtSkyError, ValueError) as exc:
+                report(self.prefix, _message(exc), verbose)
+            except Exception as exc:  # noqa: BLE001 (a bug: said in one line, traceback with --verbose)
+                if verbose:
+                    raise
+                report(self.prefix, f"unexpected {type(exc).__name__}: {exc} (a bug in art-sky: "
+                                    "`art-sky --verbose ...` shows the traceback; please report it)", False)
+            raise typer.Exit(self.exit_code)
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):  # pydantic's own layout is a paragraph per field
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in exc.errors())
+    return str(exc)
+
+
+def report(prefix: str, message: str, verbose: bool) -> None:
+    """Print an error: its first line; the rest (detail) with `verbose`, else a pointer to it."""
+    first, _, detail = message.strip().partition("\n")
+    console.print(f"{escape(prefix)}[red]error:[/red]", escape(first), highlight=False, soft_wrap=True)
+    if detail.strip() and verbose:
+        console.print(detail, markup=False, highlight=False, soft_wrap=True)
+    elif detail.strip():
+        console.print(f"  ({len(detail.strip().splitlines())} more lines of detail: `art-sky --verbose ...` shows "
+                      "them)", markup=False, highlight=False, soft_wrap=True, style="dim")
+
+
+@contextlib.contextmanager
+def quiet_logs(verbose: bool) -> Iterator[None]:
+    """For one command: art-sky's warnings as one line each on stderr, and no other library's records unless
+    `verbose` (then every record at INFO and above). Restores logging afterwards (commands also run in-process)."""
+    root, ours = logging.getLogger(), logging.getLogger("art_sky")
+    handler = logging.StreamHandler(sys.stderr)
+    saved = root.level, ours.level
+    if verbose:
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        added = [(root, handler)]
+        root.setLevel(logging.INFO)
+        ours.setLevel(logging.INFO)
+    else:
+        handler.setFormatter(_Lowercase("%(levelname)s: %(message)s"))
+        # The NullHandler on the root keeps other libraries' warnings from logging's last resort (stderr).
+        added = [(ours, handler), (root, logging.NullHandler())]
+        ours.setLevel(logging.WARNING)
+    for logger, each in added:
+        logger.addHandler(each)
+    try:
+        yield
+    finally:
+        for logger, each in added:
+            logger.removeHandler(each)
+        root.setLevel(saved[0])
+        ours.setLevel(saved[1])
+
+
+class _Lowercase(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace(record.levelname, record.levelname.lower(), 1)

@@ -1,9 +1,14 @@
 """Install this client's own build on a machine reached by a command runner (an SSH host): ship the wheel, make a
-venv unless a prepared Python is named, install. Layout of `remote_dir` there:
+venv unless a prepared Python is named, install. Layout of `remote_dir` there, shared by the host's clusters:
 
-    wheels/   the shipped client build        lib/   that build, installed (shadows any other art_sky)
-    venv/     made here unless `python` is set art/   checkpoints (`art_path`)
-    run/      the server's run files (art_sky.layout: server.log, server.pid, port.json)
+    venv/                     the dependencies, made once (unless `python` names a prepared interpreter)
+    art/                      checkpoints (`art_path`), shared by the host's servers as `.art` is on a laptop
+    clusters/<name>/wheels/   the build shipped for cluster `name`
+    clusters/<name>/lib/      that build, installed (shadows any other art_sky)
+    clusters/<name>/run/      that cluster's server: server.log, server.pid, port.json (art_sky.layout)
+
+Each cluster name has its own build and server files, so clusters of one host run side by side and stopping or
+reinstalling one never touches another.
 """
 
 from __future__ import annotations
@@ -62,11 +67,18 @@ class Installed(BaseModel):
     pythonpath: str  # the installed build, ahead of anything else named art_sky
 
 
-def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeout: float) -> Installed:
-    """Upload the wheel and install it (venv first unless `options.python`); idempotent."""
+def cluster_dir(remote_dir: str, name: str) -> str:
+    """The directory of cluster `name` under a host's art-sky directory: its build and its server's run files."""
+    return posixpath.join(remote_dir, "clusters", name)
+
+
+def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeout: float, *,
+            name: str) -> Installed:
+    """Upload the wheel and install it for cluster `name` (venv first unless `options.python`); idempotent."""
     q = shlex.quote
-    remote_dir = runner.run(f"mkdir -p {q(options.remote_dir)}/wheels && cd {q(options.remote_dir)} && pwd",
-                            timeout=60).stdout.strip()
+    remote_dir = runner.run(f"mkdir -p {q(cluster_dir(options.remote_dir, name))}/wheels && "
+                            f"cd {q(options.remote_dir)} && pwd", timeout=60).stdout.strip()
+    own = cluster_dir(remote_dir, name)
     python = options.python or f"{remote_dir}/venv/bin/python"
     bootstrap_python = options.python or options.venv_python
     preflight = runner.run(
@@ -75,7 +87,7 @@ def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeo
     if preflight.exit_code == _NO_PYTHON:
         raise SSHError(f"no Python >= 3.11 at {bootstrap_python!r} on {runner.where}: install one there, or "
                        "name it with python= (a prepared environment) or venv_python=")
-    remote_wheel = f"{remote_dir}/wheels/{wheel.name}"
+    remote_wheel = f"{own}/wheels/{wheel.name}"
     runner.upload(wheel, remote_wheel)
     steps = []
     if options.python is None:
@@ -83,15 +95,14 @@ def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeo
         constraints = options.constraints + (constraint_lines() if options.extras == "gpu" else [])
         pins = ""
         if constraints:
-            runner.run(f"cat >{q(remote_dir)}/wheels/constraints.txt", timeout=60,
+            runner.run(f"cat >{q(own)}/wheels/constraints.txt", timeout=60,
                        stdin="".join(f"{line}\n" for line in constraints).encode())
-            pins = " -c wheels/constraints.txt"
+            pins = f" -c {q(own)}/wheels/constraints.txt"
         steps += [f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
                   (f"venv/bin/python -m pip install --quiet --disable-pip-version-check{pins} "
                    f"{q(f'{remote_wheel}[{options.extras}]')}")]
     steps.append(f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "
-                 f"--target lib {q(remote_wheel)}")
+                 f"--target {q(own)}/lib {q(remote_wheel)}")
     runner.run(f"set -e\ncd {q(remote_dir)}\n" + "\n".join(steps), timeout=timeout)
-    layout = ServerLayout(run_dir=posixpath.join(remote_dir, "run"),
-                          art_path=posixpath.join(remote_dir, options.art_path))
-    return Installed(layout=layout, python=python, pythonpath=posixpath.join(remote_dir, "lib"))
+    layout = ServerLayout(run_dir=posixpath.join(own, "run"), art_path=posixpath.join(remote_dir, options.art_path))
+    return Installed(layout=layout, python=python, pythonpath=posixpath.join(own, "lib"))

@@ -69,7 +69,8 @@ def wait_ready(runner: CommandRunner, layout: ServerLayout, *, timeout: float, r
                stop_on_timeout: bool, waits_for_start: bool = False, hint: str = "") -> RemoteServer:
     """The one readiness wait: until the server has written its port file and answers /health at the URL
     `reach(port)` gives (a tunnel's, for a remote machine). A server that exits, or is not ready within `timeout`,
-    raises `BackendUnavailableError` with its log's last lines (stopped first when `stop_on_timeout`).
+    raises `BackendUnavailableError` (stopped first when `stop_on_timeout`): its first line says what happened,
+    what to do (`hint`, else: read the log) and where the log is; the log's last lines follow.
 
     `waits_for_start`: a stopped server is one not started yet (a SkyPilot job still setting up), not a failure.
     """
@@ -81,18 +82,21 @@ def wait_ready(runner: CommandRunner, layout: ServerLayout, *, timeout: float, r
             if answers_health(reach(state.port)):
                 return RemoteServer(layout=layout, port=state.port, pid=state.pid)
         elif state.state == "stopped" and not waits_for_start:
-            raise BackendUnavailableError(
-                f"the cluster server on {runner.where} exited before it was listening{hint}. Last lines of "
-                f"{layout.log_file}:\n{log(runner, layout)}")
+            raise failure(runner, layout, "exited before it was listening", hint or "its log says why")
         if time.monotonic() > deadline:
-            log_tail = log(runner, layout)
+            error = failure(runner, layout, f"was not healthy within {timeout:.0f}s (ART_SKY_SERVER_START_TIMEOUT)",
+                            ("it was stopped; " if stop_on_timeout else "") + (hint or "its log says why"))
             if stop_on_timeout:
                 stop(runner, layout)
-            what = "it was stopped" if stop_on_timeout else "restart it with `art-sky up --force-restart`"
-            raise BackendUnavailableError(
-                f"the cluster server on {runner.where} was not healthy within {timeout:.0f}s "
-                f"(ART_SKY_SERVER_START_TIMEOUT); {what}{hint}. Last lines of {layout.log_file}:\n{log_tail}")
+            raise error
         time.sleep(0.3)
+
+
+def failure(runner: CommandRunner, layout: ServerLayout, what: str, todo: str) -> BackendUnavailableError:
+    """A server that failed: one line saying what happened, what to do and where its log is; then the log's last
+    lines (a command line shows them only when asked: they are detail)."""
+    return BackendUnavailableError(f"the cluster server on {runner.where} {what}: {todo}. Its log: "
+                                   f"{layout.log_file}\nLast lines of the log:\n{log(runner, layout)}")
 
 
 def answers_health(base_url: str) -> bool:
