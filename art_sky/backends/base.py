@@ -71,6 +71,7 @@ class Backend:
         self._started = False
         self._start_lock = asyncio.Lock()
         self._steps: dict[str, asyncio.Task[TrainResult]] = {}  # each model's newest training step, in turn
+        self._at_step: dict[str, int] = {}  # each model's step as this backend last saw it: staleness is measured to it
         self._returned: dict[str, float] = {}  # model name -> when its last step returned (or it registered)
         self._price: tuple[float | None] | None = None  # the machine's hourly price, once asked
 
@@ -120,6 +121,7 @@ class Backend:
         info = ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             idempotent=True))
         self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
+        self._at_step[model.name] = info.step
         return info
 
     async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
@@ -145,7 +147,9 @@ class Backend:
 
     async def model_info(self, model: Model) -> ModelInfo:
         await self._ensure_started()
-        return ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
+        info = ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
+        self._at_step[model.name] = info.step
+        return info
 
     async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None:
         """Add a line to the model's history (at `step`, default the current one)."""
@@ -253,18 +257,26 @@ class Backend:
                              versions: list[int | None], bound: int, config: TrainConfig,
                              verbose: bool) -> TrainResult:
         """After the model's previous step (whose errors are its caller's), the groups still within the staleness
-        bound at the step the model is now at, trained."""
+        bound at the step the model is now at (as registering, `get_step()` and the last step told this backend;
+        asked when it does not know), trained."""
         if previous is not None:
             await asyncio.wait([previous])
-        current = await self._get_step(model)
+        current = self._at_step.get(model.name)
+        if current is None:
+            current = await self._get_step(model)
         kept, staleness = drop_stale(groups, versions, current, bound)
         if staleness["discarded_stale_groups"]:
             log.warning("%s: dropped %d group(s) sampled more than %d step(s) before step %d (or behind it without "
                         "logprobs)", model.name, int(staleness["discarded_stale_groups"]), bound, current)
         if not kept:
             return TrainResult(step=current, metrics=staleness | {"num_trajectories": 0.0})
-        result = await self._stream_step(model, "train", TrainRequest(groups=kept, config=config), verbose)
+        try:
+            result = await self._stream_step(model, "train", TrainRequest(groups=kept, config=config), verbose)
+        except BaseException:
+            self._at_step.pop(model.name, None)  # the step may have committed on the server all the same
+            raise
         assert result.step is not None
+        self._at_step[model.name] = result.step
         return TrainResult(step=result.step, metrics=result.metrics | staleness, totals=result.totals)
 
     async def _train_sft(self, model: TrainableModel, trajectories: Iterable[Any], config: Any,
