@@ -17,7 +17,7 @@ _PUBLIC = {
     "BootstrapOptions": "art_sky.remote.install",
     "Model": "art_sky.client", "ModelConfig": "art_sky.client", "TrainableModel": "art_sky.client",
     "TrainConfig": "art_sky.client", "Trajectory": "art_sky.client", "TrajectoryGroup": "art_sky.client",
-    "gather_trajectory_groups": "art_sky.client",
+    "gather_trajectory_groups": "art_sky.client", "pipeline": "art_sky.client",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         Trajectory,
         TrajectoryGroup,
         gather_trajectory_groups,
+        pipeline,
     )
     from art_sky.remote.install import BootstrapOptions
 

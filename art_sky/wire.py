@@ -175,6 +175,9 @@ class WireChoice(_Strict):
     prompt_shared: int = Field(
         0, ge=0, description="leading prompt ids equal to the previous choice's prompt + sampled ids (in the same "
                              "history), not repeated on the wire")
+    step: int | None = Field(
+        None, ge=0, description="the adapter step that sampled this turn (the completion's `art_sky_step`): the "
+                                "rollout's policy version, which bounds its staleness; None: not known")
 
     @field_validator("content")
     @classmethod

@@ -4,7 +4,8 @@ from art_sky.wire import ModelConfig, TrainConfig
 
 from .gather import TooManyRolloutErrors, gather_trajectory_groups
 from .model import Model, TrainableModel
+from .pipeline import pipeline
 from .trajectories import History, Trajectory, TrajectoryGroup
 
 __all__ = ["History", "Model", "ModelConfig", "TooManyRolloutErrors", "TrainConfig", "TrainableModel", "Trajectory",
-           "TrajectoryGroup", "gather_trajectory_groups"]
+           "TrajectoryGroup", "gather_trajectory_groups", "pipeline"]

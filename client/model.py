@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any, Protocol
 
 import httpx
@@ -47,7 +48,8 @@ class Backend(Protocol):
     async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None: ...
 
     async def train(self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], *,
-                    config: TrainConfig | None = None, verbose: bool = False) -> StepResult: ...
+                    config: TrainConfig | None = None, verbose: bool = False, wait: bool = True,
+                    max_steps_off_policy: int = 1) -> StepResult | asyncio.Task: ...
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]: ...
 
@@ -71,6 +73,7 @@ class Model(BaseModel):
     report_metrics: list[str] | None = None
     _backend: Backend | None = PrivateAttr(None)
     _openai: AsyncOpenAI | None = PrivateAttr(None)
+    _sampling: InFlight = PrivateAttr(default_factory=lambda: InFlight())
     _wandb: WandbRun | None = PrivateAttr(None)
 
     async def register(self, backend: Backend) -> None:
@@ -95,7 +98,7 @@ class Model(BaseModel):
         if self.inference_base_url is None:
             raise ConfigError(f"model {self.name!r} has no endpoint yet: `await model.register(backend)` first")
         if self._openai is None:
-            transport = _TrainingDefaults(httpx.AsyncHTTPTransport()) if self.trainable else None
+            transport = _TrainingDefaults(httpx.AsyncHTTPTransport(), self._sampling) if self.trainable else None
             seconds = self._backend.request_timeout if self._backend else Settings().request_timeout
             self._openai = AsyncOpenAI(
                 base_url=self.inference_base_url, api_key=self.inference_api_key or "none", max_retries=3,
@@ -147,10 +150,21 @@ class TrainableModel(Model):
         return (await self._require_backend().model_info(self)).step
 
     async def train(self, trajectory_groups: Iterable[TrajectoryGroup], config: TrainConfig = TrainConfig(),
-                    *, verbose: bool = False) -> dict[str, float]:
+                    *, verbose: bool = False, wait: bool = True,
+                    max_steps_off_policy: int = 1) -> dict[str, float] | asyncio.Task[dict[str, float]]:
         """One GRPO step on these groups (ART 0.4's `model.train`); returns the step's metrics and `step`.
-        Inference waits while it trains. `backend.train(model, groups, ...)` is ART 0.5's form of the same."""
-        result = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose)
+        Inference waits while it trains. `backend.train(model, groups, ...)` is ART 0.5's form of the same.
+
+        `wait=False` returns at once with an asyncio.Task of those metrics: gather the next batch meanwhile
+        (`art_sky.pipeline` runs that loop). Groups sampled more than `max_steps_off_policy` steps behind the step
+        they train at are dropped and counted in `discarded_stale_groups` (client/pipeline.py)."""
+        step = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose,
+                                                   wait=False, max_steps_off_policy=max_steps_off_policy)
+        metrics = asyncio.ensure_future(self._step_metrics(step))
+        return await metrics if wait else metrics
+
+    async def _step_metrics(self, step: Awaitable[StepResult]) -> dict[str, float]:
+        result = await step
         self._report("train", result.metrics | result.totals, result.step)
         return result.metrics | result.totals | {"step": float(result.step)}
 
@@ -160,6 +174,25 @@ class TrainableModel(Model):
 
     async def list_checkpoints(self) -> list[CheckpointInfo]:
         return await self._require_backend().list_checkpoints(self)
+
+
+class InFlight:
+    """The chat completions a model's client is waiting on. `art_sky.pipeline` sends a step once the next batch's
+    first completions are answered: sent while the step trains, they would wait for it."""
+
+    def __init__(self) -> None:
+        self.count = 0  # waiting now
+        self.sent = 0  # ever sent
+        self.changed = asyncio.Event()
+
+    def start(self) -> None:
+        self.count += 1
+        self.sent += 1
+        self.changed.set()
+
+    def end(self) -> None:
+        self.count -= 1
+        self.changed.set()
 
 
 _answered = 0  # chat completions this process's training clients got back (gather's progress bar shows the rate)
@@ -179,8 +212,8 @@ class _TrainingDefaults(httpx.AsyncBaseTransport):
     Choice alone carries its context (as ART's client does).
     """
 
-    def __init__(self, inner: httpx.AsyncBaseTransport):
-        self.inner = inner
+    def __init__(self, inner: httpx.AsyncBaseTransport, sampling: InFlight):
+        self.inner, self.sampling = inner, sampling
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
@@ -192,7 +225,11 @@ class _TrainingDefaults(httpx.AsyncBaseTransport):
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
         request = httpx.Request(request.method, request.url, headers=headers + [("content-length",
                                 str(len(content)))], content=content, extensions=request.extensions)
-        response = await self.inner.handle_async_request(request)
+        self.sampling.start()
+        try:
+            response = await self.inner.handle_async_request(request)
+        finally:
+            self.sampling.end()
         global _answered
         _answered += response.status_code == 200
         if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):

@@ -175,7 +175,7 @@ def wire_item(item: Any) -> WireChoice | WireMessage:
         if len(choices) != 1:
             raise ConfigError(f"a completion with {len(choices)} choices: put the one the conversation continued "
                               "with in messages_and_choices (completion.choices[i])")
-        return _wire_choice(choices[0], _field(item, "prompt_token_ids"))
+        return _wire_choice(choices[0], _field(item, "prompt_token_ids"), _step_of_model(_field(item, "model")))
     if _field(item, "message") is not None:
         return _wire_choice(item)
     if isinstance(item, Mapping):
@@ -251,16 +251,24 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None) -> WireChoice:
+def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None, step: int | None = None) -> WireChoice:
     message = _field(choice, "message")
     extra = _field(choice, "provider_specific_fields") or {}  # where litellm keeps fields it does not know
+    step = _first(_field(choice, "art_sky_step"), _field(extra, "art_sky_step"), step)
     token_ids = _first(_field(choice, "token_ids"), _field(extra, "token_ids"))
     prompt = _first(_field(choice, "prompt_token_ids"), _field(extra, "prompt_token_ids"), prompt_token_ids)
     token_ids, logprobs = _sampled(token_ids, _field(_field(choice, "logprobs"), "content"))
     fields = _message_fields(message)
     return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
                       reasoning_content=fields.get("reasoning_content"), token_ids=token_ids, logprobs=logprobs,
-                      prompt_token_ids=None if prompt is None else list(prompt))
+                      prompt_token_ids=None if prompt is None else list(prompt),
+                      step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None)
+
+
+def _step_of_model(model: Any) -> int | None:
+    """The step in a completion's `model` (`name@step`, as art-sky's server names the adapter that served it)."""
+    step = model.rpartition("@")[2] if isinstance(model, str) and "@" in model else ""
+    return int(step) if step.isdigit() else None
 
 
 def _sampled(token_ids: Any, content: Any) -> tuple[list[int] | None, list[float | None] | None]:

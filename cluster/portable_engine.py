@@ -121,13 +121,16 @@ class PortableEngine:
         done = self._queue.submit(job)
         done.add_done_callback(lambda _: hold.release())  # once the job has left the sampler, never before
         if not request.stream:
-            return json.dumps(await asyncio.shield(done) | {"model": served.name}).encode()
+            completion = await asyncio.shield(done)
+            for choice in completion["choices"]:
+                choice["art_sky_step"] = served.step  # which adapter sampled it: a rollout's policy version
+            return json.dumps(completion | {"model": served.name}).encode()
 
         async def close() -> None:
             job.cancelled = True  # the sampler drops this job's rows at its next token
             self._queue.withdraw(job)
 
-        return SSE(_StreamWriter(job, served.name).chunks(done), close)
+        return SSE(_StreamWriter(job, served.name, served.step).chunks(done), close)
 
     # -- sampling ------------------------------------------------------------------------------------------------
 
@@ -399,10 +402,11 @@ class _Events:
 
 
 class _StreamWriter:
-    """One streaming job's server-sent events, in OpenAI's chunk format with vLLM's token id fields."""
+    """One streaming job's server-sent events, in OpenAI's chunk format with vLLM's token id fields and, on each
+    choice, the step of the adapter that sampled it (`art_sky_step`)."""
 
-    def __init__(self, job: Job, model: str):
-        self.job, self.model = job, model
+    def __init__(self, job: Job, model: str, step: int):
+        self.job, self.model, self.step = job, model, step
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         n = job.request.n
         self.sent = [""] * n  # content already sent per choice
@@ -447,7 +451,8 @@ class _StreamWriter:
         job = self.job
         self.tokens[index].append(token)
         self.text[index] += delta
-        choice: dict = {"index": index, "delta": {}, "logprobs": None, "finish_reason": None}
+        choice: dict = {"index": index, "delta": {}, "logprobs": None, "finish_reason": None,
+                        "art_sky_step": self.step}
         if job.request.wants_token_ids:
             choice["token_ids"] = [token]
         if job.request.logprobs:

@@ -123,8 +123,9 @@ class VllmEngine:
 
     async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:
         """Forward one chat completion to vLLM under the served step's adapter. Non-streaming: the response, with
-        the prompt's token ids copied onto each choice (a trajectory keeps choices, not completions). Streaming:
-        vLLM's events as they come (the prompt ids ride on the first one)."""
+        the prompt's token ids and the served step (`art_sky_step`) on each choice (a trajectory keeps choices, not
+        completions). Streaming: vLLM's events as they come (the prompt ids ride on the first one; each event's
+        `model` is the adapter, `name@step`)."""
         adapter = await self._use(served)
         done = False
 
@@ -154,10 +155,10 @@ class VllmEngine:
                 content = await response.read()
                 finish()
                 completion = json.loads(content)
-                if completion.get("prompt_token_ids") is None:
-                    return content
                 for choice in completion.get("choices", []):
-                    choice["prompt_token_ids"] = completion["prompt_token_ids"]
+                    choice["art_sky_step"] = served.step  # which adapter sampled it: a rollout's policy version
+                    if completion.get("prompt_token_ids") is not None:
+                        choice["prompt_token_ids"] = completion["prompt_token_ids"]
                 return json.dumps(completion).encode()
         except BaseException:
             finish()

@@ -291,7 +291,7 @@ async def test_vllm_streams_with_token_ids(vllm):
         text += chunk.choices[0].delta.content or ""
     whole = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=8, temperature=0)
     assert text == whole.choices[0].message.content
-    assert whole.model == f"{model.name}@0"
+    assert whole.model == f"{model.name}@0" and whole.choices[0].model_extra["art_sky_step"] == 0
     assert whole.choices[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
     assert whole.choices[0].model_extra["token_ids"]
 

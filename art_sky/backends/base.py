@@ -44,8 +44,10 @@ from art_sky.wire import (
     TrainConfig,
     TrainProgress,
     TrainRequest,
+    WireGroup,
 )
 
+from art_sky.client.pipeline import check_bound, drop_stale, group_versions
 from art_sky.client.trajectories import wire_groups, wire_trajectory
 
 from .art_protocol import TrainResult, model_config, sft_settings, train_config
@@ -72,6 +74,8 @@ class Backend:
         self._http: httpx.AsyncClient | None = None
         self._started = False
         self._start_lock = asyncio.Lock()
+        self._steps: dict[str, asyncio.Task[TrainResult]] = {}  # each model's newest training step, in turn
+        self._at_step: dict[str, int] = {}  # each model's step as this backend last saw it: staleness is measured to it
         self._returned: dict[str, float] = {}  # model name -> when its last step returned (or it registered)
         self._price: tuple[float | None] | None = None  # the machine's hourly price, once asked
 
@@ -121,6 +125,7 @@ class Backend:
         info = ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             retry_for=self.settings.train_retry_timeout))
         self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
+        self._at_step[model.name] = info.step
         return info
 
     async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
@@ -146,7 +151,9 @@ class Backend:
 
     async def model_info(self, model: Model) -> ModelInfo:
         await self._ensure_started()
-        return ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
+        info = ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
+        self._at_step[model.name] = info.step
+        return info
 
     async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None:
         """Add a line to the model's history (at `step`, default the current one)."""
@@ -222,17 +229,59 @@ class Backend:
                 f"it anyway (the steps stay in {where})") from exc
 
     async def train(self, model: TrainableModel, trajectory_groups: Iterable[Any], *,
-                    config: TrainConfig | None = None, verbose: bool = False, **kwargs: Any) -> TrainResult:
+                    config: TrainConfig | None = None, verbose: bool = False, wait: bool = True,
+                    max_steps_off_policy: int = 1, **kwargs: Any) -> TrainResult | asyncio.Task[TrainResult]:
         """One training step on these groups (art-sky's or openpipe-art's), ART 0.5's `backend.train`: ART's
         keywords (`learning_rate`, `loss_fn`, `epsilon`, `kl_penalty_coef`, ...; see art_protocol.py) or
-        art-sky's `config=TrainConfig(...)`. Inference waits while it trains; progress streams from the server."""
+        art-sky's `config=TrainConfig(...)`. Inference waits while it trains; progress streams from the server.
+
+        `wait=False` returns at once with an asyncio.Task of the TrainResult, so the next batch can be gathered
+        while this one trains; a model's steps train in the order they were asked for. Groups sampled more than
+        `max_steps_off_policy` steps behind the step they train at are dropped and counted (client/pipeline.py).
+        Bad input raises here, before anything is sent."""
         config = train_config(config, kwargs)
+        bound = check_bound(max_steps_off_policy)
+        trajectory_groups = list(trajectory_groups)
         groups = wire_groups(trajectory_groups)
         if not groups:
             raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
-        result = await self._stream_step(model, "train", TrainRequest(groups=groups, config=config), verbose)
+        versions = group_versions(trajectory_groups, groups)
+        step = asyncio.create_task(self._train_in_turn(self._steps.get(model.name), model, groups, versions, bound,
+                                                       config, verbose))
+        self._steps[model.name] = step
+
+        def forget(done: asyncio.Task) -> None:
+            if self._steps.get(model.name) is done:
+                del self._steps[model.name]
+
+        step.add_done_callback(forget)
+        return await step if wait else step
+
+    async def _train_in_turn(self, previous: asyncio.Task | None, model: TrainableModel, groups: list[WireGroup],
+                             versions: list[int | None], bound: int, config: TrainConfig,
+                             verbose: bool) -> TrainResult:
+        """After the model's previous step (whose errors are its caller's), the groups still within the staleness
+        bound at the step the model is now at (as registering, `get_step()` and the last step told this backend;
+        asked when it does not know), trained."""
+        if previous is not None:
+            await asyncio.wait([previous])
+        current = self._at_step.get(model.name)
+        if current is None:
+            current = await self._get_step(model)
+        kept, staleness = drop_stale(groups, versions, current, bound)
+        if staleness["discarded_stale_groups"]:
+            log.warning("%s: dropped %d group(s) sampled more than %d step(s) before step %d (or behind it without "
+                        "logprobs)", model.name, int(staleness["discarded_stale_groups"]), bound, current)
+        if not kept:
+            return TrainResult(step=current, metrics=staleness | {"num_trajectories": 0.0})
+        try:
+            result = await self._stream_step(model, "train", TrainRequest(groups=kept, config=config), verbose)
+        except BaseException:
+            self._at_step.pop(model.name, None)  # the step may have committed on the server all the same
+            raise
         assert result.step is not None
-        return TrainResult(step=result.step, metrics=result.metrics, totals=result.totals)
+        self._at_step[model.name] = result.step
+        return TrainResult(step=result.step, metrics=result.metrics | staleness, totals=result.totals)
 
     async def _train_sft(self, model: TrainableModel, trajectories: Iterable[Any], config: Any,
                          dev_config: dict | None = None, verbose: bool = False) -> AsyncIterator[dict[str, float]]:
