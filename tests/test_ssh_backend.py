@@ -8,6 +8,8 @@ import socket
 import sys
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from sshd import art_sky_home, free_port, sshd  # noqa: F401 (fixtures)
 
@@ -68,6 +70,13 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
         await rollout(model, 0.5)  # chat completions go through the new connection too
         assert backend.server.pid == pid and alive(pid)  # the detached server never noticed
 
+        # A drop during a completion stream: the client's stream ends with an error (never hangs, never looks
+        # complete), and the next completion goes through the reconnected tunnel; training is untouched.
+        outcome = await asyncio.wait_for(stream_through_a_drop(model, sshd), 120)
+        assert outcome in ("error", "complete"), outcome
+        await rollout(model, 0.5)
+        assert await model.get_step() == 1
+
         group = art_sky.TrajectoryGroup([await rollout(model, 0.0), await rollout(model, 1.0)])
         call = asyncio.create_task(model.train([group]))
         await asyncio.sleep(0.3)
@@ -78,6 +87,25 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
         await backend.close()
     assert not alive(pid)
     assert not (remote_dir / "clusters" / "default" / "run" / "server.pid").exists()
+
+
+async def stream_through_a_drop(model: art_sky.TrainableModel, sshd) -> str:  # noqa: F811
+    """Stream a long completion, drop the SSH connections after its first chunk, read on: "error" when the stream
+    raised (a truncated stream), "complete" when every choice had finished before the drop reached it."""
+    stream = await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=400, n=8, temperature=1.0, stream=True)
+    finished: set[int] = set()
+    dropped = False
+    try:
+        async for chunk in stream:
+            if not dropped:
+                dropped = sshd.drop_connections() >= 1  # right after the first chunk arrived
+            finished |= {choice.index for choice in chunk.choices if choice.finish_reason}
+    except (openai.APIError, httpx.HTTPError) as exc:
+        assert not isinstance(exc, openai.APIStatusError), exc  # a lost connection, not a server error
+        return "error"
+    assert finished == set(range(8)), f"the stream ended quietly with choices {sorted(finished)} finished"
+    return "complete"
 
 
 @pytest.fixture
