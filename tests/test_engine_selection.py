@@ -14,6 +14,8 @@ from art_sky.cluster.vllm_engine import VllmEngine
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
+KEY_HEADER = {"authorization": "Bearer key"}  # /health says what runs only to the key holder
+
 
 @pytest.fixture
 def installed(monkeypatch):
@@ -53,7 +55,7 @@ def test_unsloth_only_with_cuda(installed):
 def test_health_reports_the_selected_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("ART_SKY_ENGINE", "portable")
     monkeypatch.setenv("ART_SKY_TRAINER", "auto")
-    with TestClient(create_app(tmp_path, "key", Settings())) as client:
+    with TestClient(create_app(tmp_path, "key", Settings()), headers=KEY_HEADER) as client:
         health = client.get("/health").json()
     assert (health["engine"], health["trainer"], health["engine_port"]) == ("portable", "peft", None)
 
@@ -94,5 +96,5 @@ def test_unsloth_shares_weights_only_for_its_own_text_architectures():
 
 def test_health_reports_how_the_gpu_is_shared(tmp_path, monkeypatch):
     monkeypatch.setenv("ART_SKY_ENGINE", "portable")
-    with TestClient(create_app(tmp_path, "key", Settings())) as client:
+    with TestClient(create_app(tmp_path, "key", Settings()), headers=KEY_HEADER) as client:
         assert client.get("/health").json()["gpu_sharing"] == "shared-weights"

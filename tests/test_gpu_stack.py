@@ -24,6 +24,8 @@ from gpu_stack import LOCK, PYTHONS, lock_lines, resolve_all
 
 ROOT = Path(__file__).resolve().parent.parent
 
+KEY_HEADER = {"authorization": "Bearer key"}  # /health says what runs only to the key holder
+
 
 def test_the_gpu_extra_pins_what_the_constraints_file_pins():
     gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
@@ -95,7 +97,7 @@ def test_health_reports_the_stack_and_the_override_runs_it(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match=r"vllm 0\.0\.1 \(tested: "):
         create_app(tmp_path / "art", "key", settings)
     with TestClient(create_app(tmp_path / "art", "key", settings.model_copy(
-            update={"allow_untested_stack": True}))) as client:
+            update={"allow_untested_stack": True})), headers=KEY_HEADER) as client:
         health = client.get("/health").json()
     assert (health["engine"], health["stack"], health["versions"]["vllm"]) == ("vllm", "untested", "0.0.1")
     import torch
@@ -113,14 +115,16 @@ def test_the_tested_versions_start_and_report_tested(tmp_path, monkeypatch):
         pytest.skip(f"this venv's torch {torch.__version__} is not the tested {tested['torch']}")
     monkeypatch.syspath_prepend(str(fake_distributions(
         tmp_path / "site", vllm=tested["vllm"], transformers=tested["transformers"])))
-    with TestClient(create_app(tmp_path / "art", "key", Settings(engine="vllm", trainer="peft"))) as client:
+    app = create_app(tmp_path / "art", "key", Settings(engine="vllm", trainer="peft"))
+    with TestClient(app, headers=KEY_HEADER) as client:
         health = client.get("/health").json()
     assert health["stack"] == "tested"
     assert health["versions"]["vllm"] == tested["vllm"]
 
 
 def test_portable_engine_and_peft_are_not_checked(tmp_path):
-    with TestClient(create_app(tmp_path / "art", "key", Settings(engine="portable", trainer="peft"))) as client:
+    app = create_app(tmp_path / "art", "key", Settings(engine="portable", trainer="peft"))
+    with TestClient(app, headers=KEY_HEADER) as client:
         health = client.get("/health").json()
     assert health["stack"] == "unchecked"
     assert {"torch", "transformers", "peft"} <= set(health["versions"])
