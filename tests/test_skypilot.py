@@ -194,9 +194,12 @@ def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
 
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 0, result.output
-    (line,) = [line for line in result.output.splitlines() if CLI_CLUSTER in line]
+    lines = result.output.splitlines()
+    (line,) = [line for line in lines if line.split()[:1] == [CLI_CLUSTER]]  # the cluster's row
     assert all(part in line for part in ("sky", "Slurm/localcluster (UP)", "CPUs", "$0.00/h", "ok, portable",
                                          "agent (1)")), result.output
+    (model,) = [line for line in lines if line.startswith(f"{CLI_CLUSTER}/agent ")]  # then the model's
+    assert model.split()[1] == "1", result.output
     result = runner.invoke(app, ["logs", CLI_CLUSTER, "--lines", "200"])
     assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
     assert "/.sky_clusters/" in ssh_and_follow(CLI_CLUSTER)  # into the Slurm job, its HOME set
