@@ -201,9 +201,13 @@ def _sky_config() -> None:
 
 
 def slurm_jobs(name_prefix: str) -> list[str]:
-    """Names of Slurm jobs (any state but finished) whose name starts with `name_prefix`."""
-    result = _run("squeue", "-h", "-o", "%j", check=False, timeout=10)
-    return [n for n in result.stdout.split() if n.startswith(name_prefix)]
+    """Names of live Slurm jobs whose name starts with `name_prefix`.
+
+    A cancelled job stays in squeue as COMPLETING (CG) while slurmd reaps its processes: it is ending, not live.
+    """
+    result = _run("squeue", "-h", "-o", "%j %t", check=False, timeout=10)
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()]
+    return [name for name, state in rows if name.startswith(name_prefix) and state != "CG"]
 
 
 def enable_sky() -> None:
