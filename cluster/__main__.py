@@ -3,7 +3,8 @@
 With `--run-dir` the server keeps its run files there (art_sky.layout: server.pid, port.json, server.log) and
 logs to server.log; `--detach` also puts it in its own session and returns at once. Every way of starting a server
 goes through here: the laptop's lifecycle (art_sky.remote.lifecycle: this machine, an SSH host) and the SkyPilot
-task (templates/cluster.yaml). Nothing that starts threads (torch, uvicorn) is imported before the fork.
+task (templates/cluster.yaml). Nothing that starts threads (torch, uvicorn) is imported before the fork, and the
+GPU layout (cluster/placement.py) is chosen before CUDA initializes.
 """
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: Ser
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     from art_sky.errors import ConfigError
 
+    from .placement import place
+    from .selection import vllm_serves
     from .server import create_app
 
     try:
-        app = create_app(art_path, settings.api_key.get_secret_value(), settings)
+        placement = place(settings, vllm_serves(settings))  # sets the trainer's GPUs before CUDA initializes here
+        app = create_app(art_path, settings.api_key.get_secret_value(), settings, placement)
     except ConfigError as exc:  # a setting or the installed stack: the message says what to change
         sys.exit(f"the cluster server cannot start: {exc}")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

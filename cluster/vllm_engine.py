@@ -39,6 +39,7 @@ from art_sky.wire import RegisterRequest
 from .gate import Hold
 from .model_state import ModelState, device, resolve_base_model
 from .openai_api import SSE, OpenAIError, Served
+from .placement import Placement, base_parameters
 
 log = logging.getLogger("art_sky.cluster")
 
@@ -49,10 +50,13 @@ _MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 class VllmEngine:
     name = "vllm"
 
-    def __init__(self, settings: Settings, art_path: Path, api_key: str):
+    def __init__(self, settings: Settings, art_path: Path, api_key: str, placement: Placement | None = None):
         self.settings, self.api_key = settings, api_key
+        self.placement = placement or Placement("shared" if device().type == "cuda" else "cpu")
         self.log_path = Path(art_path) / "logs" / "vllm.log"
-        self.sleep_mode = device().type == "cuda"  # vLLM's sleep mode needs CUDA's memory allocator
+        # vLLM sleeps while a step trains only where it shares the GPU with the trainer (sleep needs CUDA's
+        # allocator); on GPUs of its own (the dedicated layout) it never sleeps or pauses
+        self.sleep_mode = device().type == "cuda" and self.placement.layout != "dedicated"
         self.engine_port: int | None = None
         self.base_model: str | None = None
         self.max_lora_rank = 0
@@ -243,43 +247,20 @@ class VllmEngine:
     # -- the child process -------------------------------------------------------------------------------------
 
     def _start(self, state: ModelState) -> None:
-        config = state.request.config
-        rank = vllm_lora_rank(config.lora_rank)
-        source = resolve_base_model(state.request.base_model, self.settings)
+        rank = vllm_lora_rank(state.request.config.lora_rank)
         port = _free_port()
-        on_cuda = device().type == "cuda"
-        args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", source, "--served-model-name", state.request.base_model,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(self.settings.vllm_max_loras),
-            "--max-model-len", str(config.max_seq_length),
-            "--gpu-memory-utilization", str(self.settings.engine_gpu_memory),
-            # float32 on CPU: the logprobs it reports then equal the trainer's own (the PPO ratio starts at 1)
-            "--dtype", "auto" if on_cuda else "float32",
-            "--disable-uvicorn-access-log",
-        ]
-        if self.settings.vllm_tool_call_parser:
-            args += ["--enable-auto-tool-choice", "--tool-call-parser", self.settings.vllm_tool_call_parser]
-        if self.sleep_mode:
-            args.append("--enable-sleep-mode")
-        else:
-            log.info("vLLM sleep mode needs CUDA: on %s vLLM keeps its memory while training (paused only)",
-                     device().type)
-        env = os.environ | {
-            "VLLM_API_KEY": self.api_key,  # not on argv, where `ps` shows it
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-            "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /sleep, /wake_up
-            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",  # the proxy's pool drops idle connections first (30 s)
-        }
-        if not on_cuda:
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
+        placement = self.placement.sized(state.model.config, base_parameters(state.model), self.settings)
+        args, env = vllm_command(self.settings, placement, resolve_base_model(state.request.base_model, self.settings),
+                                 state.request, port, rank, device().type == "cuda", self.sleep_mode, self.api_key)
+        if not self.sleep_mode:
+            log.info("vLLM never sleeps here (%s): it keeps its memory while a step trains", placement.describe())
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM on %s (port %d, log %s)", state.request.base_model, port, self.log_path)
         with open(self.log_path, "ab") as out:
-            self._process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+            self._process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env,
                                              start_new_session=True)
-        self.engine_port, self.base_model, self.max_lora_rank = port, state.request.base_model, rank
+        self.placement, self.engine_port, self.base_model, self.max_lora_rank = placement, port, \
+            state.request.base_model, rank
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -343,6 +324,38 @@ class VllmEngine:
         if response.status_code >= 400:
             raise EngineError(f"vLLM answered {response.status_code} to {path}: {_detail(response)}. "
                               f"See {self.log_path}")
+
+
+def vllm_command(settings: Settings, placement: Placement, source: str, request: RegisterRequest, port: int,
+                 lora_rank: int, on_cuda: bool, sleep_mode: bool, api_key: str) -> tuple[list[str], dict[str, str]]:
+    """vLLM's command line and what its environment adds to the server's: the placement's GPUs and parallelism,
+    sleep mode only where it shares a GPU, the API key in the environment (never on argv, where `ps` shows it).
+    `python -m vllm.entrypoints.openai.api_server` is one API server process whatever the data-parallel size, so
+    an adapter loaded at runtime is known to every request and reaches every replica."""
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", source, "--served-model-name", request.base_model,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(settings.vllm_max_loras),
+        "--max-model-len", str(request.config.max_seq_length),
+        *placement.engine_args(settings),
+        # float32 on CPU: the logprobs it reports then equal the trainer's own (the PPO ratio starts at 1)
+        "--dtype", "auto" if on_cuda else "float32",
+        "--disable-uvicorn-access-log",
+    ]
+    if settings.vllm_tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", settings.vllm_tool_call_parser]
+    if sleep_mode:
+        args.append("--enable-sleep-mode")
+    env = {
+        "VLLM_API_KEY": api_key,
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /sleep, /wake_up
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",  # the proxy's pool drops idle connections first (30 s)
+    } | placement.engine_env()
+    if not on_cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; vLLM's CPU default is far larger
+    return args, env
 
 
 def vllm_lora_rank(rank: int) -> int:

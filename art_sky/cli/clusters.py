@@ -71,7 +71,8 @@ def up(
                                rich_help_panel=HOST),
     infra: str | None = typer.Option(None, help="SkyPilot infra: aws, gcp/us-central1, k8s/<context>, "
                                                 "slurm/<cluster>; default: any enabled one", rich_help_panel=SKY),
-    gpu: list[str] = typer.Option(["H100:1"], help="accelerator, e.g. H100:1; repeat it or give a comma list for "
+    gpu: list[str] = typer.Option(["H100:1"], help="accelerator and count, e.g. H100:1, or H100:8 (vLLM on 7 GPUs, "
+                                                   "the trainer on one); repeat it or give a comma list for "
                                                    "fallbacks tried in order; `none` for CPUs only",
                                   rich_help_panel=SKY),
     spot: bool = typer.Option(False, help="use spot instances", rich_help_panel=SKY),
