@@ -55,6 +55,7 @@ class Placement:
     data_parallel: int = 1
     gpu_memory_bytes: int | None = None
     bus_order: bool = False
+    for_model: bool = False  # the parallelism is the model's (`sized`), not yet known before the first registration
 
     @property
     def dedicated_gpus(self) -> bool:
@@ -70,10 +71,13 @@ class Placement:
             return f"shared: inference and training on {_gpus(self.engine_gpus)}{idle}"
         if not self.engine_gpus:
             return "dedicated: vLLM and the trainer in separate processes on CPUs, neither pauses the other"
+        trainer = f"trainer on {_gpus(self.trainer_gpus)}"
+        if not self.for_model:
+            return f"dedicated: vLLM on {_gpus(self.engine_gpus)} (parallelism set by the first model), {trainer}"
         used = self.tensor_parallel * self.data_parallel
         idle = f", {_gpus(self.engine_gpus[used:])} idle" if used < len(self.engine_gpus) else ""
         return (f"dedicated: vLLM on {_gpus(self.engine_gpus[:used])} (tensor parallel {self.tensor_parallel} x "
-                f"data parallel {self.data_parallel}{idle}), trainer on {_gpus(self.trainer_gpus)}")
+                f"data parallel {self.data_parallel}{idle}), {trainer}")
 
     def trainer_env(self) -> dict[str, str]:
         """What the server process's environment needs before CUDA initializes: only the trainer's GPUs."""
@@ -115,7 +119,7 @@ class Placement:
         else:
             tp = _tensor_parallel(parameters * BF16_BYTES, self.gpu_memory_bytes, settings.dedicated_gpu_memory,
                                   gpus, heads, kv_heads)
-        return dataclasses.replace(self, tensor_parallel=tp, data_parallel=gpus // tp)
+        return dataclasses.replace(self, tensor_parallel=tp, data_parallel=gpus // tp, for_model=True)
 
     def _order(self) -> dict[str, str]:
         return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"} if self.bus_order else {}

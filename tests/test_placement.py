@@ -90,6 +90,7 @@ def test_settings_override_the_layout():
 def test_tensor_parallel_is_what_the_model_needs(sizes):
     settings = Settings()
     eight = choose(node(8), settings, vllm=True)
+    assert eight.describe() == "dedicated: vLLM on GPUs 0-6 (parallelism set by the first model), trainer on GPU 7"
     assert 69e9 < sizes["70b"] < 72e9 and 7.5e9 < sizes["8b"] < 8.5e9  # the meta models are the real sizes
     big = eight.sized(LLAMA_70B, sizes["70b"], settings)  # 141 GB of bf16: a quarter each fits half of 0.9 x 80 GB
     assert (big.tensor_parallel, big.data_parallel) == (4, 1)
@@ -282,7 +283,7 @@ def test_a_server_asked_for_the_dedicated_layout_reports_it(tmp_path, fake_node)
         assert url, (tmp_path / "eight" / "run" / "server.log").read_text()
         found = health(url)
         assert found["gpu_sharing"] == "dedicated"
-        assert found["placement"] == ("dedicated: vLLM on GPUs 0-6 (tensor parallel 1 x data parallel 7), "
+        assert found["placement"] == ("dedicated: vLLM on GPUs 0-6 (parallelism set by the first model), "
                                       "trainer on GPU 7")
         assert "GPU layout: dedicated: vLLM on GPUs 0-6" in (tmp_path / "eight" / "run" / "server.log").read_text()
     finally:

@@ -12,7 +12,13 @@ from pydantic import SecretStr, ValidationError
 pytest.importorskip("sky", reason="the SkyPilot extra is not installed: pip install -e '.[sky]'")
 
 from art_sky.errors import ConfigError  # noqa: E402
-from art_sky.provisioners.sky_task import ClusterSpec, load_template, render_task, validate_task  # noqa: E402
+from art_sky.provisioners.sky_task import (  # noqa: E402
+    ClusterSpec,
+    load_template,
+    parse_gpus,
+    render_task,
+    validate_task,
+)
 
 KEY = SecretStr("test-api-key-never-printed")
 WHEEL = Path("/tmp/dist/art_sky-0.1.0-py3-none-any.whl")
@@ -62,6 +68,15 @@ def test_one_gpu_gets_a_count_and_the_gpu_extra():
     assert resources.accelerators == {"L4": 1}
     assert task.envs["ART_SKY_EXTRA"] == "gpu"
     assert config["resources"]["disk_size"] == 256
+
+
+def test_a_multi_gpu_node_keeps_its_count():
+    """`--gpu H100:8` / initialize_cluster(gpu="H100:8"): the count reaches SkyPilot, alone or in a fallback list
+    (the server splits the node's GPUs itself: cluster/placement.py)."""
+    (resources,) = validate_task(render_task(ClusterSpec(gpu=parse_gpus(["H100:8"]), wheel=WHEEL), KEY)).resources
+    assert resources.accelerators == {"H100": 8}
+    task = validate_task(render_task(ClusterSpec(gpu=parse_gpus(["H100:8,A100-80GB:8"]), wheel=WHEEL), KEY))
+    assert [r.accelerators for r in task.resources] == [{"H100": 8}, {"A100-80GB": 8}]
 
 
 def test_cpu_only_installs_the_cluster_extra_and_skips_install_with_a_prepared_python():

@@ -31,6 +31,7 @@ class ServerReport(BaseModel):
     trainer: str | None = None
     device: str | None = None
     version: str | None = None
+    placement: str | None = None  # how the node's GPUs are split (cluster/placement.py)
     log: str | None = None  # the server log's path on its machine (`art-sky logs NAME` prints it)
 
 
@@ -65,8 +66,11 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
             else:
                 health = await backend.health()
                 models = await backend.models()
-                server = ServerReport(state="ok", detail=f"{health.engine} on {health.device}", engine=health.engine,
-                                      trainer=health.trainer, device=health.device, version=health.version,
+                detail = f"{health.engine} on {health.device}"
+                if health.gpu_sharing == "dedicated":  # vLLM on GPUs of its own: say which
+                    detail += f", {health.placement}"
+                server = ServerReport(state="ok", detail=detail, engine=health.engine, trainer=health.trainer,
+                                      device=health.device, version=health.version, placement=health.placement,
                                       log=log)
     except VersionMismatchError as exc:
         server = ServerReport(state="error", detail=_line(exc), log=log)
