@@ -248,6 +248,8 @@ def _tensor_parallel(weight_bytes: int, gpu_memory: int | None, share: float, gp
 
 def _gpus(ids: tuple[str, ...]) -> str:
     """'GPU 7', 'GPUs 0-6' (a run of indices), 'GPUs 2,5'."""
+    if not ids:
+        return "the default GPU"
     if len(ids) == 1:
         return f"GPU {ids[0]}"
     if all(i.isdigit() for i in ids) and [int(i) for i in ids] == list(range(int(ids[0]), int(ids[0]) + len(ids))):
