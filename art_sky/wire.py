@@ -83,6 +83,11 @@ class HealthResponse(BaseModel):
                                 "on GPUs of its own, never asleep)"))
     placement: str | None = Field(None, description="how the node's GPUs are split (cluster/placement.py), e.g. "
                                                     "'dedicated: vLLM on GPUs 0-6 (...), trainer on GPU 7'")
+    serves_while_training: bool | None = Field(
+        None, description="true: completions go on during a training step (the previous step's adapter serves "
+                          "them; they wait only while the new one is swapped in); false: they wait for the whole "
+                          "step (the engine sleeps so the trainer has the GPU's memory). Each step's "
+                          "time/step_inference_paused_s says how long inference waited")
 
 
 class RegisterRequest(_Strict):

@@ -8,7 +8,7 @@ Prints each step's wall time and mean rollout reward for both (the speedup must 
 as its last line, `pipelined/sequential speedup X.XX` (target >= 1.6 where rollout waiting dominates).
 
     python bench/bench_pipeline.py
-    python bench/bench_pipeline.py --turns 3 --groups 4   # multi-turn: only the waits between turns overlap
+    python bench/bench_pipeline.py --turns 1   # one completion per rollout: its sampling and the step share the device
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=1)
+    parser.add_argument("--turns", type=int, default=2)  # agents: a tool call, its answer, the reply
     parser.add_argument("--wait-min", type=float, default=0.5)
     parser.add_argument("--wait-max", type=float, default=2.0)
     parser.add_argument("--learning-rate", type=float, default=5e-3)

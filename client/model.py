@@ -153,7 +153,8 @@ class TrainableModel(Model):
                     *, verbose: bool = False, wait: bool = True,
                     max_steps_off_policy: int = 1) -> dict[str, float] | asyncio.Task[dict[str, float]]:
         """One GRPO step on these groups (ART 0.4's `model.train`); returns the step's metrics and `step`.
-        Inference waits while it trains. `backend.train(model, groups, ...)` is ART 0.5's form of the same.
+        Inference goes on with the previous step while it trains (or waits, on an engine that must pause: /health
+        says which). `backend.train(model, groups, ...)` is ART 0.5's form of the same.
 
         `wait=False` returns at once with an asyncio.Task of those metrics: gather the next batch meanwhile
         (`art_sky.pipeline` runs that loop). Groups sampled more than `max_steps_off_policy` steps behind the step

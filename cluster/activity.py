@@ -94,7 +94,12 @@ class StepTimer:
         self.seconds: dict[str, float] = {"time/step_upload_s": time.monotonic() - arrived}
         self.gap = arrived - activity.step_ended  # since the previous step: the rollouts, as the server saw them
         self.sampled = activity.sampled_since_step
+        self.paused_at: float | None = None  # when the step closed the device gate to new completions
         self._current: tuple[str, float] | None = None
+
+    def inference_paused(self) -> None:
+        """From now on new completions wait for this step (until its adapter swap ends)."""
+        self.paused_at = time.monotonic()
 
     def begin(self, phase: Phase, detail: str = "") -> None:
         """Enter `phase` (ending the one before)."""
@@ -123,11 +128,14 @@ def step_metrics(timer: StepTimer, metrics: dict[str, float], gather_s: float | 
 
     Wall time = gather (the client's: since its previous step returned; else the server's gap since the previous
     commit) + the request's time on the server (upload, prepare, wait, train, checkpoint, swap). The cost is the
-    machine's price over that wall time; ART's key, `costs/gpu`."""
+    machine's price over that wall time; ART's key, `costs/gpu`. `time/step_inference_paused_s` overlaps the
+    phases: how long new completions waited for this step (its swap, or the whole step on an engine that pauses)."""
     activity = timer.activity
     on_server = time.monotonic() - timer.arrived
     gather = gather_s if gather_s is not None else max(timer.gap, 0.0)
     out = dict(metrics) | timer.seconds | {"time/step_actor_s": gather, "time/step_wall_s": gather + on_server}
+    if timer.paused_at is not None:  # the whole step on a pausing engine; the swap alone on one serving meanwhile
+        out["time/step_inference_paused_s"] = time.monotonic() - timer.paused_at
     trainer_s = timer.seconds.get("time/step_trainer_s", 0.0)
     if metrics.get("trained_tokens") and trainer_s > 0:
         out["throughput/train_tok_per_s"] = metrics["trained_tokens"] / trainer_s

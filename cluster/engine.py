@@ -23,6 +23,10 @@ class Engine(Protocol):
     name: str
     engine_port: int | None  # the engine's own OpenAI port on the server's machine (vLLM), for diagnostics
     honoured: frozenset[str]  # the chat completion parameters it honours; others are refused by name
+    # True: it keeps serving the previous step's adapter while a step trains (its own copy of the adapter, or its
+    # own device), and the step closes the device gate only to swap the new one in; False: `pause` holds inference
+    # for the whole step (the device's memory is needed by the trainer). /health reports it.
+    serves_while_training: bool
 
     def check(self, request: RegisterRequest) -> None:
         """Before a model is loaded: ConfigError when this engine cannot serve it."""
@@ -31,10 +35,12 @@ class Engine(Protocol):
         """Serve a newly registered model."""
 
     def pause(self) -> None:
-        """Before a training step: hold inference (and free device memory where the engine can)."""
+        """Before a training step, when it does not serve while training: hold inference (and free device memory
+        where the engine can)."""
 
     def resume(self, state: ModelState, trained: bool) -> None:
-        """After a training step: serve the new step (when `trained`), then release inference."""
+        """After a training step (no completion in flight): serve the new step (when `trained`), then release
+        inference."""
 
     async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:
         """One chat completion for the served model and step: the response's JSON, or its server-sent events.

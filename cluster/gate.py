@@ -1,7 +1,8 @@
-"""`DeviceGate`: inference shares the device, training (and registering, deleting checkpoints) takes it alone.
+"""`DeviceGate`: inference shares the device; an adapter swap (a whole training step on an engine that pauses for
+it), registering and deleting checkpoints take it alone.
 
-ART's semantics: a completion that arrives while a model trains waits and is then served by the new step; none
-fails. Many completions run at once (vLLM batches them continuously); a step waits for those in flight to finish,
+ART's semantics: a completion that arrives while the gate is held alone waits and is then served by the new step;
+none fails. Many completions run at once (vLLM batches them continuously); a step waits for those in flight to finish,
 and once a step is waiting no new completion starts, so a steady stream of rollouts never starves training.
 """
 

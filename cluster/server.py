@@ -2,10 +2,11 @@
 
 Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key (the
 OpenAPI document too: /openapi.json; there are no /docs pages). The OpenAI surface (/v1) is cluster/openai_api.py.
-The device gate (cluster/gate.py) keeps inference and training apart, ART's semantics: while a model trains,
-completions wait. A training step is a transaction (cluster/steps.py). Request bodies are size-limited per route and
-parsed off the event loop (cluster/bodies.py), and registering a model loads it without the device gate, so one
-request never stalls the others.
+The device gate (cluster/gate.py) keeps inference and adapter swaps apart: a completion is sampled by the step it
+names; while a model trains, completions go on with its previous step where the engine serves while training, and
+wait otherwise (ART's semantics). A training step is a transaction (cluster/steps.py). Request bodies are
+size-limited per route and parsed off the event loop (cluster/bodies.py), and registering a model loads it without
+the device gate, so one request never stalls the others.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
                               device=str(device()), models=sorted(states),
                               engine_port=engine.engine_port, versions=versions, stack=stack,
-                              gpu_sharing=sharing_of(engine),
+                              gpu_sharing=sharing_of(engine), serves_while_training=engine.serves_while_training,
                               placement=getattr(engine, "placement", placement).describe())  # vLLM's: sized
 
     openai_api.install(app, engine, states, gate, api_key, guarded, activities)
@@ -247,12 +248,13 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     @app.post("/art/models/{name}/checkpoints/delete", dependencies=guarded)
     async def delete_checkpoints(name: str, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
         state = model(name)
-        async with gate.exclusive():
-            steps = state.checkpoints.steps()
+        async with steps.training, gate.exclusive():  # never during a step: its checkpoint is saved before served
+            existing = state.checkpoints.steps()
             keep = (set(body.keep_steps) if body.keep_steps is not None else
-                    steps_to_keep(steps, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last))
+                    steps_to_keep(existing, state.checkpoints.history(), body.best_checkpoint_metric,
+                                  body.keep_last))
             keep.add(state.step)  # the adapter being served and trained stays
-            await asyncio.to_thread(state.checkpoints.delete, [s for s in steps if s not in keep])
+            await asyncio.to_thread(state.checkpoints.delete, [s for s in existing if s not in keep])
         if sync:
             sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step,
                                   body.keep_steps)

@@ -65,17 +65,40 @@ def step_seed(step: int) -> int:
     return STEP_SEED * 1_000_003 + step
 
 
+@dataclass
+class Trained:
+    """A step trained and saved (committed on disk), not yet served: `publish` makes it the model's step."""
+
+    result: TrainProgress
+    metrics: dict[str, float]
+    requests: dict[str, int]
+
+
 def run_step(state: ModelState, engine: Engine, plan: StepPlan, request_id: str, progress: Progress,
              timer: StepTimer, clock: StepClock) -> TrainProgress:
-    """Train and commit the model's next step, or leave it exactly as it was. Blocking: a worker thread, with the
-    device gate held alone. Returns the step's result (what the client gets, and a retry of `request_id`), its
-    metrics with the step's time split, throughput and cost (`timer` times the phases; `clock` is the client's)."""
+    """A step on an engine that cannot serve while the trainer has the device: pause it, train and save, publish.
+    Blocking: a worker thread, with the device gate held alone (inference waits for the whole step)."""
+    timer.begin("swapping", "the engine hands the device to the trainer")
+    engine.pause()  # inference waits while training (a vLLM engine on a shared GPU also frees its memory)
+    try:
+        trained = train_and_save(state, plan, request_id, progress, timer)
+    except BaseException:
+        timer.begin("swapping", "the engine resumes")
+        _resume_after_failure(engine, state)
+        timer.end()
+        raise
+    return publish(state, engine, trained, timer, clock)
+
+
+def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress: Progress,
+                   timer: StepTimer) -> Trained:
+    """Train the model's next step and write its checkpoint whole (the commit point), or leave the LoRA and the
+    optimizer exactly as they were and raise StepError. Blocking: a worker thread. Touches only the trainer's
+    model: an engine that serves while training samples from its own copy of the adapter meanwhile."""
     step = state.step + 1
     before = _snapshot(state)
     reset_peak_memory()
     try:
-        timer.begin("swapping", "the engine hands the device to the trainer")
-        engine.pause()  # inference waits while training (a vLLM engine also frees its GPU memory)
         timer.begin("training")
         with _seeded(step_seed(step)):
             metrics, batches = plan.train(progress)
@@ -90,16 +113,22 @@ def run_step(state: ModelState, engine: Engine, plan: StepPlan, request_id: str,
             raise StepError(f"the checkpoint of step {step} could not be written to {state.checkpoints.path} "
                             f"({exc.strerror or exc}): free disk space there (or fix the directory) and train "
                             "again") from exc
-        state.step, state.requests = step, requests
     except BaseException as exc:
-        timer.begin("swapping", "the engine resumes")
         _restore(state, before)
-        _resume_after_failure(engine, state)
-        timer.end()
         if isinstance(exc, Exception):
             raise StepError(f"training {state.name} failed and was rolled back: the model is as it was at step "
                             f"{state.step}. {exc}") from exc
         raise
+    return Trained(result, metrics, requests)
+
+
+def publish(state: ModelState, engine: Engine, trained: Trained, timer: StepTimer, clock: StepClock) -> TrainProgress:
+    """The saved step becomes the model's: its step advances and the engine serves the new adapter (then releases
+    inference). Blocking: a worker thread, with the device gate held alone (no completion in flight, so none is
+    sampled by one adapter and labelled with another's step). Returns the step's result (what the client gets, and
+    a retry of its request id) with the step's time split, throughput and cost (`clock` is the client's)."""
+    step = trained.result.step
+    state.step, state.requests = step, trained.requests
     timer.begin("swapping", "the engine loads the new adapter")
     try:
         engine.resume(state, True)  # serves the new step's adapter, then releases inference
@@ -110,7 +139,7 @@ def run_step(state: ModelState, engine: Engine, plan: StepPlan, request_id: str,
     timer.end()
     # The whole step's figures (its save and swap included) go to history.jsonl and the client; the record saved
     # with the checkpoint has the trainer's (it can only be written before the save ends).
-    metrics, totals = step_metrics(timer, metrics, clock.gather_s, clock.hourly_cost)
+    metrics, totals = step_metrics(timer, trained.metrics, clock.gather_s, clock.hourly_cost)
     entry = history_entry(step, "train", metrics | totals)
     try:
         state.checkpoints.append_history(entry)
@@ -120,7 +149,7 @@ def run_step(state: ModelState, engine: Engine, plan: StepPlan, request_id: str,
     if failed is not None:
         raise EngineError(f"step {step} of {state.name} was trained and saved, but the engine could not serve it: "
                           f"{failed}") from failed
-    return result.model_copy(update={"metrics": metrics, "totals": totals})
+    return trained.result.model_copy(update={"metrics": metrics, "totals": totals})
 
 
 @dataclass
@@ -229,11 +258,17 @@ class StepJob:
 
 
 class Steps:
-    """The server's training steps: prepared off the event loop, run one at a time with the device gate held alone,
-    committed by `run_step`; `on_commit(state)` follows each commit (the checkpoint's upload)."""
+    """The server's training steps: prepared off the event loop, trained one at a time, published with the device
+    gate held alone; `on_commit(state)` follows each commit (the checkpoint's upload).
+
+    An engine that serves while training (`engine.serves_while_training`) keeps sampling from the previous step's
+    adapter during the step: the gate closes only for the swap to the new one. Otherwise the gate is held for the
+    whole step (`run_step`). Either way the step's `time/step_inference_paused_s` says how long inference waited."""
 
     def __init__(self, engine: Engine, gate: DeviceGate, on_commit: Callable[[ModelState], None]):
         self.engine, self.gate, self.on_commit = engine, gate, on_commit
+        self.training = asyncio.Lock()  # held by the step on the device (one at a time), and by what must not
+        # happen during a step although inference goes on (deleting checkpoints: the step's own is on disk early)
         self._jobs: dict[tuple[str, str], StepJob] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -290,12 +325,11 @@ class Steps:
                                                                     activity=timer.activity.activity()))
 
             timer.begin("waiting")
-            async with self.gate.exclusive():
+            async with self.training:
                 start = state.step
                 log.info("training %s step %d (request %s)", state.name, start + 1, job.request_id)
                 try:
-                    result = await asyncio.to_thread(run_step, state, self.engine, plan, job.request_id, progress,
-                                                     timer, clock)
+                    result = await self._step(state, plan, job.request_id, progress, timer, clock)
                 except Exception as exc:  # reported to the client; the server keeps serving
                     log.exception("training %s failed", state.name)
                     if state.step != start:  # committed, then the engine failed: the checkpoint still uploads
@@ -308,6 +342,19 @@ class Steps:
         finally:
             timer.end()
             del self._jobs[key]
+
+    async def _step(self, state: ModelState, plan: StepPlan, request_id: str, progress: Progress, timer: StepTimer,
+                    clock: StepClock) -> TrainProgress:
+        engine = self.engine
+        if not engine.serves_while_training:
+            timer.inference_paused()
+            async with self.gate.exclusive():
+                return await asyncio.to_thread(run_step, state, engine, plan, request_id, progress, timer, clock)
+        trained = await asyncio.to_thread(train_and_save, state, plan, request_id, progress, timer)
+        timer.begin("waiting", "for the completions in flight to finish before the swap")
+        timer.inference_paused()
+        async with self.gate.exclusive():
+            return await asyncio.to_thread(publish, state, engine, trained, timer, clock)
 
 
 async def _once(event: TrainProgress) -> AsyncIterator[TrainProgress]:

@@ -9,8 +9,9 @@ Each trained step is its own LoRA adapter in vLLM, named `name@step`, never relo
 vLLM's prefix cache keys KV blocks by adapter, and an adapter swapped under one name can reuse blocks computed
 with the old weights (vLLM issue #42125). After a step the new adapter is loaded, the model's name routes to it
 and the previous one is unloaded; older steps load on demand as `name@step`, at most ART_SKY_VLLM_MAX_LORAS at
-once (least recently used ones are unloaded first). While a model trains, vLLM is paused (requests wait at the
-proxy, ART's semantics) and on CUDA put to sleep, so the trainer gets its GPU memory back.
+once (least recently used ones are unloaded first). While a model trains, vLLM keeps serving the previous step's
+adapter; requests wait at the proxy only while the new one is swapped in. On a GPU it shares with the trainer it
+sleeps instead for the whole step (sleep mode), so the trainer gets its GPU memory back.
 """
 
 from __future__ import annotations
@@ -89,23 +90,24 @@ class VllmEngine:
             self._start(state)
         self._serve_newest(state)
 
+    @property
+    def serves_while_training(self) -> bool:
+        """vLLM is its own process with its own memory unless it shares a GPU with the trainer (sleep mode): then
+        it sleeps for the step; otherwise it goes on serving the previous adapter while the trainer trains."""
+        return not self.sleep_mode
+
     def pause(self) -> None:
-        """Before a training step (no completion in flight: the gate drained them): hold vLLM, free GPU memory on
-        CUDA."""
-        if self.sleep_mode:
-            self._post("/sleep", params={"level": 1, "mode": "wait"})
-        else:
-            self._post("/pause", params={"mode": "wait"})
+        """Before a training step, on a GPU shared with the trainer (no completion in flight: the gate drained
+        them): vLLM sleeps, its weights and KV cache out of GPU memory."""
+        self._post("/sleep", params={"level": 1, "mode": "wait"})
 
     def resume(self, state: ModelState, trained: bool) -> None:
-        """After a training step: wake up, serve the new step's adapter under the model's name, resume."""
-        try:
-            if self.sleep_mode:
-                self._post("/wake_up")
-            if trained:
-                self._serve_newest(state)
-        finally:
-            self._post("/resume")
+        """After a training step (no completion in flight): wake up if asleep, then serve the new step's adapter
+        under the model's name."""
+        if self.sleep_mode:
+            self._post("/wake_up")
+        if trained:
+            self._serve_newest(state)
 
     def close(self) -> None:
         """Stop vLLM and its engine processes (its own process group)."""
@@ -253,7 +255,8 @@ class VllmEngine:
         args, env = vllm_command(self.settings, placement, resolve_base_model(state.request.base_model, self.settings),
                                  state.request, port, rank, device().type == "cuda", self.sleep_mode, self.api_key)
         if not self.sleep_mode:
-            log.info("vLLM never sleeps here (%s): it keeps its memory while a step trains", placement.describe())
+            log.info("vLLM never sleeps here (%s): it serves the previous adapter while a step trains",
+                     placement.describe())
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM on %s (port %d, log %s)", state.request.base_model, port, self.log_path)
         with open(self.log_path, "ab") as out:
@@ -350,7 +353,7 @@ def vllm_command(settings: Settings, placement: Placement, source: str, request:
     env = {
         "VLLM_API_KEY": api_key,
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-        "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /sleep, /wake_up
+        "VLLM_SERVER_DEV_MODE": "1",  # /sleep, /wake_up
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",  # the proxy's pool drops idle connections first (30 s)
     } | placement.engine_env()
     if not on_cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:

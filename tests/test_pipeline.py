@@ -12,6 +12,7 @@ import pytest
 from conftest import train_lines
 
 import art_sky as art
+from art_sky.checkpoints import CheckpointDir
 from art_sky.client.pipeline import drop_stale, group_versions
 from art_sky.client.trajectories import wire_groups, wire_item
 from art_sky.demo import PROMPTS, digit_share
@@ -53,6 +54,59 @@ def test_the_step_travels_on_the_wire_from_any_client_type():
     assert wire_item({"choices": [choice], "model": "agent@7"}).step == 7  # a completion: its model names the step
     assert wire_item({"choices": [choice], "model": "agent"}).step is None
     assert wire_item(choice).step is None
+
+
+# -- inference goes on while a step trains -------------------------------------------------------------------------
+
+
+async def _phase(server) -> str:
+    return (await server.get("/art/models/tiny")).json()["activity"]["phase"]
+
+
+@pytest.mark.slow
+async def test_completions_go_on_while_a_step_trains_sampled_by_the_previous_step(server):
+    """The portable engine samples from its own copy of the adapter: during a step, completions are served (not
+    held) by the previous step, exactly as before the step began; the gate closes only for the swap, and the new
+    step's weights are what the new step's checkpoint holds."""
+    assert (await server.get("/health")).json()["serves_while_training"] is True
+    probe = {"model": "tiny", "messages": PROMPT, "max_tokens": 6, "logprobs": True, "seed": 7}
+    before = (await server.post("/v1/chat/completions", json=probe)).json()["choices"][0]
+    previous = before["art_sky_step"]
+    body = {"model": "tiny", "messages": PROMPT, "max_tokens": 32, "n": 8, "logprobs": True, "seed": 1}
+    choices = (await server.post("/v1/chat/completions", json=body)).json()["choices"]
+    trajectories = [{"messages_and_choices": [*PROMPT, c], "reward": i % 2} for i, c in enumerate(choices)]
+    group = json.loads(wire_groups([{"trajectories": trajectories}])[0].model_dump_json())
+    step = asyncio.create_task(train_lines(server, "tiny", {"groups": [group] * 16, "config": {
+        "learning_rate": 5e-2}}))  # a few seconds of training on this machine
+    while await _phase(server) != "training":
+        assert not step.done(), step.result()
+        await asyncio.sleep(0.02)
+    during = []
+    while not step.done() and len(during) < 5:
+        choice = (await server.post("/v1/chat/completions", json=probe)).json()["choices"][0]
+        during.append((choice, await _phase(server)))
+    served_while_training = [choice for choice, phase in during if phase == "training"]
+    assert served_while_training, f"no completion came back while the step trained: {during}"
+    for choice in served_while_training:  # the previous step's weights, untouched by the training going on
+        assert choice["art_sky_step"] == previous and choice["token_ids"] == before["token_ids"]
+        assert _logprobs(choice) == _logprobs(before)
+
+    status, lines = await step
+    assert status == 200 and lines[-1]["step"] == previous + 1, lines
+    metrics = lines[-1]["metrics"]
+    assert metrics["time/step_inference_paused_s"] < metrics["time/step_trainer_s"] / 5, metrics
+    after = (await server.post("/v1/chat/completions", json=probe)).json()
+    assert after["model"] == f"tiny@{previous + 1}" and _logprobs(after["choices"][0]) != _logprobs(before)
+    # what the engine serves as the new step is its checkpoint: once a step follows, it is loaded from disk
+    status, lines = await train_lines(server, "tiny", {"groups": [group]})
+    assert status == 200 and lines[-1]["step"] == previous + 2, lines
+    from_disk = (await server.post("/v1/chat/completions", json=probe | {"model": after["model"]})).json()
+    assert from_disk["choices"][0]["token_ids"] == after["choices"][0]["token_ids"]
+    assert _logprobs(from_disk["choices"][0]) == pytest.approx(_logprobs(after["choices"][0]), abs=1e-4)
+
+
+def _logprobs(choice: dict) -> list[float]:
+    return [entry["logprob"] for entry in choice["logprobs"]["content"]]
 
 
 # -- the staleness bound -------------------------------------------------------------------------------------------
@@ -171,6 +225,22 @@ async def test_a_stale_rollout_trains_against_its_own_sampled_logprobs(backend):
     assert all(m["clip_fraction"] == 0 for m in fresh_metrics), fresh_metrics
     metrics = await model.train(stale, config, max_steps_off_policy=2)
     assert metrics["steps_off_policy"] == 2 and metrics["clip_fraction"] > 0, metrics
+
+
+@pytest.mark.slow
+async def test_close_trains_the_steps_asked_for_first(tmp_path):
+    """A step asked for with wait=False holds the user's rollouts: closing the backend trains it before the server
+    stops (close(force=True) would cancel it)."""
+    backend = art.LocalBackend(path=tmp_path)
+    model = art.TrainableModel(name="closing", project="pipe", base_model="art-sky/tiny")
+    try:
+        await model.register(backend)
+        step = await model.train(await _rollouts(model), art.TrainConfig(learning_rate=1e-3), wait=False)
+        assert not step.done()
+    finally:
+        await backend.close()
+    assert step.done() and (await step)["step"] == 1
+    assert CheckpointDir(tmp_path, "pipe", "closing").steps() == [0, 1]
 
 
 # -- the pipelined loop learns as the sequential one does ---------------------------------------------------------

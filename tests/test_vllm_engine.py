@@ -7,6 +7,7 @@ cache on (a prompt cached under the old adapter is not reused for the new one).
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 from pathlib import Path
@@ -205,6 +206,35 @@ async def test_control_route_forwards_to_vllm(served):
         assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) >= 1
         assert not any(t["token"].startswith("token_id:") for t in choice["logprobs"]["content"])
     assert refused.status_code == 200 and refused.json()["choices"][0].get("token_ids") is None
+
+
+async def test_vllm_serves_the_previous_step_while_the_trainer_trains(served):
+    """Engine and trainer in separate processes (vLLM's child, the server's trainer): vLLM is never paused for a
+    step; completions during it are sampled by the previous step's adapter, exactly as before the step began."""
+    backend, model = served
+    assert (await backend.health()).serves_while_training is True
+    step = await model.get_step()
+    before = await sampled(model, "vt")
+    groups = await rollout_groups(model)
+    training = asyncio.create_task(model.train(groups * 12, art.TrainConfig(learning_rate=5e-2)))
+    async with httpx.AsyncClient(base_url=backend.base_url, timeout=120,
+                                 headers={"authorization": f"Bearer {backend.api_key}"}) as http:
+        async def phase() -> str:
+            return (await http.get("/art/models/vt")).json()["activity"]["phase"]
+
+        while await phase() != "training":
+            assert not training.done(), training.result()
+            await asyncio.sleep(0.02)
+        during = []
+        while not training.done() and len(during) < 5:
+            during.append((await sampled(model, "vt"), await phase()))
+    served_while_training = [ids_logprobs for ids_logprobs, phase in during if phase == "training"]
+    assert served_while_training, f"no completion came back while the step trained: {during}"
+    assert all(result == (before[0], pytest.approx(before[1], abs=TOLERANCE)) for result in served_while_training)
+    metrics = await training
+    assert metrics["step"] == step + 1
+    assert metrics["time/step_inference_paused_s"] < metrics["time/step_trainer_s"] / 5, metrics
+    assert (await sampled(model, "vt"))[1] != pytest.approx(before[1], abs=TOLERANCE), "the new step serves"
 
 
 async def test_vllm_stops_with_the_server(served):

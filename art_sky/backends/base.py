@@ -217,6 +217,19 @@ class Backend:
                                        + "; ".join(status.errors))
         return status
 
+    async def _finish_steps(self, force: bool) -> None:
+        """Steps asked for with `wait=False` train before the connection closes (they are the user's rollouts);
+        `force` cancels those not done. Their errors stay their callers'."""
+        pending = [step for step in self._steps.values() if not step.done()]
+        if not pending:
+            return
+        if force:
+            for step in pending:
+                step.cancel()
+        else:
+            log.info("waiting for %d training step(s) asked for with wait=False", len(pending))
+        await asyncio.wait(pending)
+
     async def _flush_before_stop(self, force: bool, where: str) -> None:
         """A server is never stopped with checkpoints the store does not have yet, unless `force`."""
         if force or not self._started:
@@ -233,10 +246,12 @@ class Backend:
                     max_steps_off_policy: int = 1, **kwargs: Any) -> TrainResult | asyncio.Task[TrainResult]:
         """One training step on these groups (art-sky's or openpipe-art's), ART 0.5's `backend.train`: ART's
         keywords (`learning_rate`, `loss_fn`, `epsilon`, `kl_penalty_coef`, ...; see art_protocol.py) or
-        art-sky's `config=TrainConfig(...)`. Inference waits while it trains; progress streams from the server.
+        art-sky's `config=TrainConfig(...)`. Inference goes on with the previous step while it trains (where the
+        engine can: /health's serves_while_training); progress streams from the server.
 
         `wait=False` returns at once with an asyncio.Task of the TrainResult, so the next batch can be gathered
-        while this one trains; a model's steps train in the order they were asked for. Groups sampled more than
+        while this one trains; a model's steps train in the order they were asked for, and `close()` waits for
+        them (`close(force=True)` cancels them). Groups sampled more than
         `max_steps_off_policy` steps behind the step they train at are dropped and counted (client/pipeline.py).
         Bad input raises here, before anything is sent."""
         config = train_config(config, kwargs)

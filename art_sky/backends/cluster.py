@@ -168,7 +168,9 @@ class ClusterBackend(Backend):
         return lifecycle.stop(self.machine_runner(), layout)
 
     async def close(self, force: bool = False) -> None:
-        """Close the connection and, unless `keep_server`, stop the server once its checkpoints are in the store."""
+        """Close the connection once the steps asked for with wait=False have trained (`force`: cancel them) and,
+        unless `keep_server`, stop the server once its checkpoints are in the store."""
+        await self._finish_steps(force)
         if not self.keep_server and self._started:
             await self._flush_before_stop(force, f"{self.where}:{self._layout().art_path}")
         await self._shutdown(stop_server=not self.keep_server)
@@ -181,7 +183,9 @@ class ClusterBackend(Backend):
     async def down(self, force: bool = False) -> str:
         """Stop the server for good once every checkpoint is in the store (`force`: even if not, or if the server
         cannot be asked); say what was done. A server that has already exited is done at once (nothing can be
-        flushed from it). A SkyPilot cluster is torn down."""
+        flushed from it). A SkyPilot cluster is torn down. Steps asked for with wait=False train first (`force`:
+        cancelled)."""
+        await self._finish_steps(force)
         layout = self._layout()
         try:
             state = (await self.server_state()).state
