@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Con
 
 from art_sky.cluster import placement as placement_module
 from art_sky.cluster import selection, vllm_engine
-from art_sky.cluster.placement import Gpus, Placement, base_parameters, choose, place, visible_gpus
+from art_sky.cluster.placement import Gpus, base_parameters, choose, place, visible_gpus
 from art_sky.cluster.vllm_engine import VllmEngine, vllm_command
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
