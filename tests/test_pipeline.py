@@ -8,8 +8,9 @@ import asyncio
 import json
 import random
 
+import httpx
 import pytest
-from conftest import train_lines
+from conftest import API_KEY, train_lines
 
 import art_sky as art
 from art_sky.checkpoints import CheckpointDir
@@ -103,6 +104,38 @@ async def test_completions_go_on_while_a_step_trains_sampled_by_the_previous_ste
     from_disk = (await server.post("/v1/chat/completions", json=probe | {"model": after["model"]})).json()
     assert from_disk["choices"][0]["token_ids"] == after["choices"][0]["token_ids"]
     assert _logprobs(from_disk["choices"][0]) == pytest.approx(_logprobs(after["choices"][0]), abs=1e-4)
+
+
+@pytest.mark.slow
+async def test_an_engine_that_pauses_holds_completions_for_the_whole_step(tmp_path, monkeypatch):
+    """Where the engine must give the trainer the device (vLLM asleep on a shared GPU; here the portable engine as
+    when it cannot copy a model), ART's semantics: a completion sent during a step waits and is served by the new
+    step, and the step's metrics say inference waited for all of it."""
+    from art_sky.cluster.portable_engine import PortableEngine
+    from art_sky.cluster.server import create_app
+    from art_sky.settings import Settings
+
+    monkeypatch.setattr(PortableEngine, "serves_while_training", False)
+    app = create_app(tmp_path, API_KEY, Settings(max_new_tokens_limit=64))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server", timeout=120,
+                                 headers={"authorization": f"Bearer {API_KEY}"}) as server:
+        response = await server.post("/art/models", json={"name": "tiny", "project": "t", "base_model": "art-sky/tiny"})
+        assert response.status_code == 200, response.text
+        assert (await server.get("/health")).json()["serves_while_training"] is False
+        body = {"model": "tiny", "messages": PROMPT, "max_tokens": 32, "n": 8, "logprobs": True, "seed": 1}
+        choices = (await server.post("/v1/chat/completions", json=body)).json()["choices"]
+        trajectories = [{"messages_and_choices": [*PROMPT, c], "reward": i % 2} for i, c in enumerate(choices)]
+        group = json.loads(wire_groups([{"trajectories": trajectories}])[0].model_dump_json())
+        step = asyncio.create_task(train_lines(server, "tiny", {"groups": [group] * 8}))
+        while await _phase(server) != "training":
+            assert not step.done(), step.result()
+            await asyncio.sleep(0.02)
+        held = (await server.post("/v1/chat/completions", json=body | {"n": 1, "max_tokens": 4})).json()
+        assert held["choices"][0]["art_sky_step"] == 1 and held["model"] == "tiny@1"
+        status, lines = await step
+        assert status == 200 and lines[-1]["step"] == 1, lines
+        metrics = lines[-1]["metrics"]
+        assert metrics["time/step_inference_paused_s"] >= metrics["time/step_trainer_s"], metrics
 
 
 def _logprobs(choice: dict) -> list[float]:

@@ -216,7 +216,7 @@ async def test_vllm_serves_the_previous_step_while_the_trainer_trains(served):
     step = await model.get_step()
     before = await sampled(model, "vt")
     groups = await rollout_groups(model)
-    training = asyncio.create_task(model.train(groups * 12, art.TrainConfig(learning_rate=5e-2)))
+    training = asyncio.create_task(model.train(groups * 20, art.TrainConfig(learning_rate=5e-2)))
     async with httpx.AsyncClient(base_url=backend.base_url, timeout=120,
                                  headers={"authorization": f"Bearer {backend.api_key}"}) as http:
         async def phase() -> str:
