@@ -48,6 +48,7 @@ def main() -> None:
                               config=ModelConfig(max_seq_length=2048))
     state = create_model_state(request, Path(tempfile.mkdtemp()), settings)
     engine = PortableEngine(args.max_tokens)
+    engine.attach(state)  # as the server does at registration: it samples from its own copy of the adapter
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} threads)"
     messages = [{"role": "system", "content": "You are a helpful assistant."},

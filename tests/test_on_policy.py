@@ -20,7 +20,9 @@ def test_sampled_logprobs_match_the_trainer(tmp_path):
                                Settings())
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello"}]
     request = ChatCompletionRequest(model="m", messages=messages, n=4, max_tokens=10, logprobs=True, seed=3)
-    completion = PortableEngine(64).complete(state, request)
+    engine = PortableEngine(64)
+    engine.attach(state)  # as the server does at registration
+    completion = engine.complete(state, request)
     for choice in completion.choices:
         reported = [t.logprob for t in choice.logprobs.content]
         built = build_sequences(state.tokenizer, wire_trajectory({"messages_and_choices": [*messages, choice],
@@ -41,6 +43,7 @@ def test_batched_requests_sample_as_they_would_alone(tmp_path):
     state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path,
                                Settings())
     engine = PortableEngine(64)
+    engine.attach(state)
     short = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
                                   logprobs=True, return_tokens_as_token_ids=True, seed=5)
     long = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a much longer question " * 3}],
