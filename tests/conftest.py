@@ -39,7 +39,8 @@ async def train_lines(client: httpx.AsyncClient, name: str, body: dict) -> tuple
 @pytest.fixture(scope="session")
 def sky_slurm():
     """A real local Slurm with SkyPilot's API server running and `slurm/<alias>` enabled (tests/slurm_harness.py);
-    yields the infra string. Skips, saying what to run, where the packages are not installed."""
+    yields the infra string. Skips, saying what to run, where the packages are not installed. The API server stops
+    with the session: one started from this checkout's venv must not serve the next run from another."""
     pytest.importorskip("sky", reason="the SkyPilot extra is not installed: bash tests/setup/30-slurm-skypilot.sh")
     import slurm_harness
 
@@ -48,4 +49,7 @@ def sky_slurm():
         pytest.skip(reason)
     slurm_harness.start()
     slurm_harness.enable_sky()
-    return slurm_harness.INFRA
+    yield slurm_harness.INFRA
+    from sky.client import sdk
+
+    sdk.api_stop()
