@@ -285,7 +285,7 @@ class PortableEngine:
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
             positions = positions[:, -1:] + 1
             out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
-                              past_key_values=out.past_key_values, use_cache=True, **extra)
+                        past_key_values=out.past_key_values, use_cache=True, **extra)
         samples = [Sample(tokens[r], logps[r], tops[r], finish[r] or "length") for r in range(len(rows))]
         return [samples[a:b] for a, b in spans]
 

@@ -69,8 +69,7 @@ def step_seed(step: int) -> int:
 class Trained:
     """A step trained and saved (committed on disk), not yet served: `publish` makes it the model's step."""
 
-    result: TrainProgress
-    metrics: dict[str, float]
+    result: TrainProgress  # with the trainer's metrics
     requests: dict[str, int]
 
 
@@ -119,7 +118,7 @@ def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress:
             raise StepError(f"training {state.name} failed and was rolled back: the model is as it was at step "
                             f"{state.step}. {exc}") from exc
         raise
-    return Trained(result, metrics, requests)
+    return Trained(result, requests)
 
 
 def publish(state: ModelState, engine: Engine, trained: Trained, timer: StepTimer, clock: StepClock) -> TrainProgress:
@@ -139,7 +138,7 @@ def publish(state: ModelState, engine: Engine, trained: Trained, timer: StepTime
     timer.end()
     # The whole step's figures (its save and swap included) go to history.jsonl and the client; the record saved
     # with the checkpoint has the trainer's (it can only be written before the save ends).
-    metrics, totals = step_metrics(timer, trained.metrics, clock.gather_s, clock.hourly_cost)
+    metrics, totals = step_metrics(timer, trained.result.metrics, clock.gather_s, clock.hourly_cost)
     entry = history_entry(step, "train", metrics | totals)
     try:
         state.checkpoints.append_history(entry)
