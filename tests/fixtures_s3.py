@@ -78,11 +78,14 @@ def seaweedfs(root: Path) -> Iterator[S3Server]:
     # Every bucket is a collection with volumes of its own. Left to itself, weed sizes its volume slots from the free
     # disk (1 GiB each) and grows 7 volumes per collection, so a suite's worth of buckets ran out of slots on a small
     # disk ("Not enough data nodes found", a 500 on upload). One volume per bucket, fixed sparse slots: no limit.
+    # Its volume server also refuses every write while less than 1% of the disk is free ("no volume server capacity
+    # registered"), which a 250 GB CI disk with 2 GB free is: the tests write kilobytes, so 64 MiB free is enough.
     (root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n")
     master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
     command = [weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
                f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
                "-master.volumeSizeLimitMB=256", "-volume.max=400",
+               "-volume.minFreeSpace=64MiB",
                f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
                "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
                "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={root / 's3.json'}",
@@ -124,4 +127,6 @@ def _wait_ready(server: S3Server, process: subprocess.Popen, log: Path) -> None:
             return
         except Exception:  # not up yet: connection refused, or no volume server registered
             time.sleep(0.3)
-    raise RuntimeError(f"SeaweedFS was not ready within {START_TIMEOUT:.0f}s:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    disk = [line for line in text.splitlines() if "disk free" in line][-1:]  # weed's own word on a full disk
+    raise RuntimeError(f"SeaweedFS was not ready within {START_TIMEOUT:.0f}s:\n" + "\n".join(disk + [text[-3000:]]))
