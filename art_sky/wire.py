@@ -414,6 +414,18 @@ class ChatCompletionRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_functions(cls, tools: list[dict[str, Any]] | None):
+        """OpenAI's tool shape, which chat templates read (a tool without a function name renders as garbage)."""
+        for index, tool in enumerate(tools or []):
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tool {index} is not {{'type': 'function', 'function': {{'name': ..., "
+                                 "'parameters': {...}}}")
+        return tools
+
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them."""
         return [message.model_dump(exclude_unset=True) for message in self.messages]

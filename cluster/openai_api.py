@@ -1,5 +1,6 @@
 """The OpenAI-compatible surface of the cluster server: /v1/chat/completions (streaming too), /v1/models and
-/v1/models/{id}. Every engine serves through it, so the laptop needs one port and one tunnel.
+/v1/models/{id}; any other /v1 route is a 404 that says so. Every engine serves through it, so the laptop needs one
+port and one tunnel.
 
 A model's name serves its newest step; `name@step` serves an older step while its checkpoint exists. A response's
 `model` names the step that served it. Parameters an engine would not honour are refused with a 400 naming them
@@ -165,6 +166,16 @@ def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: D
     app.include_router(router)
     app.router.add_route("/v1/chat/completions", _ChatCompletions(engine, states, gate, api_key, activities),
                          methods=["POST"])
+    app.router.add_route("/v1/{path:path}", _not_served, include_in_schema=False,
+                         methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+
+
+async def _not_served(request: Request) -> JSONResponse:
+    """Any other /v1 route (a client calling /v1/completions, /v1/embeddings, /v1/responses) gets an answer in
+    OpenAI's format that says what is served, not a bare "Not Found"."""
+    return OpenAIError(404, f"{request.method} {request.url.path} is not served here: art-sky serves POST "
+                            "/v1/chat/completions, GET /v1/models and GET /v1/models/{id}",
+                       type="not_found_error").response()
 
 
 class SampledTokens:

@@ -29,6 +29,7 @@ import torch
 from openai.types.chat import ChatCompletion
 from pydantic import ValidationError
 
+from art_sky.errors import TokenizationError
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 from .chat_parameters import PORTABLE
@@ -167,6 +168,8 @@ class PortableEngine:
         tools = _tools_shown(request)
         try:
             prompt = prompt_ids(state.tokenizer, request.message_dicts(), tools)
+        except TokenizationError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from exc
         except Exception as exc:  # the model's own template code: whatever it raises means "cannot render this"
             raise OpenAIError(400, f"the model's chat template cannot render these messages: {exc!r}",
                               param="messages") from exc

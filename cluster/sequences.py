@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ class Built:
 def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
     """The chat template's text for these messages, read as vLLM reads them (see `_as_vllm_reads`)."""
     return tokenizer.apply_chat_template(
-        [_as_vllm_reads(m) for m in messages], tools=tools or None, tokenize=False,
+        _conversation(tokenizer, messages), tools=tools or None, tokenize=False,
         add_generation_prompt=generation_prompt,
     )
 
@@ -192,6 +193,52 @@ def _check_vocabulary(ids: list[int], vocab_size: int, at: str, what: str) -> No
         bad = next(i for i in ids if i < 0 or i >= vocab_size)
         raise TokenizationError(f"{at}: {what} token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})"
                                 ": the ids must come from this model's engine")
+
+
+def _conversation(tokenizer: Any, messages: list[dict]) -> list[dict]:
+    """The messages as vLLM hands them to a text model's template: text content parts as one text joined by
+    newlines, or as text parts where the template loops over a message's content (vLLM's "openai" content format;
+    templates such as Qwen3's render a list as nothing); and `developer` turned into `system` where the template
+    does not know the role (it would drop the message), the system messages then merged into one at the start."""
+    template = tokenizer.chat_template
+    template = " ".join(template.values()) if isinstance(template, dict) else template or ""
+    parts = bool(_LOOPS_OVER_CONTENT.search(template))
+    conversation = [_as_vllm_reads(_text_content(m, index, parts)) for index, m in enumerate(messages)]
+    knows_developer = '"developer"' in template or "'developer'" in template  # vLLM's own test
+    if knows_developer or not any(m.get("role") == "developer" for m in conversation):
+        return conversation
+    system = ("system", "developer")
+    merged = "\n\n".join(_joined(m.get("content")) for m in conversation
+                         if m.get("role") in system and m.get("content"))
+    return [{"role": "system", "content": merged}] + [m for m in conversation if m.get("role") not in system]
+
+
+# `{% for part in message.content %}`, `in message['content']`, `in content`: vLLM then keeps content parts
+_LOOPS_OVER_CONTENT = re.compile(
+    r"""\bfor\s+\w+\s+in\s+(?:\w+\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])|content\b)""")
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}  # type -> field
+
+
+def _text_content(message: dict, index: int, parts: bool) -> dict:
+    """A message's content parts read as text (as parts of type text, or joined); a part of any other kind (an
+    image, audio, a file) is a TokenizationError naming it: art-sky serves text models."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for number, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get(_TEXT_PARTS[kind]) if kind in _TEXT_PARTS else None
+        if not isinstance(text, str):
+            raise TokenizationError(
+                f"messages[{index}].content[{number}] has type {kind!r}: art-sky serves text models, so content parts "
+                "must be text ({'type': 'text', 'text': ...})")
+        texts.append(text)
+    return {**message, "content": [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)}
+
+
+def _joined(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 def _as_vllm_reads(message: dict) -> dict:

@@ -14,7 +14,10 @@ from transformers import AutoTokenizer
 
 import art_sky as art
 from art_sky.client.trajectories import wire_trajectory
-from art_sky.cluster.sequences import build_sequences, prompt_ids
+from art_sky.cluster.model_state import resolve_base_model
+from art_sky.cluster.sequences import build_sequences, prompt_ids, render
+from art_sky.errors import TokenizationError
+from art_sky.settings import Settings
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b",
@@ -119,6 +122,40 @@ def test_trimmed_whitespace_splits_only_where_the_model_wrote_some(tokenizers, t
     assert len(assert_exact(tokenizer, engine.trajectory()).sequences) == sequences
 
 
+
+# -- what vLLM hands a text model's template: content parts, the developer role ----------------------------------
+PARTS = [{"type": "text", "text": "What is"}, {"type": "input_text", "text": "1 + 1?"}]
+
+
+def test_text_parts_are_joined_for_templates_that_take_text_and_kept_for_those_that_loop(tokenizers):
+    think = tokenizers["think"]  # `m.content or ''`: a list would render as its Python repr
+    assert render(think, [{"role": "user", "content": PARTS}], None, True) == \
+        render(think, [{"role": "user", "content": "What is\n1 + 1?"}], None, True)
+    tiny = AutoTokenizer.from_pretrained(resolve_base_model("art-sky/tiny", Settings()))  # loops over the parts
+    assert render(tiny, [{"role": "user", "content": PARTS}], None, True) == \
+        render(tiny, [{"role": "user", "content": "What is1 + 1?"}], None, True)
+
+
+def test_developer_becomes_system_where_the_template_does_not_know_it(tokenizers):
+    tokenizer = tokenizers["all"]
+    as_developer = [{"role": "developer", "content": "Be brief."}, SYSTEM, {"role": "user", "content": "Hi"}]
+    merged = [{"role": "system", "content": "Be brief.\n\n" + SYSTEM["content"]}, {"role": "user", "content": "Hi"}]
+    assert render(tokenizer, as_developer, TOOLS, True) == render(tokenizer, merged, TOOLS, True)
+    assert "Be brief." in render(tokenizer, as_developer, None, True)
+
+
+def test_a_non_text_part_is_an_error_naming_it_and_its_trajectory_is_skipped(tokenizers):
+    tokenizer = tokenizers["all"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [SYSTEM, {"role": "user", "content": [PARTS[0], image]}]
+    with pytest.raises(TokenizationError, match=r"messages\[1\]\.content\[1\] has type 'image_url'"):
+        prompt_ids(tokenizer, messages, None)
+    sampled = tokenizer("2<|im_end|>", add_special_tokens=False)["input_ids"]
+    trajectory = {"messages_and_choices": [*messages, {"message": {"role": "assistant", "content": "2"},
+                                                       "token_ids": sampled}], "reward": 1.0}
+    with pytest.raises(TokenizationError, match="has type 'image_url'"):
+        built(tokenizer, trajectory)
+
 # -- both engines: rollouts from a real client, trained by a real server ------------------------------------------
 async def rollout(model: art.TrainableModel, reward: float, turns: int = 3) -> art.Trajectory:
     """A multi-turn agent: a tool call made earlier (written by hand: the tiny model calls no tools), then turns
@@ -203,5 +240,9 @@ async def test_vllm_engine_trains_the_exact_contexts(tmp_path, caplog):
         trajectory = await rollout(model, reward=0.0, turns=1)
         first = trajectory.messages_and_choices[4]
         assert first.prompt_token_ids == prompt_ids(tokenizer, trajectory.messages()[:4], TOOLS)
+        # ... content parts and the developer role included (this template takes text and knows no developer)
+        messages = [{"role": "developer", "content": "Be brief."}, SYSTEM, {"role": "user", "content": PARTS}]
+        reply = await model.openai_client().chat.completions.create(model=model.name, messages=messages, max_tokens=1)
+        assert reply.model_extra["prompt_token_ids"] == prompt_ids(tokenizer, messages, None)
     finally:
         await backend.close()

@@ -329,6 +329,25 @@ async def test_vllm_response_format(vllm):
     assert isinstance(json.loads(reply.choices[0].message.content)["n"], int)
 
 
+async def test_both_engines_read_content_parts_and_the_developer_role_alike(portable, vllm):
+    """The tiny model's template loops over content parts and knows no developer role: the portable engine renders
+    what vLLM renders (the prompt it samples from and trains on)."""
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " more."}]}]
+    prompts = []
+    for backend, model in (portable, vllm):
+        reply = await sdk(backend).chat.completions.create(model=model.name, messages=messages, max_tokens=1)
+        prompts.append(reply.model_extra["prompt_token_ids"])
+    assert prompts[0] == prompts[1]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\] has type 'image_url'"):
+        await sdk(portable[0]).chat.completions.create(model=portable[1].name, max_tokens=1,
+                                                       messages=[{"role": "user", "content": [image]}])
+    with pytest.raises(openai.BadRequestError, match="tool 0 is not"):
+        await sdk(portable[0]).chat.completions.create(model=portable[1].name, max_tokens=1, messages=PROMPT,
+                                                       tools=[{"type": "function"}])
+
+
 async def test_vllm_refuses_what_it_would_ignore(vllm):
     backend, model = vllm
     client = sdk(backend)

@@ -156,6 +156,9 @@ async def test_bad_inputs_get_clear_4xx(server):
     await expect_refused(server, "POST", train, 401, "API key", json={"groups": [good]},
                          headers={"authorization": "Bearer wrong"})
     await expect_refused(server, "GET", "/v1/models", 401, "API key", headers={"authorization": ""})
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/chat/completions")):
+        await expect_refused(server, method, path, 404, f"{method} {path} is not served here: art-sky serves POST "
+                                                        "/v1/chat/completions", json={"model": "tiny", "prompt": "x"})
     await expect_refused(server, "POST", "/art/models", 422, "cannot load base model",
                          json={"name": "other", "project": "p", "base_model": "/no/such/model"})
 
