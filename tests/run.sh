@@ -17,4 +17,5 @@ for step in tests/setup/*.sh; do
   echo "== $step"
   bash "$step"
 done
+df -h . "${TMPDIR:-/tmp}" | sed "s/^/== disk: /"  # SeaweedFS and vLLM refuse work on a nearly full disk: say how full
 exec "$VENV/bin/python" -m pytest "$@"
