@@ -14,6 +14,7 @@ with no old logprobs.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -201,10 +202,9 @@ def _conversation(tokenizer: Any, messages: list[dict]) -> list[dict]:
     templates such as Qwen3's render a list as nothing); and `developer` turned into `system` where the template
     does not know the role (it would drop the message), the system messages then merged into one at the start."""
     template = tokenizer.chat_template
-    template = " ".join(template.values()) if isinstance(template, dict) else template or ""
-    parts = bool(_LOOPS_OVER_CONTENT.search(template))
+    parts, knows_developer = _template_reads(
+        " ".join(template.values()) if isinstance(template, dict) else template or "")
     conversation = [_as_vllm_reads(_text_content(m, index, parts)) for index, m in enumerate(messages)]
-    knows_developer = '"developer"' in template or "'developer'" in template  # vLLM's own test
     if knows_developer or not any(m.get("role") == "developer" for m in conversation):
         return conversation
     system = ("system", "developer")
@@ -216,6 +216,13 @@ def _conversation(tokenizer: Any, messages: list[dict]) -> list[dict]:
 # `{% for part in message.content %}`, `in message['content']`, `in content`: vLLM then keeps content parts
 _LOOPS_OVER_CONTENT = re.compile(
     r"""\bfor\s+\w+\s+in\s+(?:\w+\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])|content\b)""")
+@functools.lru_cache(maxsize=32)
+def _template_reads(template: str) -> tuple[bool, bool]:
+    """Whether a template loops over content parts, and whether it knows the developer role (vLLM's own test); read
+    once per template, not per request."""
+    return bool(_LOOPS_OVER_CONTENT.search(template)), '"developer"' in template or "'developer'" in template
+
+
 _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}  # type -> field
 
 
