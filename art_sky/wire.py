@@ -81,7 +81,7 @@ class HealthResponse(BaseModel):
                                 "its weights, vLLM's own server asleep while training, the portable engine on the "
                                 "trainer's model, nothing (vllm-cpu), pending the first model, or dedicated (vLLM "
                                 "on GPUs of its own, never asleep)"))
-    placement: str | None = Field(None, description="how the node's GPUs are split (cluster/placement.py), e.g. "
+    placement: str | None = Field(None, description="how the node's GPUs are split (cluster/node/placement.py), e.g. "
                                                     "'dedicated: vLLM on GPUs 0-6 (...), trainer on GPU 7'")
     serves_while_training: bool | None = Field(
         None, description="true: completions go on during a training step (the previous step's adapter serves "
@@ -388,7 +388,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Strict):
     """The chat completion parameters the portable engine honours. The server refuses every other parameter
-    before this is built, naming it (cluster/chat_parameters.py); vLLM checks its own."""
+    before this is built, naming it (cluster/inference/chat_parameters.py); vLLM checks its own."""
 
     model: str = Field(max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)

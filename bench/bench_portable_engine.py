@@ -1,4 +1,4 @@
-"""Generation throughput of the portable engine (cluster/portable_engine.py): completion tokens/s when 1, 8 and 32
+"""Generation throughput of the portable engine (cluster/inference/portable_engine.py): completion tokens/s when 1, 8 and 32
 completions are sampled together (one batch, one forward pass per token), with peak device memory.
 
 Tokens/s is the completion tokens generated over the wall time of the batch, prompt included (a random-weight
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from random_models import SHAPES, build  # noqa: E402
 
+from art_sky.cluster.inference.portable_engine import PortableEngine  # noqa: E402
 from art_sky.cluster.model_state import create_model_state  # noqa: E402
-from art_sky.cluster.portable_engine import PortableEngine  # noqa: E402
 from art_sky.settings import Settings  # noqa: E402
 from art_sky.wire import ChatCompletionRequest, ModelConfig, RegisterRequest  # noqa: E402
 

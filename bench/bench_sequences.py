@@ -34,7 +34,8 @@ from transformers import AutoTokenizer
 
 from art_sky.client.trajectories import wire_item, wire_trajectory
 from art_sky.cluster.model_state import resolve_base_model
-from art_sky.cluster.sequences import build_sequences, prompt_ids
+from art_sky.cluster.chat_template import prompt_ids
+from art_sky.cluster.training.sequences import build_sequences
 from art_sky.settings import Settings
 from art_sky.wire import WireChoice
 

@@ -1,6 +1,6 @@
-"""GRPO training throughput: art-sky's trainer (cluster/peft_trainer.py, PeftTrainer.train on real Sequences) against
+"""GRPO training throughput: art-sky's trainer (cluster/training/peft_trainer.py, PeftTrainer.train on real Sequences) against
 a plain hand-written PEFT loop on the same model, batch and sequence lengths: forward, the same clipped loss
-(cluster/grpo.py), backward, gradient clipping, AdamW step.
+(cluster/training/grpo.py), backward, gradient clipping, AdamW step.
 
 The two take turns on one model (each with its own AdamW), best of `--repeats` steps each after a warm-up; prints
 tokens/s of both, their ratio (target >= 0.95), peak memory and, on CUDA, MFU. Models are built from a config with
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_models import SHAPES, build, peak_tflops, sequences, training_flops, with_old_logprobs  # noqa: E402
 
 from art_sky.checkpoints import CheckpointDir  # noqa: E402
-from art_sky.cluster.grpo import grpo_loss_sums  # noqa: E402
 from art_sky.cluster.model_state import ModelState, load_peft  # noqa: E402
-from art_sky.cluster.peft_trainer import PeftTrainer  # noqa: E402
+from art_sky.cluster.training.grpo import grpo_loss_sums  # noqa: E402
+from art_sky.cluster.training.peft_trainer import PeftTrainer  # noqa: E402
 from art_sky.settings import Settings  # noqa: E402
 from art_sky.wire import ModelConfig, RegisterRequest, TrainConfig  # noqa: E402
 

@@ -59,7 +59,7 @@ def sequences(rows: int, length: int, prompt: int, vocab: int, seed: int = 0):
     The old logprobs are placeholders (NaN: ratio 1, the plain policy gradient); `with_old_logprobs` fills them
     with the model's own, as an engine would have reported them.
     """
-    from art_sky.cluster.sequences import Sequence
+    from art_sky.cluster.training.sequences import Sequence
 
     rng = random.Random(seed)
     out = []

@@ -4,7 +4,7 @@ With `--run-dir` the server keeps its run files there (art_sky.layout: server.pi
 logs to server.log; `--detach` also puts it in its own session and returns at once. Every way of starting a server
 goes through here: the laptop's lifecycle (art_sky.remote.lifecycle: this machine, an SSH host) and the SkyPilot
 task (templates/cluster.yaml). Nothing that starts threads (torch, uvicorn) is imported before the fork, and the
-GPU layout (cluster/placement.py) is chosen before CUDA initializes.
+GPU layout (cluster/node/placement.py) is chosen before CUDA initializes.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: Ser
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     from art_sky.errors import ConfigError
 
-    from .placement import place
-    from .selection import vllm_serves
+    from .node.placement import place
+    from .node.selection import vllm_serves
     from .server import create_app
 
     try:

@@ -19,7 +19,7 @@ import torch
 
 from art_sky.wire import Activity, Phase, Serving
 
-from .gate import DeviceGate
+from .inference.gate import DeviceGate
 
 WINDOW = 60.0  # seconds of completions the rates are measured over
 # A step's phases and the metric each one's seconds go to (ART's names where ART has one).

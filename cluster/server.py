@@ -1,8 +1,8 @@
 """The cluster server: art-sky's control API and an OpenAI-compatible endpoint, one FastAPI app.
 
 Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key (the
-OpenAPI document too: /openapi.json; there are no /docs pages). The OpenAI surface (/v1) is cluster/openai_api.py.
-The device gate (cluster/gate.py) keeps inference and adapter swaps apart: a completion is sampled by the step it
+OpenAPI document too: /openapi.json; there are no /docs pages). The OpenAI surface (/v1) is cluster/inference/openai_api.py.
+The device gate (cluster/inference/gate.py) keeps inference and adapter swaps apart: a completion is sampled by the step it
 names; while a model trains, completions go on with its previous step where the engine serves while training, and
 wait otherwise (ART's semantics). A training step is a transaction (cluster/steps.py). Request bodies are
 size-limited per route and parsed off the event loop (cluster/bodies.py), and registering a model loads it without
@@ -50,19 +50,20 @@ from art_sky.wire import (
     TrainRequest,
 )
 
-from . import bodies, openai_api
+from . import bodies
 from .activity import ModelActivity, StepTimer
-from .gate import DeviceGate
-from .gpu_sharing import sharing_of
-from .grpo import group_advantages
+from .inference import openai_api
+from .inference.gate import DeviceGate
 from .model_state import ModelState, create_model_state, device, restore_from_store
-from .peft_trainer import PeftTrainer, Progress
-from .placement import Placement, place
-from .selection import select_engine, select_trainer, vllm_serves
-from .sequences import Built, Sequence, build_sequences, sft_sequence
-from .stack import installed_versions, stack_status
+from .node.gpu_sharing import sharing_of
+from .node.placement import Placement, place
+from .node.selection import select_engine, select_trainer, vllm_serves
+from .node.stack import installed_versions, stack_status
 from .steps import StepPlan, Steps
 from .sync import CheckpointSync
+from .training.grpo import group_advantages
+from .training.peft_trainer import PeftTrainer, Progress
+from .training.sequences import Built, Sequence, build_sequences, sft_sequence
 
 log = logging.getLogger("art_sky.cluster")
 _LOGGED_SKIPS = 100  # skipped trajectories named one by one in the log and the step's result

@@ -32,10 +32,10 @@ from art_sky.errors import ArtSkyError, EngineError
 from art_sky.wire import StepClock, TrainProgress
 
 from .activity import StepTimer, reset_peak_memory, step_metrics
-from .engine import Engine
-from .gate import DeviceGate
+from .inference.engine import Engine
+from .inference.gate import DeviceGate
 from .model_state import ModelState
-from .peft_trainer import Progress
+from .training.peft_trainer import Progress
 
 log = logging.getLogger("art_sky.cluster")
 

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 import art_sky as art
 from art_sky.client.trajectories import wire_trajectory
 from art_sky.cluster.model_state import resolve_base_model
-from art_sky.cluster.sequences import build_sequences, prompt_ids, render
+from art_sky.cluster.chat_template import prompt_ids, render
+from art_sky.cluster.training.sequences import build_sequences
 from art_sky.errors import TokenizationError
 from art_sky.settings import Settings
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from art_sky.cluster import selection
-from art_sky.cluster.peft_trainer import PeftTrainer
-from art_sky.cluster.portable_engine import PortableEngine
+from art_sky.cluster.inference.portable_engine import PortableEngine
+from art_sky.cluster.inference.vllm_engine import VllmEngine
+from art_sky.cluster.node import selection
 from art_sky.cluster.server import create_app
-from art_sky.cluster.vllm_engine import VllmEngine
+from art_sky.cluster.training.peft_trainer import PeftTrainer
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
@@ -64,7 +64,7 @@ def test_health_reports_the_selected_pair(tmp_path, monkeypatch):
 def test_vllm_beside_unsloth_on_one_gpu_shares_it(installed, tmp_path, monkeypatch):
     """vLLM's GPU build with the Unsloth trainer on CUDA: the engine that shares the GPU (decided per model at the
     first registration); vLLM's own server beside the PEFT trainer; the portable engine on the trainer's model."""
-    from art_sky.cluster import gpu_sharing
+    from art_sky.cluster.node import gpu_sharing
 
     installed("vllm", "unsloth", cuda=True)
     monkeypatch.setattr(selection, "is_gpu_vllm", lambda: True)
@@ -86,7 +86,7 @@ def test_vllm_beside_unsloth_on_one_gpu_shares_it(installed, tmp_path, monkeypat
 def test_unsloth_shares_weights_only_for_its_own_text_architectures():
     from transformers import AutoConfig, Qwen2Config
 
-    from art_sky.cluster.gpu_sharing import standby_supported
+    from art_sky.cluster.node.gpu_sharing import standby_supported
 
     assert standby_supported(Qwen2Config())
     assert standby_supported(AutoConfig.for_model("llama"))

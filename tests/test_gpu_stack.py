@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from gpu_stack import LOCK, PYTHONS, lock_lines, resolve_all
 
+from art_sky.cluster.node.stack import untested
 from art_sky.cluster.server import create_app
-from art_sky.cluster.stack import untested
 from art_sky.errors import ConfigError
 from art_sky.gpu_stack import CHECKED, canonical, constraint_lines
 from art_sky.gpu_stack import tested_versions as pins
 from art_sky.settings import Settings
-
-from gpu_stack import LOCK, PYTHONS, lock_lines, resolve_all
 
 ROOT = Path(__file__).resolve().parent.parent
 

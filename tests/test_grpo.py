@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from art_sky.cluster.grpo import group_advantages, grpo_loss_sums
+from art_sky.cluster.training.grpo import group_advantages, grpo_loss_sums
 
 
 def test_advantages_are_reward_minus_mean_over_population_std():

@@ -28,6 +28,13 @@ RULES = [
     ("art_sky.remote", ("art_sky.backends", "art_sky.cli", "art_sky.ci", "art_sky.client", "art_sky.cluster",
                         "art_sky.clusters")),
     ("art_sky.backends", ("art_sky.cli", "art_sky.ci", "art_sky.cluster")),
+    # Inside the server: engines and trainers do not know each other; what composes them (the server, a step's
+    # transaction, node/ choosing what runs) sits above both; node/placement is data both read. Unsloth's trainer is the one exception: its model
+    # runs vLLM inside (fast_inference), sized as the vLLM engine sizes its LoRA slots.
+    ("art_sky.cluster.inference", ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps")),
+    *((trainer, ("art_sky.cluster.inference", "art_sky.cluster.server", "art_sky.cluster.steps"))
+      for trainer in ("art_sky.cluster.training.sequences", "art_sky.cluster.training.grpo",
+                      "art_sky.cluster.training.peft_trainer", "art_sky.cluster.training.ranks")),
 ]
 
 

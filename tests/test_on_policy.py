@@ -3,15 +3,14 @@
 import math
 
 import torch
-
 from openai.types.chat import ChatCompletion
 
-from art_sky.cluster.model_state import create_model_state
-from art_sky.cluster.peft_trainer import _token_logprobs
-from art_sky.cluster.portable_engine import PortableEngine
-from art_sky.cluster.sequences import build_sequences
-from art_sky.settings import Settings
 from art_sky.client.trajectories import wire_trajectory
+from art_sky.cluster.inference.portable_engine import PortableEngine
+from art_sky.cluster.model_state import create_model_state
+from art_sky.cluster.training.peft_trainer import _token_logprobs
+from art_sky.cluster.training.sequences import build_sequences
+from art_sky.settings import Settings
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 
@@ -65,8 +64,8 @@ def test_packed_microbatches_train_as_one_row_at_a_time(tmp_path):
     import copy
     import random
 
-    from art_sky.cluster.peft_trainer import PeftTrainer
-    from art_sky.cluster.sequences import Sequence
+    from art_sky.cluster.training.peft_trainer import PeftTrainer
+    from art_sky.cluster.training.sequences import Sequence
     from art_sky.wire import TrainConfig
 
     state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path,

@@ -111,7 +111,7 @@ async def test_an_engine_that_pauses_holds_completions_for_the_whole_step(tmp_pa
     """Where the engine must give the trainer the device (vLLM asleep on a shared GPU; here the portable engine as
     when it cannot copy a model), ART's semantics: a completion sent during a step waits and is served by the new
     step, and the step's metrics say inference waited for all of it."""
-    from art_sky.cluster.portable_engine import PortableEngine
+    from art_sky.cluster.inference.portable_engine import PortableEngine
     from art_sky.cluster.server import create_app
     from art_sky.settings import Settings
 

@@ -1,4 +1,4 @@
-"""How a node's GPUs are split (cluster/placement.py): the layout from the GPU count and the settings, vLLM's
+"""How a node's GPUs are split (cluster/node/placement.py): the layout from the GPU count and the settings, vLLM's
 tensor- and data-parallel sizes from the model, the GPUs each process sees, and vLLM's command line for each layout.
 GPUs cannot exist here: a fake `nvidia-smi` on PATH stands in for a node's driver; the rest is the real code."""
 
@@ -17,10 +17,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from art_sky.cluster import placement as placement_module
-from art_sky.cluster import selection, vllm_engine
-from art_sky.cluster.placement import Gpus, base_parameters, choose, place, visible_gpus
-from art_sky.cluster.vllm_engine import VllmEngine, vllm_command
+from art_sky.cluster.inference import vllm_engine
+from art_sky.cluster.inference.vllm_engine import VllmEngine, vllm_command
+from art_sky.cluster.node import placement as placement_module
+from art_sky.cluster.node import selection
+from art_sky.cluster.node.placement import Gpus, base_parameters, choose, place, visible_gpus
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest
@@ -216,7 +217,7 @@ def test_vllm_sleeps_only_beside_the_trainer(monkeypatch, tmp_path):
 
 
 def test_unsloth_never_takes_standby_in_the_dedicated_layout(monkeypatch, tmp_path):
-    from art_sky.cluster.gpu_sharing import SharedGpuEngine, sharing_of
+    from art_sky.cluster.node.gpu_sharing import SharedGpuEngine, sharing_of
 
     monkeypatch.setattr(selection, "importable", lambda name: name in ("vllm", "unsloth"))
     monkeypatch.setattr(selection, "device", lambda: torch.device("cuda"))

@@ -8,8 +8,9 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Too
 from openai.types.chat import ChatCompletionMessage
 
 from art_sky.client.trajectories import wire_groups, wire_item, wire_trajectory
-from art_sky.cluster.sequences import build_sequences, prompt_ids
 from art_sky.cluster.tiny_model import tiny_model_path
+from art_sky.cluster.chat_template import prompt_ids
+from art_sky.cluster.training.sequences import build_sequences
 from art_sky.errors import ConfigError, TokenizationError
 from art_sky.settings import Settings
 from art_sky.wire import WireChoice, WireHistory, WireMessage, WireTrajectory

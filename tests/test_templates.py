@@ -72,7 +72,7 @@ def test_one_gpu_gets_a_count_and_the_gpu_extra():
 
 def test_a_multi_gpu_node_keeps_its_count():
     """`--gpu H100:8` / initialize_cluster(gpu="H100:8"): the count reaches SkyPilot, alone or in a fallback list
-    (the server splits the node's GPUs itself: cluster/placement.py)."""
+    (the server splits the node's GPUs itself: cluster/node/placement.py)."""
     (resources,) = validate_task(render_task(ClusterSpec(gpu=parse_gpus(["H100:8"]), wheel=WHEEL), KEY)).resources
     assert resources.accelerators == {"H100": 8}
     task = validate_task(render_task(ClusterSpec(gpu=parse_gpus(["H100:8,A100-80GB:8"]), wheel=WHEEL), KEY))

@@ -20,12 +20,12 @@ from transformers import AutoTokenizer
 from vllm_cpu import VLLM_PYTHON, vllm_backend
 
 import art_sky as art
-from art_sky.remote.install import BootstrapOptions
 from art_sky.checkpoints import CheckpointDir
 from art_sky.cluster.model_state import load_peft, resolve_base_model
-from art_sky.cluster.peft_trainer import _token_logprobs
-from art_sky.cluster.sequences import prompt_ids
+from art_sky.cluster.training.peft_trainer import _token_logprobs
+from art_sky.cluster.chat_template import prompt_ids
 from art_sky.errors import ServerError
+from art_sky.remote.install import BootstrapOptions
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest
 

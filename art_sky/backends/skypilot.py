@@ -80,7 +80,7 @@ class SkyPilotBackend(SSHBackend):
         `force_restart`), tunnel to it and wait until it is healthy; record it.
 
         `gpu`: an accelerator with its count ("H100:1"; "H100:8": vLLM on 7 GPUs, the trainer on the 8th, see
-        cluster/placement.py) or a list tried in order; None with `resources={"cpus": ...}` runs the portable
+        cluster/node/placement.py) or a list tried in order; None with `resources={"cpus": ...}` runs the portable
         engine. `infra`: SkyPilot's selector (aws, gcp/us-central1, k8s/<context>, slurm/<cluster>).
         `spot`, `autostop_minutes` (None keeps it up), `resources` (more SkyPilot resource fields).
         `env_path`: a .env file whose variables reach the server as SkyPilot secrets. `art_sky_version`: install

@@ -31,7 +31,7 @@ class ServerReport(BaseModel):
     trainer: str | None = None
     device: str | None = None
     version: str | None = None
-    placement: str | None = None  # how the node's GPUs are split (cluster/placement.py)
+    placement: str | None = None  # how the node's GPUs are split (cluster/node/placement.py)
     log: str | None = None  # the server log's path on its machine (`art-sky logs NAME` prints it)
 
 

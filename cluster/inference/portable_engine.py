@@ -32,11 +32,11 @@ from pydantic import ValidationError
 from art_sky.errors import TokenizationError
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
+from ..model_state import ADAPTER, ModelState, device
+from ..chat_template import prompt_ids
 from .chat_parameters import PORTABLE
 from .gate import Hold
-from .model_state import ADAPTER, ModelState, device
 from .openai_api import SSE, OpenAIError, Served, invalid_request, sse
-from .sequences import prompt_ids
 
 log = logging.getLogger("art_sky.cluster")
 

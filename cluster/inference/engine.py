@@ -1,8 +1,8 @@
 """What the server asks of an inference engine (the portable one, the vLLM proxy, the shared-GPU one): one small
-protocol, as httpx's transports. cluster/openai_api.py serves /v1 through `chat`; the server's training step calls
+protocol, as httpx's transports. cluster/inference/openai_api.py serves /v1 through `chat`; the server's training step calls
 `pause` / `resume` around a step.
 
-An engine raises art-sky errors: `OpenAIError` (cluster/openai_api.py, an ArtSkyError) for a refused completion,
+An engine raises art-sky errors: `OpenAIError` (cluster/inference/openai_api.py, an ArtSkyError) for a refused completion,
 answered in OpenAI's format; ConfigError / EngineError from the hooks, which the server maps to status codes.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from art_sky.wire import RegisterRequest
 
-from .model_state import ModelState
+from ..model_state import ModelState
 
 if TYPE_CHECKING:
     from .gate import Hold

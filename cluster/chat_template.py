@@ -1,0 +1,112 @@
+"""Chat templates rendered as vLLM renders them, shared by the portable engine (the prompt it samples from) and the
+sequence builder (the context of a choice that came without its prompt ids), so both see what vLLM would.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+from art_sky.errors import TokenizationError
+
+
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+    """The chat template's text for these messages, read as vLLM reads them (see `_as_vllm_reads`)."""
+    return tokenizer.apply_chat_template(
+        _conversation(tokenizer, messages), tools=tools or None, tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """The token ids an engine samples a reply to."""
+    return encode(tokenizer, render(tokenizer, messages, tools, generation_prompt=True))
+
+
+def _conversation(tokenizer: Any, messages: list[dict]) -> list[dict]:
+    """The messages as vLLM hands them to a text model's template: text content parts as one text joined by
+    newlines, or as text parts where the template loops over a message's content (vLLM's "openai" content format;
+    templates such as Qwen3's render a list as nothing); and `developer` turned into `system` where the template
+    does not know the role (it would drop the message), the system messages then merged into one at the start."""
+    template = tokenizer.chat_template
+    parts, knows_developer = _template_reads(
+        " ".join(template.values()) if isinstance(template, dict) else template or "")
+    conversation = [_as_vllm_reads(_text_content(m, index, parts)) for index, m in enumerate(messages)]
+    if knows_developer or not any(m.get("role") == "developer" for m in conversation):
+        return conversation
+    system = ("system", "developer")
+    merged = "\n\n".join(_joined(m.get("content")) for m in conversation
+                         if m.get("role") in system and m.get("content"))
+    return [{"role": "system", "content": merged}] + [m for m in conversation if m.get("role") not in system]
+
+
+# `{% for part in message.content %}`, `in message['content']`, `in content`: vLLM then keeps content parts
+_LOOPS_OVER_CONTENT = re.compile(
+    r"""\bfor\s+\w+\s+in\s+(?:\w+\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])|content\b)""")
+@functools.lru_cache(maxsize=32)
+def _template_reads(template: str) -> tuple[bool, bool]:
+    """Whether a template loops over content parts, and whether it knows the developer role (vLLM's own test); read
+    once per template, not per request."""
+    return bool(_LOOPS_OVER_CONTENT.search(template)), '"developer"' in template or "'developer'" in template
+
+
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}  # type -> field
+
+
+def _text_content(message: dict, index: int, parts: bool) -> dict:
+    """A message's content parts read as text (as parts of type text, or joined); a part of any other kind (an
+    image, audio, a file) is a TokenizationError naming it: art-sky serves text models."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for number, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get(_TEXT_PARTS[kind]) if kind in _TEXT_PARTS else None
+        if not isinstance(text, str):
+            raise TokenizationError(
+                f"messages[{index}].content[{number}] has type {kind!r}: art-sky serves text models, so content parts "
+                "must be text ({'type': 'text', 'text': ...})")
+        texts.append(text)
+    return {**message, "content": [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)}
+
+
+def _joined(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
+
+def _as_vllm_reads(message: dict) -> dict:
+    """vLLM's reading of a message, so that the portable engine and the training fallback render what vLLM renders:
+    tool-call arguments as objects (JSON text parsed; invalid JSON becomes {}, as vLLM does) and reasoning under both
+    names templates use."""
+    calls = message.get("tool_calls")
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    if not calls and reasoning is None:
+        return message
+    message = dict(message)
+    if calls:
+        message["tool_calls"] = [_with_object_arguments(call) for call in calls]
+    if reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = reasoning
+    return message
+
+
+def _with_object_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            arguments = {}
+    elif arguments is None:
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

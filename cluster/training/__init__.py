@@ -1,0 +1,2 @@
+"""Training: trajectories to token sequences, the one GRPO loss, the trainers (PEFT, Unsloth), a step as a
+transaction."""
