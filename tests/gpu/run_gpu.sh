@@ -24,7 +24,8 @@ export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 ART_SKY_CACHE_DIR=
 torch.__version__, '| CUDA', torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 status=0
-ART_SKY_GPU_SHAPE="${SHAPES[0]}" "$PYTHON" -P -m pytest tests/gpu -v -rs -p no:cacheprovider || status=1  # -P: art_sky from $SITE, not the checkout
+ART_SKY_GPU_SHAPE="${SHAPES[0]}" ART_SKY_GPU_RESULTS="$RESULTS/steps-${SHAPES[0]}.json" \
+  "$PYTHON" -P -m pytest tests/gpu -v -s -rs -p no:cacheprovider || status=1  # -P: art_sky from $SITE, not the checkout
 for shape in "${SHAPES[@]}"; do
   "$PYTHON" bench/bench_trainer.py --shape "$shape" --rows 16 --length 1024 --prompt 256 --repeats 5 \
     --microbatch-tokens 8192 --json "$RESULTS/trainer-$shape.json" || status=1

@@ -25,6 +25,7 @@ from random_models import build  # noqa: E402
 SHAPE = os.environ.get("ART_SKY_GPU_SHAPE", "qwen2-0.5b")
 ON_CPU = os.environ.get("ART_SKY_GPU_RUN_ON_CPU") == "1"
 KEY = "gpu-test-key"
+RESULTS = os.environ.get("ART_SKY_GPU_RESULTS")  # a JSON file for each step's metrics (tests/gpu/run_gpu.sh)
 PROMPT = [{"role": "user", "content": "Name a colour."}]
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU),
@@ -77,6 +78,7 @@ async def test_health_reports_cuda_and_the_stack(server):
 
 async def test_two_grpo_steps_and_the_trained_adapter_is_served(server):
     before = await sample(server, 1, seed=7)
+    recorded = []
     for step in (1, 2):
         groups = []
         for seed in range(2):
@@ -94,6 +96,11 @@ async def test_two_grpo_steps_and_the_trained_adapter_is_served(server):
         assert metrics["clip_fraction"] == 0, metrics
         info = (await server.get("/art/models/gpu")).json()
         assert info["step"] == step
+        recorded.append(metrics)
+        print(f"\nstep {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())
+                                             if k.startswith(("time/", "memory/"))))
+    if RESULTS:
+        Path(RESULTS).write_text(json.dumps({"shape": SHAPE, "steps": recorded}, indent=1))
     after = await sample(server, 1, seed=7)
     old = [t["logprob"] for t in before[0]["logprobs"]["content"]]
     new = [t["logprob"] for t in after[0]["logprobs"]["content"]]
