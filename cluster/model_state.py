@@ -14,23 +14,24 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, StepRecord, verify
 from art_sky.errors import CheckpointStoreError, ConfigError
-from art_sky.layout import OPTIMIZER_STATE, STEP_RECORD
+from art_sky.layout import STEP_RECORD
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import ModelInfo, RegisterRequest
 
 from .tiny_model import TINY_MODEL_NAME, tiny_model_path
+from .training import weights as lora
+from .training.weights import ADAPTER, make_optimizer
 
 log = logging.getLogger("art_sky.cluster")
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ADAPTER = "default"
 LORA_SEED = 0  # a fresh LoRA's initial weights: the same for every registration of the same config (Unsloth's too)
 
 
@@ -63,9 +64,17 @@ def load_base(base_model: str, settings: Settings) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def make_optimizer(model: Any) -> torch.optim.Optimizer:
-    """AdamW over the LoRA's parameters; the learning rate is set by each step."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.0)
+class TrainedWeights(Protocol):
+    """Where a model's trainable LoRA and its AdamW live: in this process (`LocalWeights`) or sharded over the
+    trainer's ranks (cluster/training/rank_group.py). A step (cluster/steps.py) snapshots them, trains, saves them
+    into the step's checkpoint, or puts the snapshot back."""
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, saved: Any) -> None: ...
+
+    def save(self, directory: Path) -> None:
+        """The adapter (PEFT's layout, which vLLM loads) and the optimizer's state, into `directory`."""
 
 
 @dataclass
@@ -79,6 +88,11 @@ class ModelState:
     optimizer: torch.optim.Optimizer | None = None
     requests: dict[str, int] = field(default_factory=dict)  # recent request ids -> the step each trained
     extra: dict = field(default_factory=dict)
+    weights: TrainedWeights = None  # type: ignore[assignment]  # the trainer's; this process's LoRA by default
+
+    def __post_init__(self) -> None:
+        if self.weights is None:
+            self.weights = LocalWeights(self)
 
     @property
     def name(self) -> str:
@@ -99,30 +113,54 @@ class ModelState:
         is not changed here (cluster/steps.py commits)."""
 
         def write(tmp: Path) -> None:
-            self.model.save_pretrained(tmp, selected_adapters=[ADAPTER])
-            (tmp / OPTIMIZER_STATE).parent.mkdir()
-            if self.optimizer is not None:
-                torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_STATE)
+            self.weights.save(tmp)
+            (tmp / STEP_RECORD).parent.mkdir(exist_ok=True)
             (tmp / STEP_RECORD).write_text(record.model_dump_json(indent=1))
 
         self.checkpoints.save(record.step, write, base_model=self.request.base_model, metrics=metrics)
         return self.checkpoints.step_dir(record.step)
 
-    def load_training_state(self, step_dir: Path) -> None:
-        """The optimizer's state and the recent request ids saved with a step (a step saved before art-sky kept
-        them resumes with fresh AdamW moments, said in the log)."""
-        self.optimizer = make_optimizer(self.model)
-        saved = step_dir / OPTIMIZER_STATE
-        if saved.is_file():
-            self.optimizer.load_state_dict(torch.load(saved, map_location=device(), weights_only=True))
-        elif self.step > 0:
+
+class LocalWeights:
+    """The LoRA and AdamW of the model this process trains (the PEFT and Unsloth trainers)."""
+
+    def __init__(self, state: ModelState):
+        self.state = state
+
+    @classmethod
+    def load(cls, state: ModelState, step_dir: Path | None) -> LocalWeights:
+        """The model's optimizer, with the state saved at `step_dir` if there is one."""
+        optimizer = ensure_optimizer(state)
+        saved = lora.read_optimizer(step_dir) if step_dir is not None else None
+        if saved is not None:
+            lora.load_optimizer(state.model, optimizer, saved)
+        elif state.step > 0:
             log.warning("step %d of %s has no optimizer state: training resumes with fresh AdamW moments",
-                        self.step, self.name)
-        record = self.checkpoints.record(self.step)
-        self.requests = dict(record.requests) if record else {}
+                        state.step, state.name)
+        return cls(state)
+
+    def snapshot(self) -> lora.Snapshot:
+        return lora.snapshot(self.state.model, ensure_optimizer(self.state))
+
+    def restore(self, saved: lora.Snapshot) -> None:
+        lora.restore(self.state.model, ensure_optimizer(self.state), saved)
+
+    def save(self, directory: Path) -> None:
+        model = self.state.model
+        model.save_pretrained(directory, selected_adapters=[ADAPTER])
+        lora.save_optimizer(lora.optimizer_state(model, ensure_optimizer(self.state)), directory)
+
+
+def ensure_optimizer(state: ModelState) -> torch.optim.Optimizer:
+    """The model's AdamW (made with the model, restored with its checkpoint; here for a state built without one),
+    kept with its moments across steps."""
+    if state.optimizer is None:
+        state.optimizer = make_optimizer(state.model)
+    return state.optimizer
 
 
 Loader = Callable[[RegisterRequest, Settings, Path | None], tuple[Any, Any]]
+WeightsLoader = Callable[[ModelState, Path | None], TrainedWeights]  # the trainer's: its weights from a step dir
 
 
 def load_peft(request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
@@ -141,11 +179,13 @@ def load_peft(request: RegisterRequest, settings: Settings, checkpoint: Path | N
 
 
 def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings, load: Loader = load_peft,
-                       downloaded: tuple[int, str] | None = None) -> ModelState:
+                       downloaded: tuple[int, str] | None = None,
+                       load_weights: WeightsLoader = LocalWeights.load) -> ModelState:
     """The newest intact checkpoint of this model if there is one (weights, optimizer state, recent request ids),
     else a fresh LoRA (saved as step 0).
 
-    `load` is the trainer's: it builds the model the trainer can train (PEFT, or Unsloth's patched model).
+    `load` is the trainer's: it builds the model the trainer can train (PEFT, or Unsloth's patched model), and
+    `load_weights` its trainable state (in this process, or on the trainer's ranks).
     `downloaded`: (step, its URI) when `restore_from_store` just fetched that step, so the model says where from.
     What a save or download killed mid-way left is removed first.
     """
@@ -167,13 +207,16 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
         model, tokenizer = load(request, settings, checkpoints.step_dir(step))
         origin = downloaded[1] if downloaded and downloaded[0] == step else checkpoints.step_dir(step)
         state = ModelState(request, model, tokenizer, checkpoints, step=step, restored_from=str(origin))
-        state.load_training_state(checkpoints.step_dir(step))
+        state.weights = load_weights(state, checkpoints.step_dir(step))
+        record = checkpoints.record(step)
+        state.requests = dict(record.requests) if record else {}
         _complete_history(state)
         log.info("model %s restored at step %d", request.name, step)
         break
     else:
         model, tokenizer = load(request, settings, None)
-        state = ModelState(request, model, tokenizer, checkpoints, optimizer=make_optimizer(model))
+        state = ModelState(request, model, tokenizer, checkpoints)
+        state.weights = load_weights(state, None)
         state.save_checkpoint(StepRecord(step=0, kind="init", request_id=request.request_id))
     state.model.eval()
     return state

@@ -164,7 +164,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
             checkpoints = CheckpointDir(art_path, body.project, body.name)
             downloaded = await restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
             state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model,
-                                            downloaded)
+                                            downloaded, trainer.load_weights)
             async with gate.exclusive():  # the engine starts serving it (vLLM loads its adapter)
                 await asyncio.to_thread(engine.attach, state)
                 activities[body.name] = ModelActivity(gate, state.checkpoints.history())

@@ -23,7 +23,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -95,7 +94,7 @@ def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress:
     optimizer exactly as they were and raise StepError. Blocking: a worker thread. Touches only the trainer's
     model: an engine that serves while training samples from its own copy of the adapter meanwhile."""
     step = state.step + 1
-    before = _snapshot(state)
+    before = state.weights.snapshot()  # the LoRA and AdamW, wherever the trainer keeps them
     reset_peak_memory()
     try:
         timer.begin("training")
@@ -113,7 +112,7 @@ def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress:
                             f"({exc.strerror or exc}): free disk space there (or fix the directory) and train "
                             "again") from exc
     except BaseException as exc:
-        _restore(state, before)
+        state.weights.restore(before)
         if isinstance(exc, Exception):
             raise StepError(f"training {state.name} failed and was rolled back: the model is as it was at step "
                             f"{state.step}. {exc}") from exc
@@ -149,45 +148,6 @@ def publish(state: ModelState, engine: Engine, trained: Trained, timer: StepTime
         raise EngineError(f"step {step} of {state.name} was trained and saved, but the engine could not serve it: "
                           f"{failed}") from failed
     return trained.result.model_copy(update={"metrics": metrics, "totals": totals})
-
-
-@dataclass
-class _Snapshot:
-    weights: list[torch.Tensor]
-    optimizer: dict[str, Any] | None
-
-
-def _trainable(state: ModelState) -> list[torch.Tensor]:
-    return [p for p in state.model.parameters() if p.requires_grad]
-
-
-def _snapshot(state: ModelState) -> _Snapshot:
-    """Copies in host memory of the LoRA's weights and the optimizer's state (the device keeps its memory for
-    training)."""
-    optimizer = None if state.optimizer is None else _to_host(state.optimizer.state_dict())
-    return _Snapshot([p.detach().to("cpu", copy=True) for p in _trainable(state)], optimizer)
-
-
-def _restore(state: ModelState, snapshot: _Snapshot) -> None:
-    with torch.no_grad():
-        for param, saved in zip(_trainable(state), snapshot.weights, strict=True):
-            param.copy_(saved)
-    if snapshot.optimizer is None:
-        state.optimizer = None
-    else:
-        state.optimizer.load_state_dict(snapshot.optimizer)  # back on the parameters' device
-        state.optimizer.zero_grad(set_to_none=True)
-    state.model.eval()
-
-
-def _to_host(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _to_host(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to_host(item) for item in value)
-    return value
 
 
 @contextmanager
