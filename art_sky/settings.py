@@ -55,6 +55,16 @@ class Settings(BaseSettings):
                             "own GPUs, the trainer on the last ART_SKY_TRAINER_GPUS)")
     trainer_gpus: int = Field(1, ge=1, description="GPUs the trainer takes in the dedicated layout (the last ones); "
                               "vLLM takes the others")
+    trainer_cpu_ranks: int = Field(1, ge=1, description="trainer ranks per node on a node without GPUs; more than "
+                                   "one shards the model over them (FSDP2 on gloo), as trainer GPUs do on CUDA")
+    nodes: int = Field(1, ge=1, description="nodes in the cluster (the head and its workers): the trainer's ranks "
+                       "span them; SkyPilot's SKYPILOT_NUM_NODES sets it on a SkyPilot cluster")
+    rendezvous_host: str = Field("127.0.0.1", description="the head's address the worker nodes' trainer ranks meet "
+                                 "at (its private address on a multi-node cluster)")
+    trainer_max_restarts: int = Field(10, ge=0, description="times torchrun restarts the trainer's ranks after a "
+                                      "rank fails (each restart reloads the last committed step)")
+    trainer_rank_timeout: float = Field(600.0, gt=0, description="seconds one collective of the trainer's ranks "
+                                        "may wait for a rank before they fail and restart")
     engine_tensor_parallel: int = Field(0, ge=0, description="vLLM's tensor-parallel size in the dedicated layout; "
                                         "0: the smallest power of two whose GPUs hold the model")
     dedicated_gpu_memory: float = Field(0.9, gt=0, lt=1, description="share of each of its own GPUs vLLM takes in "

@@ -65,6 +65,8 @@ class HealthResponse(BaseModel):
     version: str
     engine: str | None = None
     trainer: str | None = None
+    trainer_ranks: int | None = Field(None, description="the trainer's processes over every node: more than one "
+                                                       "shards the model over them (FSDP2)")
     device: str | None = None
     models: list[str] = []
     engine_port: int | None = Field(

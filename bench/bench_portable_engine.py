@@ -1,5 +1,5 @@
-"""Generation throughput of the portable engine (cluster/inference/portable_engine.py): completion tokens/s when 1, 8 and 32
-completions are sampled together (one batch, one forward pass per token), with peak device memory.
+"""Generation throughput of the portable engine (cluster/inference/portable_engine.py): completion tokens/s when 1, 8
+and 32 completions are sampled together (one batch, one forward pass per token), with peak device memory.
 
 Tokens/s is the completion tokens generated over the wall time of the batch, prompt included (a random-weight
 model with a large vocabulary almost never samples its end token, so every row runs to max_tokens). Models are

@@ -1,5 +1,5 @@
-"""GRPO training throughput: art-sky's trainer (cluster/training/peft_trainer.py, PeftTrainer.train on real Sequences) against
-a plain hand-written PEFT loop on the same model, batch and sequence lengths: forward, the same clipped loss
+"""GRPO training throughput: art-sky's trainer (cluster/training/peft_trainer.py, PeftTrainer.train on real Sequences)
+against a plain hand-written PEFT loop on the same model, batch and sequence lengths: forward, the same clipped loss
 (cluster/training/grpo.py), backward, gradient clipping, AdamW step.
 
 The two take turns on one model (each with its own AdamW), best of `--repeats` steps each after a warm-up; prints

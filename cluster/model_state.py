@@ -23,7 +23,7 @@ from art_sky.errors import CheckpointStoreError, ConfigError
 from art_sky.layout import STEP_RECORD
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
-from art_sky.wire import ModelInfo, RegisterRequest
+from art_sky.wire import ModelConfig, ModelInfo, RegisterRequest
 
 from .tiny_model import TINY_MODEL_NAME, tiny_model_path
 from .training import weights as lora
@@ -165,17 +165,22 @@ WeightsLoader = Callable[[ModelState, Path | None], TrainedWeights]  # the train
 
 def load_peft(request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
     """The base model with the LoRA saved at `checkpoint`, or a fresh LoRA: (peft model, tokenizer)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
 
     base, tokenizer = load_base(request.base_model, settings)
     if checkpoint is not None:
         return PeftModel.from_pretrained(base, checkpoint, adapter_name=ADAPTER, is_trainable=True), tokenizer
-    cfg = request.config
-    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):  # the server's other random draws are left alone
         torch.manual_seed(LORA_SEED)
-        return get_peft_model(base, lora, adapter_name=ADAPTER), tokenizer
+        return get_peft_model(base, lora_config(request.config), adapter_name=ADAPTER), tokenizer
+
+
+def lora_config(cfg: ModelConfig) -> Any:
+    """A fresh LoRA's PEFT config from the model's settings."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, task_type="CAUSAL_LM")
 
 
 def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings, load: Loader = load_peft,

@@ -1,12 +1,12 @@
 """The cluster server: art-sky's control API and an OpenAI-compatible endpoint, one FastAPI app.
 
-Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key (the
-OpenAPI document too: /openapi.json; there are no /docs pages). The OpenAI surface (/v1) is cluster/inference/openai_api.py.
-The device gate (cluster/inference/gate.py) keeps inference and adapter swaps apart: a completion is sampled by the step it
-names; while a model trains, completions go on with its previous step where the engine serves while training, and
-wait otherwise (ART's semantics). A training step is a transaction (cluster/steps.py). Request bodies are
-size-limited per route and parsed off the event loop (cluster/bodies.py), and registering a model loads it without
-the device gate, so one request never stalls the others.
+Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key (the OpenAPI
+document too: /openapi.json; there are no /docs pages). The OpenAI surface (/v1) is cluster/inference/openai_api.py. The
+device gate (cluster/inference/gate.py) keeps inference and adapter swaps apart: a completion is sampled by the step it
+names; while a model trains, completions go on with its previous step where the engine serves while training, and wait
+otherwise (ART's semantics). A training step is a transaction (cluster/steps.py). Request bodies are size-limited per
+route and parsed off the event loop (cluster/bodies.py), and registering a model loads it without the device gate, so
+one request never stalls the others.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from .steps import StepPlan, Steps
 from .sync import CheckpointSync
 from .training.grpo import group_advantages
 from .training.peft_trainer import PeftTrainer, Progress
+from .training.rank_group import ShardedTrainer
 from .training.sequences import Built, Sequence, build_sequences, sft_sequence
 
 log = logging.getLogger("art_sky.cluster")
@@ -85,7 +86,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
                placement: Placement | None = None) -> FastAPI:
     settings = settings or Settings()
     placement = placement or place(settings, vllm_serves(settings))  # python -m art_sky.cluster chose it earlier
-    engine, trainer = select_engine(settings, art_path, api_key, placement), select_trainer(settings, placement)
+    engine = select_engine(settings, art_path, api_key, placement)
+    trainer = select_trainer(settings, placement, engine)
     versions, stack = installed_versions(), stack_status(engine.name, trainer.name)
     store = CheckpointStore.from_settings(settings)
     sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
@@ -116,6 +118,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         finally:
             await engine.aclose()  # connections made on this event loop
             await asyncio.to_thread(engine.close)  # a child engine (vLLM) stops with the server
+            await asyncio.to_thread(trainer.close)  # so do the trainer's ranks
 
     app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan,
                   openapi_url=None, docs_url=None, redoc_url=None)
@@ -151,6 +154,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         if not has_key(credentials):
             return HealthResponse(version=art_sky.__version__)
         return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
+                              trainer_ranks=trainer.ranks,
                               device=str(device()), models=sorted(states),
                               engine_port=engine.engine_port, versions=versions, stack=stack,
                               gpu_sharing=sharing_of(engine), serves_while_training=engine.serves_while_training,
@@ -293,7 +297,7 @@ def _checkpoint_infos(checkpoints: CheckpointDir) -> list[CheckpointInfo]:
     return infos
 
 
-def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer) -> StepPlan:
+def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer | ShardedTrainer) -> StepPlan:
     """A GRPO step's plan: the request's sequences (built here, in a worker thread), trained in one optimizer step."""
     prepared = _prepare(state, body)
 
@@ -309,7 +313,7 @@ def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer) 
     return StepPlan("train", train, named)
 
 
-def _prepare_sft(state: ModelState, body: SFTRequest, trainer: PeftTrainer) -> StepPlan:
+def _prepare_sft(state: ModelState, body: SFTRequest, trainer: PeftTrainer | ShardedTrainer) -> StepPlan:
     """An SFT step's plan: batches of the list given, each at its learning rate, as ART. A trajectory that cannot be
     rendered is skipped and reported (as ART drops it from its batch); none left is a 422."""
     size, count = body.batch_size, len(body.trajectories)

@@ -34,7 +34,9 @@ RULES = [
     ("art_sky.cluster.inference", ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps")),
     *((trainer, ("art_sky.cluster.inference", "art_sky.cluster.server", "art_sky.cluster.steps"))
       for trainer in ("art_sky.cluster.training.sequences", "art_sky.cluster.training.grpo",
-                      "art_sky.cluster.training.peft_trainer", "art_sky.cluster.training.ranks")),
+                      "art_sky.cluster.training.peft_trainer", "art_sky.cluster.training.weights",
+                      "art_sky.cluster.training.sharded", "art_sky.cluster.training.rank_group",
+                      "art_sky.cluster.training.rank_commands")),
 ]
 
 

@@ -1,9 +1,10 @@
 """What the server asks of an inference engine (the portable one, the vLLM proxy, the shared-GPU one): one small
-protocol, as httpx's transports. cluster/inference/openai_api.py serves /v1 through `chat`; the server's training step calls
-`pause` / `resume` around a step.
+protocol, as httpx's transports. cluster/inference/openai_api.py serves /v1 through `chat`; the server's training step
+calls `pause` / `resume` around a step.
 
-An engine raises art-sky errors: `OpenAIError` (cluster/inference/openai_api.py, an ArtSkyError) for a refused completion,
-answered in OpenAI's format; ConfigError / EngineError from the hooks, which the server maps to status codes.
+An engine raises art-sky errors: `OpenAIError` (cluster/inference/openai_api.py, an ArtSkyError) for a refused
+completion, answered in OpenAI's format; ConfigError / EngineError from the hooks, which the server maps to status
+codes.
 """
 
 from __future__ import annotations

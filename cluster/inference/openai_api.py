@@ -4,8 +4,8 @@ port and one tunnel.
 
 A model's name serves its newest step; `name@step` serves an older step while its checkpoint exists. A response's
 `model` names the step that served it. Parameters an engine would not honour are refused with a 400 naming them
-(cluster/inference/chat_parameters.py). Errors come in OpenAI's format (and, like the rest of the server, with `detail`),
-so the openai SDK, litellm and LangChain raise their usual exceptions.
+(cluster/inference/chat_parameters.py). Errors come in OpenAI's format (and, like the rest of the server, with
+`detail`), so the openai SDK, litellm and LangChain raise their usual exceptions.
 """
 
 from __future__ import annotations

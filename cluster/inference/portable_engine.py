@@ -32,8 +32,8 @@ from pydantic import ValidationError
 from art_sky.errors import TokenizationError
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
-from ..model_state import ADAPTER, ModelState, device
 from ..chat_template import prompt_ids
+from ..model_state import ADAPTER, ModelState, device
 from .chat_parameters import PORTABLE
 from .gate import Hold
 from .openai_api import SSE, OpenAIError, Served, invalid_request, sse

