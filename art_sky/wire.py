@@ -57,6 +57,17 @@ class ModelConfig(_Strict):
     max_seq_length: int = Field(8192, ge=16, le=1 << 20)
 
 
+class TrainerRendezvous(_Strict):
+    """Where every node's trainer ranks meet (torchrun's c10d rendezvous, hosted by the head's server): what a
+    worker node is told when it joins, so it starts its share of the ranks."""
+
+    endpoint: str = Field(description="host:port of the rendezvous on the head node")
+    run_id: str = Field(pattern=NAME_PATTERN)
+    nodes: int = Field(ge=1, description="nodes whose ranks meet there, the head included")
+    ranks_per_node: int = Field(ge=1)
+    max_restarts: int = Field(ge=0, description="torchrun's --max-restarts, the same on every node")
+
+
 class HealthResponse(BaseModel):
     """Without the API key, only `status` and `version` (enough to know the server is alive and matches the
     client); with it, what runs and which models are registered."""

@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 from art_sky.checkpoints import CheckpointDir
 from art_sky.errors import ArtSkyError, ConfigError
 from art_sky.settings import Settings
-from art_sky.wire import RegisterRequest, TrainConfig
+from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 
 from ..model_state import ADAPTER, ModelState, load_peft, resolve_base_model
 from .peft_trainer import Progress
@@ -54,16 +53,6 @@ class RankError(ArtSkyError):
         self.intact = intact
 
 
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where every node's torchrun meets: what a worker node needs to start its share of the ranks."""
-
-    endpoint: str  # host:port on the head
-    run_id: str
-    nodes: int
-    ranks_per_node: int
-
-
 class RankGroup:
     """torchrun on this node and a socket to its leading rank. `request` sends one command and waits for the
     answer; `loaded` remembers how to load each model again after a restart."""
@@ -73,8 +62,9 @@ class RankGroup:
         self.env = env or {}
         self.key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=self.key)
-        self.rendezvous = Rendezvous(f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}",
-                                     secrets.token_hex(8), settings.nodes, ranks_per_node)
+        self.rendezvous = TrainerRendezvous(
+            endpoint=f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}", run_id=secrets.token_hex(8),
+            nodes=settings.nodes, ranks_per_node=ranks_per_node, max_restarts=settings.trainer_max_restarts)
         self.generation = 0  # how many times the leader has connected: a restart moves it on
         self.loaded: dict[str, Callable[[], RankCommand]] = {}
         self._process: subprocess.Popen | None = None
@@ -162,15 +152,12 @@ class RankGroup:
             raise RankError(reply.message)
 
     def _start(self) -> None:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.rendezvous.nodes}",
-                   f"--nproc-per-node={self.ranks_per_node}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint={self.rendezvous.endpoint}", f"--rdzv-id={self.rendezvous.run_id}",
-                   f"--max-restarts={self.settings.trainer_max_restarts}", "-m", "art_sky.cluster.training.sharded"]
         address = self._listener.address
         env = os.environ | self.env | RANKS_ENV | {LEADER_ENV: f"{address[0]}:{address[1]}", KEY_ENV: self.key.hex()}
         log.info("starting the trainer's ranks: %d per node on %d node(s), rendezvous at %s", self.ranks_per_node,
                  self.rendezvous.nodes, self.rendezvous.endpoint)
-        self._process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        self._process = subprocess.Popen(torchrun(self.rendezvous), env=env, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
 
     def _not_ready(self) -> str:
         waiting = (f" (waiting for {self.rendezvous.nodes - 1} worker node(s) to join the rendezvous at "
@@ -245,6 +232,7 @@ class ShardedTrainer:
     def __init__(self, group: RankGroup, mirrored: bool):
         self.group, self.mirrored = group, mirrored
         self.ranks = group.ranks_per_node * group.rendezvous.nodes
+        self.rendezvous = group.rendezvous  # what a worker node is told when it joins
 
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
         if self.mirrored:
@@ -286,6 +274,48 @@ class ShardedTrainer:
 
     def close(self) -> None:
         self.group.close()
+
+
+class WorkerRanks:
+    """A worker node's share of the trainer's ranks: its torchrun joins the head's rendezvous, and is started again
+    whenever it ends (its restarts used up, or the head's group started anew) until `close`."""
+
+    def __init__(self, rendezvous: TrainerRendezvous, env: dict[str, str] | None = None):
+        self.rendezvous, self.env = rendezvous, env or {}
+        self._process: subprocess.Popen | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="worker-ranks")
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        process = self._process
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        self._thread.join(15)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            log.info("joining the trainer's rendezvous at %s with %d rank(s)", self.rendezvous.endpoint,
+                     self.rendezvous.ranks_per_node)
+            self._process = subprocess.Popen(torchrun(self.rendezvous), env=os.environ | self.env | RANKS_ENV,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+            code = self._process.wait()
+            if not self._closed.is_set():
+                log.warning("this node's trainer ranks ended (exit %s): joining again", code)
+                self._closed.wait(2.0)
+
+
+def torchrun(rendezvous: TrainerRendezvous) -> list[str]:
+    """The same torchrun on every node: the head's also tells its leading rank where the server listens (env)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rendezvous.nodes}",
+            f"--nproc-per-node={rendezvous.ranks_per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.run_id}",
+            f"--max-restarts={rendezvous.max_restarts}", "-m", "art_sky.cluster.training.sharded"]
 
 
 def _reload(name: str, request: RegisterRequest, checkpoints: CheckpointDir) -> RankCommand:
