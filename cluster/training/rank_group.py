@@ -25,12 +25,14 @@ from typing import Any
 
 import torch
 
+from art_sky import capacity
 from art_sky.checkpoints import CheckpointDir
 from art_sky.errors import ArtSkyError, ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 
 from ..model_state import ADAPTER, ModelState, load_peft, resolve_base_model
+from ..node.placement import base_parameters
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
 from .sequences import Sequence
@@ -41,7 +43,8 @@ log = logging.getLogger("art_sky.cluster")
 
 # Each round of ranks gets a store of its own (rank 0's): in the store torchrun's agents share by default, gloo's
 # keys outlive a restart and the next round's ranks read the dead round's addresses (they hang or fail to connect).
-RANKS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# PYTHONSAFEPATH: the ranks (`python -m`) import art-sky as installed, not a folder of that name where they start.
+RANKS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONSAFEPATH": "1"}
 
 
 class RankError(ArtSkyError):
@@ -229,14 +232,27 @@ class ShardedTrainer:
 
     name = "sharded"
 
-    def __init__(self, group: RankGroup, mirrored: bool):
+    def __init__(self, group: RankGroup, mirrored: bool, gpu_memory_bytes: int | None = None):
         self.group, self.mirrored = group, mirrored
+        self.capacity = capacity.Layout(gpu_memory_bytes, group.rendezvous.nodes, engine_gpus=0,
+                                        trainer_gpus=group.ranks_per_node) if gpu_memory_bytes else None
         self.ranks = group.ranks_per_node * group.rendezvous.nodes
         self.rendezvous = group.rendezvous  # what a worker node is told when it joins
 
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
-        if self.mirrored:
-            return load_peft(request, settings, checkpoint)
+        """The server's copy: the whole model (mirrored), else its shape; refused when its shards do not fit the
+        trainer's GPUs."""
+        model, tokenizer = (load_peft(request, settings, checkpoint) if self.mirrored
+                            else self._shape(request, settings))
+        problem = self.capacity.problem(base_parameters(model)) if self.capacity else None
+        if problem:
+            raise ConfigError(f"{request.base_model} does not fit this cluster: {problem}. Start a cluster with more "
+                              "trainer GPUs (ART_SKY_TRAINER_GPUS, more nodes) or larger ones, or train a smaller "
+                              "model")
+        return model, tokenizer
+
+    @staticmethod
+    def _shape(request: RegisterRequest, settings: Settings) -> tuple[Any, Any]:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         source = resolve_base_model(request.base_model, settings)
