@@ -26,7 +26,8 @@ from art_sky.settings import Settings
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m art_sky.cluster", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: reach it by tunnel)")
+    parser.add_argument("--host", action="append", help="address to bind (default 127.0.0.1: reach it by tunnel); "
+                        "repeat it to bind several (a multi-node head: 127.0.0.1 and its private address)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     parser.add_argument("--art-path", type=Path, default=Path(".art"), help="root of the checkpoint tree")
     parser.add_argument("--run-dir", type=Path, help="keep server.pid, port.json and server.log here")
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_dir:
         layout = ServerLayout(run_dir=str(args.run_dir.resolve()), art_path=str(args.art_path.resolve()))
         _take_run_dir(layout, args.detach)
-    _serve(settings, args.host, args.port, args.art_path, layout, args.exit_with)
+    _serve(settings, list(dict.fromkeys(args.host or ["127.0.0.1"])), args.port, args.art_path, layout, args.exit_with)
 
 
 def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
@@ -74,7 +75,7 @@ def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
     sys.stdout.reconfigure(line_buffering=True)
 
 
-def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: ServerLayout | None,
+def _serve(settings: Settings, hosts: list[str], port: int, art_path: Path, layout: ServerLayout | None,
            exit_with: int | None = None) -> None:
     import uvicorn
 
@@ -94,13 +95,17 @@ def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: Ser
         app = create_app(art_path, settings.api_key.get_secret_value(), settings, placement)
     except ConfigError as exc:  # a setting or the installed stack: the message says what to change
         sys.exit(f"the cluster server cannot start: {exc}")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sys.exit(f"cannot bind {host}:{port}: {exc}. Pick another --port or stop what uses it")
-    bound = sock.getsockname()[1]
+    sockets = []
+    for host in hosts:  # the same port on each address: the first one picks it when --port is 0
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sys.exit(f"cannot bind {host}:{port}: {exc}. Pick another --port or stop what uses it")
+        port = sock.getsockname()[1]
+        sockets.append(sock)
+    bound = port
     # No access log: a line per completion costs the event loop what rollouts need (and no proxy headers: the
     # server is reached through a tunnel, never a proxy). A long keep-alive: clients (httpx: 5 s) drop idle
     # connections before the server does, so none reuses one the server is closing.
@@ -108,10 +113,10 @@ def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: Ser
                                            proxy_headers=False, timeout_keep_alive=75))
     if layout is not None:
         atomic_write(layout.port_file, json.dumps({"port": bound, "pid": os.getpid()}))
-    logging.getLogger("art_sky.cluster").info("listening on %s:%d", host, bound)
+    logging.getLogger("art_sky.cluster").info("listening on %s port %d", ", ".join(hosts), bound)
     if exit_with is not None:
         threading.Thread(target=_exit_with, args=(exit_with, server), daemon=True).start()
-    server.run(sockets=[sock])
+    server.run(sockets=sockets)
 
 
 def _exit_with(pid: int, server) -> None:
