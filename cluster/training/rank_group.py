@@ -68,7 +68,7 @@ class RankGroup:
         self.rendezvous = TrainerRendezvous(
             endpoint=f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}", run_id=secrets.token_hex(8),
             nodes=settings.nodes, ranks_per_node=ranks_per_node, max_restarts=settings.trainer_max_restarts)
-        self.generation = 0  # how many times the leader has connected: a restart moves it on
+        self.generation = 0  # moves on when the ranks fail and when the leader connects (again)
         self.loaded: dict[str, Callable[[], RankCommand]] = {}
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
@@ -130,6 +130,7 @@ class RankGroup:
             if self._connection is not None and self._connection.poll():  # closed while idle: the ranks restarted
                 self._connection.close()
                 self._connection = None
+                self.generation += 1
             while self._connection is None:
                 if self._closed:
                     raise RankError("the trainer's ranks are stopping with the server")
@@ -182,9 +183,11 @@ class RankGroup:
                 self._connected.notify_all()
 
     def _lost(self, connection: Connection) -> None:
+        """The ranks failed: they restart from the last commit, which a snapshot taken before cannot undo."""
         with self._connected:
             if self._connection is connection:
                 self._connection = None
+                self.generation += 1
         connection.close()
 
 
