@@ -161,7 +161,7 @@ class RankGroup:
         log.info("starting the trainer's ranks: %d per node on %d node(s), rendezvous at %s", self.ranks_per_node,
                  self.rendezvous.nodes, self.rendezvous.endpoint)
         self._process = subprocess.Popen(torchrun(self.rendezvous), env=env, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_ends_with_parent)
 
     def _not_ready(self) -> str:
         waiting = (f" (waiting for {self.rendezvous.nodes - 1} worker node(s) to join the rendezvous at "
@@ -322,7 +322,8 @@ class WorkerRanks:
             log.info("joining the trainer's rendezvous at %s with %d rank(s)", self.rendezvous.endpoint,
                      self.rendezvous.ranks_per_node)
             self._process = subprocess.Popen(torchrun(self.rendezvous), env=os.environ | self.env | RANKS_ENV,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=_ends_with_parent)
             code = self._process.wait()
             if not self._closed.is_set():
                 log.warning("this node's trainer ranks ended (exit %s): joining again", code)
@@ -341,6 +342,15 @@ def _reload(name: str, request: RegisterRequest, checkpoints: CheckpointDir) -> 
     steps = checkpoints.steps()
     return RankCommand(kind="load", name=name, request=request,
                        checkpoint=str(checkpoints.step_dir(steps[-1])) if steps else None)
+
+
+def _ends_with_parent() -> None:
+    """In torchrun's child, before it starts: SIGTERM when the server that started it dies, however it dies (kill
+    -9 included), so no ranks outlive it; torchrun then stops its ranks."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port(host: str) -> int:
