@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from art_sky.checkpoints import CheckpointDir
-from art_sky.errors import ArtSkyError, ConfigError
+from art_sky.errors import ArtSkyError
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 
-from ..model_state import ADAPTER, ModelState, load_peft, resolve_base_model
+from ..model_state import ADAPTER, ModelState, load_peft, load_shape
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
 from .sequences import Sequence
@@ -237,20 +237,7 @@ class ShardedTrainer:
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
         if self.mirrored:
             return load_peft(request, settings, checkpoint)
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-        source = resolve_base_model(request.base_model, settings)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot load base model {request.base_model!r}: {exc}") from exc
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(source)
-        except OSError:
-            pass  # the config's own
-        return model, tokenizer
+        return load_shape(request, settings)
 
     def load_weights(self, state: ModelState, step_dir: Path | None) -> RankWeights:
         """Load the model on the ranks (from `step_dir`, or a fresh LoRA), and again from its newest committed
