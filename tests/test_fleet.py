@@ -134,11 +134,16 @@ async def test_a_replica_killed_under_load_loses_no_completion_and_leaves(nodes)
     head, replica = nodes
     async with client(head) as http:
         requests = [asyncio.ensure_future(complete(http, f"load {i}", max_tokens=32)) for i in range(40)]
+        streams = [asyncio.ensure_future(complete(http, f"stream {i}", max_tokens=64, stream=True))
+                   for i in range(6)]
         await asyncio.to_thread(wait_fleet, head, lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
                                 "completions in flight on the replica", 60)
         replica.kill()
         responses = await asyncio.gather(*requests)
+        streamed = [response.text for response in await asyncio.gather(*streams)]
     assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
+    for text in streamed:  # whole, or ended by an error event that says what happened
+        assert text.endswith("data: [DONE]\n\n") or "failed after it had started streaming" in text, text[-500:]
     assert [r["url"] for r in wait_fleet(head, lambda f: len(f) == 1, "the killed replica gone")] == ["local"]
 
 
