@@ -13,7 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 from fleet_nodes import API_KEY, Node, fleet, start_node, wait_fleet
+from typer.testing import CliRunner
 
+from art_sky import clusters
+from art_sky.cli import app
 from art_sky.errors import BackendUnavailableError
 from art_sky.remote import lifecycle
 from art_sky.remote.runner import LocalRunner
@@ -98,6 +101,23 @@ async def test_a_trained_step_is_served_by_every_replica_when_train_returns(node
         older = await http.post("/v1/chat/completions", json={
             "model": "tiny@0", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert older.status_code == 200 and older.json()["model"] == "tiny@0"  # the head has every checkpoint
+
+
+def test_status_shows_each_replica_its_load_and_step(nodes, tmp_path, monkeypatch):
+    head, replica = nodes
+    monkeypatch.setenv("ART_SKY_HOME", str(tmp_path))
+    clusters.save(tmp_path, clusters.ClusterRecord(name="two", kind="local", where="this machine", target=None,
+                                                   layout=head.layout, port=head.server.port, pid=head.server.pid,
+                                                   api_key=API_KEY))
+    result = CliRunner().invoke(app, ["status", "two", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)[0]["server"]["fleet"]
+    assert [(r["url"], r["steps"], r["outstanding"]) for r in shown] == [
+        ("local", {"tiny": 1}, 0), (replica.url, {"tiny": 1}, 0)]
+    result = CliRunner().invoke(app, ["status", "two"])
+    rows = {line.split()[0]: line for line in result.output.partition("REPLICA")[2].splitlines()[1:] if line}
+    assert "REPLICA" in result.output and set(rows) == {"two/head", f"two/{replica.url}"}, result.output
+    assert all("0 outstanding" in line and line.endswith("tiny@1") for line in rows.values()), result.output
 
 
 async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
