@@ -111,7 +111,8 @@ def test_the_checker_catches_a_violation():
 def test_the_server_loads_no_ssh_stack():
     """What `python -m art_sky.cluster` imports (a head or a replica): no paramiko, no tunnel, no backend, no
     client."""
-    probe = ("import sys, art_sky.cluster.server, art_sky.cluster.replica; print(sorted(m for m in sys.modules if m == 'paramiko' or "
+    probe = ("import sys, art_sky.cluster.server, art_sky.cluster.replica; "
+             "print(sorted(m for m in sys.modules if m == 'paramiko' or "
              "m.startswith(('art_sky.backends', 'art_sky.remote', 'art_sky.client', 'art_sky.cli'))))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
