@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -148,6 +150,23 @@ async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
         assert time.monotonic() < deadline, "the refused replica did not exit"
         time.sleep(0.2)
     assert len(fleet(head)) == 2
+
+
+async def test_a_replica_that_stops_answering_leaves_and_joins_again_once_it_answers(nodes):
+    head, replica = nodes
+    async with client(head) as http:
+        requests = [asyncio.ensure_future(complete(http, f"stall {i}", max_tokens=32)) for i in range(24)]
+        await asyncio.to_thread(wait_fleet, head, lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
+                                "completions in flight on the replica", 60)
+        os.kill(replica.server.pid, signal.SIGSTOP)
+        try:  # three missed health checks later it leaves, and what it held is served by the head
+            responses = await asyncio.gather(*requests)
+            assert [r.status_code for r in responses] == [200] * 24
+            assert [r["url"] for r in fleet(head)] == ["local"]
+        finally:
+            os.kill(replica.server.pid, signal.SIGCONT)
+    await asyncio.to_thread(wait_fleet, head, lambda f: len(f) == 2 and f[1]["steps"] == {"tiny": 1},
+                            "the replica in the fleet again, serving tiny@1", 60)
 
 
 async def test_a_replica_killed_under_load_loses_no_completion_and_leaves(nodes):

@@ -378,12 +378,14 @@ async def _until_gone(replica: Replica, awaitable: Awaitable[T]) -> T:
     gone = asyncio.ensure_future(replica.gone.wait())
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the request itself was cancelled (its client went away)
+        task.cancel()
+        raise
     finally:
         gone.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise ReplicaError(f"replica {replica.url} left the fleet")
+    if not task.done():
+        task.cancel()
+        raise ReplicaError(f"replica {replica.url} on {replica.node} left the fleet")
     try:
         return task.result()
     except httpx.HTTPError as exc:
