@@ -31,7 +31,7 @@ from art_sky.errors import ArtSkyError, ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 
-from ..model_state import ADAPTER, ModelState, load_peft, resolve_base_model
+from ..model_state import ADAPTER, ModelState, load_peft, load_shape
 from ..node.placement import base_parameters
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
@@ -246,29 +246,12 @@ class ShardedTrainer:
         """The server's copy: the whole model (mirrored), else its shape; refused when its shards do not fit the
         trainer's GPUs."""
         model, tokenizer = (load_peft(request, settings, checkpoint) if self.mirrored
-                            else self._shape(request, settings))
+                            else load_shape(request, settings))
         problem = self.capacity.problem(base_parameters(model)) if self.capacity else None
         if problem:
             raise ConfigError(f"{request.base_model} does not fit this cluster: {problem}. Start a cluster with more "
                               "trainer GPUs (ART_SKY_TRAINER_GPUS, more nodes) or larger ones, or train a smaller "
                               "model")
-        return model, tokenizer
-
-    @staticmethod
-    def _shape(request: RegisterRequest, settings: Settings) -> tuple[Any, Any]:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-        source = resolve_base_model(request.base_model, settings)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot load base model {request.base_model!r}: {exc}") from exc
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(source)
-        except OSError:
-            pass  # the config's own
         return model, tokenizer
 
     def load_weights(self, state: ModelState, step_dir: Path | None) -> RankWeights:
