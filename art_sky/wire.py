@@ -46,6 +46,14 @@ class TrainConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
 
 
+class TrainSFTConfig(BaseModel):
+    """ART's `TrainSFTConfig`: one learning rate or one per batch, and trajectories per batch ("auto": 2, as ART's
+    LocalBackend)."""
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
+
+
 class ModelConfig(_Strict):
     """LoRA settings of a trainable model, fixed at registration."""
 
