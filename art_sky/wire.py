@@ -44,6 +44,9 @@ class TrainConfig(_Strict):
                                        description="upper clip: ratio <= 1 + epsilon_high (default epsilon)")
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    allow_training_without_logprobs: bool = Field(
+        False, description="ART's: assistant turns written as dicts train too, rendered by the chat template "
+                           "(counted in trained_tokens_rerendered); False: they are context")
 
 
 class TrainSFTConfig(BaseModel):

@@ -110,3 +110,32 @@ async def test_langchain(model):
     with_ids = chat(logprobs=True, extra_body={"return_tokens_as_token_ids": True})
     exact = await train(model, lambda reward: rollout(reward, with_ids))
     assert exact["trained_tokens_rerendered"] == 0
+
+
+async def test_dict_assistant_turns_train_when_allowed(model, caplog):
+    """ART's allow_training_without_logprobs: assistant turns written as dicts train, rendered by the chat template;
+    without it they are context and a trajectory with nothing else is skipped, saying why."""
+    def groups() -> list[art.TrajectoryGroup]:
+        return [art.TrajectoryGroup(art.Trajectory(
+            messages_and_choices=[*QUESTION, {"role": "assistant", "content": f"{reward:.0f}"},
+                                  {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}],
+            reward=reward) for reward in REWARDS)]
+
+    allowed = art.TrainConfig(learning_rate=1e-3, allow_training_without_logprobs=True)
+    metrics = await model.train(groups(), config=allowed)
+    assert metrics["num_trajectories_skipped"] == 0
+    assert metrics["trained_tokens"] == metrics["trained_tokens_rerendered"] > 0
+    with caplog.at_level("WARNING"):
+        skipped = await model.train(groups() + [art.TrajectoryGroup(await train_group(model))],
+                                    config=art.TrainConfig(learning_rate=1e-3))
+    assert skipped["num_trajectories_skipped"] == len(REWARDS)
+    assert "allow_training_without_logprobs=True" in caplog.text
+
+
+async def train_group(model) -> list[art.Trajectory]:
+    client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
+    trajectories = []
+    for reward in REWARDS:
+        completion = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=4)
+        trajectories.append(art.Trajectory(messages_and_choices=[*QUESTION, completion.choices[0]], reward=reward))
+    return trajectories
