@@ -139,3 +139,22 @@ async def train_group(model) -> list[art.Trajectory]:
         completion = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=4)
         trajectories.append(art.Trajectory(messages_and_choices=[*QUESTION, completion.choices[0]], reward=reward))
     return trajectories
+
+
+async def test_langchain_structured_output_on_the_portable_engine(model):
+    """LangChain's with_structured_output, both methods (response_format json_schema; a named tool with
+    parallel_tool_calls=false): the reply is constrained, so even the untrained tiny model returns a parsed object."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        ok: bool
+        word: Literal["sea", "sky"]
+
+    llm = ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
+                     max_tokens=200, seed=1)
+    for method in ("json_schema", "function_calling"):
+        parsed = await llm.with_structured_output(Answer, method=method, strict=True).ainvoke("Sea or sky?")
+        assert isinstance(parsed, Answer), method
