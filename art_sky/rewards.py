@@ -71,6 +71,7 @@ async def ruler(message_lists: list[list[dict]], judge_model: Any = "openai/o3",
                 tools: list[dict] | None = None, *, debug: bool = False) -> list[TrajectoryScore]:
     """One score per message list, from the judge (ART's `ruler`)."""
     import litellm  # the [rewards] extra; imported here so `art.rewards` loads without it
+    import openai
 
     if not message_lists:
         return []
@@ -83,9 +84,9 @@ async def ruler(message_lists: list[list[dict]], judge_model: Any = "openai/o3",
         response = await litellm.acompletion(model=judge_model, messages=_judge_prompt(message_lists, tools, rubric),
                                              response_format=_response_format(len(message_lists)), caching=False,
                                              **params)
-    except Exception as exc:  # litellm's errors, whose class does not say "unreachable" (a refused connection
-        # comes back as its InternalServerError): the cause chain does
-        if not isinstance(exc, litellm.exceptions.OpenAIError) and not _unreachable(exc):
+    except Exception as exc:  # litellm's errors (openai's classes), whose class does not say "unreachable" (a
+        # refused connection comes back as its InternalServerError): the cause chain does
+        if not isinstance(exc, openai.APIError) and not _unreachable(exc):
             raise
         problem = "cannot be reached" if _unreachable(exc) else "refused the request"
         raise JudgeError(f"RULER's judge {judge_model!r} at {url} {problem} ({exc}): start it or name another "
