@@ -44,6 +44,17 @@ class TrainConfig(_Strict):
                                        description="upper clip: ratio <= 1 + epsilon_high (default epsilon)")
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    allow_training_without_logprobs: bool = Field(
+        False, description="ART's: assistant turns written as dicts train too, rendered by the chat template "
+                           "(counted in trained_tokens_rerendered); False: they are context")
+
+
+class TrainSFTConfig(BaseModel):
+    """ART's `TrainSFTConfig`: one learning rate or one per batch, and trajectories per batch ("auto": 2, as ART's
+    LocalBackend)."""
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
 
 
 class ModelConfig(_Strict):
@@ -428,6 +439,30 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema the reply must match (`strict` is always so here)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a `json_schema` object: {'name': ..., 'schema': {...}}")
+        return self
+
+
 class ChatMessage(BaseModel):
     """A message of a chat completion request, as OpenAI's API takes it: a known role, content that is a string, a
     list of content parts or null. Other fields (name, tool_calls, tool_call_id, reasoning_content) pass to the
@@ -461,7 +496,7 @@ class ChatCompletionRequest(_Strict):
     tools: list[dict[str, Any]] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False

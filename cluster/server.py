@@ -390,8 +390,9 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
             for key, value in trajectory.metrics.items():
                 metric_values.setdefault(key, []).append(value)
             try:
-                built.append((trajectory.reward, build_sequences(tokenizer, trajectory, max_length, vocab_size,
-                                                                 state.eos_token_ids)))
+                built.append((trajectory.reward, build_sequences(
+                    tokenizer, trajectory, max_length, vocab_size, state.eos_token_ids,
+                    dict_turns=body.config.allow_training_without_logprobs)))
             except TokenizationError as exc:
                 skipped.append(f"group {g}, trajectory {t}: {exc}")
             except Exception as exc:  # a bug here must not cost the batch either; the log has the traceback

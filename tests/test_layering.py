@@ -28,6 +28,12 @@ RULES = [
     ("art_sky.remote", ("art_sky.backends", "art_sky.cli", "art_sky.ci", "art_sky.client", "art_sky.cluster",
                         "art_sky.clusters")),
     ("art_sky.backends", ("art_sky.cli", "art_sky.ci", "art_sky.cluster")),
+    # ART's extra names: the judge and the internal config know nothing of backends or the server
+    *((extra, LAPTOP + ("art_sky.cluster",)) for extra in ("art_sky.rewards", "art_sky.dev")),
+    # the engines' helpers: grammars and tool-call parsing, each its own job, used by the engines, never the reverse
+    *((helper, ("art_sky.cluster.inference.portable_engine", "art_sky.cluster.inference.vllm_engine",
+                "art_sky.cluster.training", "art_sky.cluster.server"))
+      for helper in ("art_sky.cluster.inference.constraints", "art_sky.cluster.inference.tool_parsers")),
     # Inside the server: engines and trainers do not know each other; what composes them (the server, a step's
     # transaction, node/ choosing what runs) sits above both; node/placement is data both read. Unsloth's trainer is the one exception: its model
     # runs vLLM inside (fast_inference), sized as the vLLM engine sizes its LoRA slots.

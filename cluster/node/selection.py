@@ -77,7 +77,8 @@ def select_engine(settings: Settings, art_path: Path, api_key: str, placement: P
         if shares_gpu_with_unsloth(settings, placement):
             return SharedGpuEngine(settings, art_path, api_key)
         return VllmEngine(settings, art_path, api_key, placement)
-    return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras)
+    return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras,
+                          settings.tool_parser)
 
 
 def trainer_ranks(settings: Settings, placement: Placement | None) -> int:
