@@ -57,7 +57,7 @@ def atomic_dir(target: str | os.PathLike, *, replace: bool = True, advice: str =
             yield tmp
             _sync_tree(tmp)
         except Exception as exc:
-            if full := disk_full(exc, tmp, advice):
+            if full := disk_full(exc, target, advice):  # measured while what it wrote is still there
                 raise full from exc
             raise
         if target.exists() and replace:

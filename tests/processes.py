@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-
 # Runs argv[1:] with SIGINT at its default. A test run started in the background (`nohup bash tests/run.sh &`)
 # ignores SIGINT, children inherit that, and Python then installs no KeyboardInterrupt: a test's Ctrl-C would be
 # lost. exec keeps a default disposition; unlike `preexec_fn`, this is safe with the tests' reader threads.
