@@ -389,6 +389,8 @@ class TrainProgress(BaseModel):
     metrics: dict[str, float] = {}
     batches: list[dict[str, float]] = Field([], description="SFT: each batch's metrics, in order")
     message: str | None = None
+    status: int | None = Field(None, description="error: its HTTP status, as a plain request would get it (507: "
+                                                 "the disk is full)")
     skipped: list[str] = Field([], description="trajectories left out of the step, each with its group and "
                                                "trajectory index and the reason")
     activity: Activity | None = Field(None, description="progress: what the step is doing now (sent at least every "

@@ -28,13 +28,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
-from art_sky.errors import (
-    ArtSkyError,
-    CheckpointStoreError,
-    ConfigError,
-    EngineError,
-    TokenizationError,
-)
+from art_sky.disk_full import disk_full
+from art_sky.errors import ArtSkyError, TokenizationError
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
@@ -52,6 +47,7 @@ from art_sky.wire import (
 
 from . import bodies
 from .activity import ModelActivity, StepTimer
+from .http_status import http_status
 from .inference import openai_api
 from .inference.fleet import Fleet
 from .inference.fleet import install as fleet_routes
@@ -133,6 +129,17 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
                              for e in exc.errors()[:10])
         more = f" (and {len(exc.errors()) - 10} more)" if len(exc.errors()) > 10 else ""
         return JSONResponse({"detail": f"invalid request: {problems}{more}"}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """What no route expected: a full disk is still said as such (507); anything else, a sentence, not
+        Starlette's bare "Internal Server Error"."""
+        if full := disk_full(exc, art_path):
+            return JSONResponse({"detail": str(full)}, status_code=http_status(full))
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse({"detail": f"the server failed on {request.method} {request.url.path} "
+                                       f"({type(exc).__name__}: {exc}); the traceback is in its log "
+                                       "(`art-sky logs`): please report it"}, status_code=500)
 
     def model(name: str) -> ModelState:
         if name not in states:
@@ -240,8 +247,12 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         try:
             state.checkpoints.append_history(entry)
         except OSError as exc:
-            raise HTTPException(507, f"the history of {name} could not be written ({exc.strerror or exc}): free "
-                                     "disk space on the cluster and log again") from exc
+            if full := disk_full(exc, state.checkpoints.model_dir, "Free space there (`await "
+                                 "model.delete_checkpoints()` deletes old checkpoints) and log again."):
+                raise full from exc
+            raise HTTPException(500, f"the history of {name} could not be written to "
+                                     f"{state.checkpoints.model_dir} ({exc.strerror or exc}): fix the directory "
+                                     "and log again") from exc
         return entry
 
     @app.get("/art/models/{name}/checkpoints", dependencies=guarded)
@@ -290,15 +301,6 @@ def api_key_auth(api_key: str) -> tuple[HTTPBearer, Callable[[HTTPAuthorizationC
             raise HTTPException(401, openai_api.UNAUTHORIZED)
 
     return bearer, has_key, authorized
-
-
-def http_status(exc: ArtSkyError) -> int:
-    """The one mapping from art-sky's errors to HTTP: the client's fault 4xx, the engine's or the store's 5xx."""
-    for kind, status in ((ConfigError, 422), (TokenizationError, 422), (CheckpointStoreError, 502),
-                         (EngineError, 503)):
-        if isinstance(exc, kind):
-            return status
-    return 500
 
 
 def _checkpoint_infos(checkpoints: CheckpointDir) -> list[CheckpointInfo]:

@@ -18,7 +18,7 @@ import art_sky
 ROOT = Path(__file__).resolve().parent.parent
 LAPTOP = ("art_sky.backends", "art_sky.remote", "art_sky.cli", "art_sky.ci", "art_sky.clusters",
           "art_sky.provisioners", "art_sky.demo", "paramiko", "sky")
-SHARED = ("art_sky.wire", "art_sky.errors", "art_sky.settings", "art_sky.layout", "art_sky.files",
+SHARED = ("art_sky.wire", "art_sky.errors", "art_sky.settings", "art_sky.layout", "art_sky.files", "art_sky.disk_full",
           "art_sky.checkpoints", "art_sky.store")
 # (importer prefix, what it must not import): the data path's layers, one way
 RULES = [
