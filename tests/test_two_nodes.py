@@ -119,3 +119,39 @@ async def test_a_two_node_cluster_trains_on_both_nodes_and_serves_from_both(tmp_
         for node in (worker, head):
             if node is not None:
                 node.stop()
+
+
+async def test_a_node_that_never_joins_has_the_cluster_torn_down(tmp_path, monkeypatch):
+    """`up` of a two-node SkyPilot cluster waits for the second node's replica; one that does not join in time
+    (a node lost on the way) tears the cluster down, the one thing here that stands in for the cloud."""
+    from fleet_nodes import start_node
+
+    from art_sky import SkyPilotBackend
+    from art_sky.errors import BackendUnavailableError
+    from art_sky.provisioners import sky as provisioner
+    from art_sky.provisioners.sky_task import ClusterSpec
+    from art_sky.settings import Settings
+
+    torn_down = []
+
+    async def down(name: str) -> None:
+        torn_down.append(name)
+
+    monkeypatch.setattr(provisioner, "down", down)
+    head = start_node(tmp_path, "head")
+    replica = None
+    try:
+        spec = ClusterSpec(gpu="H100:8", num_nodes=2, python=sys.executable)
+        backend = SkyPilotBackend("big", spec, api_key=API_KEY, settings=Settings(server_start_timeout=3))
+        backend.base_url, backend.api_key = head.url, API_KEY  # as `up` leaves them once the tunnel is up
+        with pytest.raises(BackendUnavailableError, match="1 of its 2 nodes joined within 3 s.*torn down"):
+            await backend.check_server()
+        assert torn_down == ["big"]
+        replica = start_node(tmp_path, "replica", join=head.url)
+        backend.settings = Settings(server_start_timeout=120)
+        assert [r.url for r in (await backend.check_server()).fleet][1:] == [replica.url] and torn_down == ["big"]
+        await backend.close()
+    finally:
+        for node in (replica, head):
+            if node is not None:
+                node.stop()
