@@ -123,8 +123,12 @@ class Matchers:
 
     def consume(self, row: int, token: int) -> None:
         matcher = self.rows[row]
-        if matcher is not None and row in self.active and not matcher.consume_token(token):
+        if matcher is None or row not in self.active:
+            return
+        if not matcher.consume_token(token):
             raise RuntimeError(f"constrained sampling drew token {token} its grammar refuses: {matcher.get_error()}")
+        if matcher.is_stopped():  # its end token drawn and, with ignore_eos, the row goes on: unconstrained
+            self.finish(row)
 
     def finish(self, row: int) -> None:
         """The row is done: it is no longer masked (a finished grammar allows no token at all)."""
