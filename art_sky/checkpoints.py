@@ -140,7 +140,10 @@ class CheckpointDir:
     def save(self, step: int, write: Callable[[Path], None], *, base_model: str,
              metrics: dict[str, float] | None = None) -> Manifest:
         """`write(tmp_dir)` writes the adapter; the manifest is added and the directory renamed into place."""
-        with atomic_dir(self.step_dir(step)) as tmp:  # replaces a stale copy of the step (an interrupted run)
+        advice = (f"Delete old checkpoints of {self.name} in {self.path} (`await model.delete_checkpoints()` keeps "
+                  "the newest and the best) or other files on that disk, or give the machine a bigger disk; then "
+                  "try again.")
+        with atomic_dir(self.step_dir(step), advice=advice) as tmp:  # replaces a stale copy (an interrupted run)
             write(tmp)
             manifest = build_manifest(tmp, project=self.project, model=self.name, step=step,
                                       base_model=base_model, metrics=metrics)

@@ -42,6 +42,11 @@ class SSHError(BackendUnavailableError):
     """An SSH connection, login, remote command or file transfer failed."""
 
 
+class DiskFullError(ArtSkyError):
+    """A write ran out of disk space (whatever layer raised it: art_sky/disk_full.py); the message names the disk
+    and what to free."""
+
+
 class TokenizationError(ArtSkyError):
     """A trajectory cannot be turned into training tokens (e.g. a choice without sampled token ids)."""
 

@@ -1,5 +1,5 @@
 """Writing files so that a reader never sees half of one, and reading a log's last lines. Used on both sides (the
-cluster server, the laptop), so it imports nothing of art-sky.
+cluster server, the laptop), so it imports only the shared modules.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from art_sky.disk_full import disk_full
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes, *, private: bool = False) -> Path:
@@ -35,11 +37,12 @@ TEMP_PREFIX = ".tmp-"  # atomic_dir's work in progress; `remove_stale_temps` rem
 
 
 @contextmanager
-def atomic_dir(target: str | os.PathLike, *, replace: bool = True) -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike, *, replace: bool = True, advice: str = "") -> Iterator[Path]:
     """Yield a temp directory beside `target` to fill; when the block succeeds its files are flushed to disk and it
     is renamed to `target` (a reader, or a restart after a crash, sees all of it or nothing), when it fails it is
     removed. An existing `target` is replaced, or with `replace=False` kept (another writer finished first with the
-    same content).
+    same content). A write that fails on a full disk raises DiskFullError (with `advice`: what to free), decided
+    before the temp directory is removed.
 
     The writer holds a lock on the temp directory until it is done, so `remove_stale_temps` can tell the leftovers
     of a killed writer (the lock died with it) from another process's write in progress.
@@ -50,8 +53,13 @@ def atomic_dir(target: str | os.PathLike, *, replace: bool = True) -> Iterator[P
     lock = os.open(tmp, os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield tmp
-        _sync_tree(tmp)
+        try:
+            yield tmp
+            _sync_tree(tmp)
+        except Exception as exc:
+            if full := disk_full(exc, target, advice):  # measured while what it wrote is still there
+                raise full from exc
+            raise
         if target.exists() and replace:
             old = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{target.name}-old-", dir=target.parent))
             os.replace(target, old)  # the old copy goes aside in one rename, never half-deleted in place

@@ -91,6 +91,16 @@ class Settings(BaseSettings):
     wandb_api_key: SecretStr | None = Field(
         None, validation_alias=AliasChoices("WANDB_API_KEY", "wandb_api_key"),
         description="Weights & Biases' key (WANDB_API_KEY): set, each model logs its steps to a W&B run")
+    langfuse_public_key: str | None = Field(
+        None, validation_alias=AliasChoices("LANGFUSE_PUBLIC_KEY", "langfuse_public_key"),
+        description="Langfuse's public key (LANGFUSE_PUBLIC_KEY): with the secret key, each model's rollouts go to "
+                    "Langfuse as traces")
+    langfuse_secret_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("LANGFUSE_SECRET_KEY", "langfuse_secret_key"),
+        description="Langfuse's secret key (LANGFUSE_SECRET_KEY)")
+    langfuse_host: str | None = Field(
+        None, validation_alias=AliasChoices("LANGFUSE_HOST", "LANGFUSE_BASE_URL", "langfuse_host"),
+        description="Langfuse's URL (LANGFUSE_HOST or LANGFUSE_BASE_URL); default Langfuse Cloud")
     _store_credentials: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, context: object) -> None:

@@ -68,6 +68,46 @@ class ModelConfig(_Strict):
     max_seq_length: int = Field(8192, ge=16, le=1 << 20)
 
 
+class TrainerRendezvous(_Strict):
+    """Where every node's trainer ranks meet (torchrun's c10d rendezvous, hosted by the head's server): what a
+    worker node is told when it joins, so it starts its share of the ranks."""
+
+    endpoint: str = Field(description="host:port of the rendezvous on the head node")
+    run_id: str = Field(pattern=NAME_PATTERN)
+    nodes: int = Field(ge=1, description="nodes whose ranks meet there, the head included")
+    ranks_per_node: int = Field(ge=1)
+    max_restarts: int = Field(ge=0, description="torchrun's --max-restarts, the same on every node")
+
+
+class JoinRequest(_Strict):
+    """A worker node's replica server asking the head to take it into the inference fleet (POST /fleet/join)."""
+
+    url: str = Field(pattern=r"^https?://[^/\s]+$", max_length=512,
+                     description="where the head reaches the replica's server: http://HOST:PORT on the cluster's "
+                                 "private network")
+    node: str = Field(min_length=1, max_length=256, description="the node's name, shown by /health and status")
+    engine: str = Field(min_length=1, max_length=64, description="the replica's engine: the head's, or refused")
+
+
+class JoinReply(_Strict):
+    """The head's answer to a join: the replica is being brought up to date (its models at their served steps), and
+    where this node's share of the trainer's ranks meets the others (None: the trainer is one process on the
+    head)."""
+
+    trainer: TrainerRendezvous | None = None
+
+
+class FleetReplica(BaseModel):
+    """One replica of the inference fleet, as /health and `art-sky status` show it."""
+
+    url: str = Field(description="'local' for the head's own engine, else the replica server's URL")
+    node: str
+    outstanding: int = Field(0, description="completions routed to it and not finished (its load)")
+    completions: int = Field(0, description="completions it has served since it joined")
+    steps: dict[str, int] = Field({}, description="model name -> the step it serves (`name@step`); a model not "
+                                                  "listed is still being loaded there")
+
+
 class HealthResponse(BaseModel):
     """Without the API key, only `status` and `version` (enough to know the server is alive and matches the
     client); with it, what runs and which models are registered."""
@@ -101,6 +141,8 @@ class HealthResponse(BaseModel):
                           "them; they wait only while the new one is swapped in); false: they wait for the whole "
                           "step (the engine sleeps so the trainer has the GPU's memory). Each step's "
                           "time/step_inference_paused_s says how long inference waited")
+    fleet: list[FleetReplica] = Field([], description="the inference replicas behind /v1: the head's own engine "
+                                                      "first, then each joined worker's")
 
 
 class RegisterRequest(_Strict):
@@ -109,6 +151,20 @@ class RegisterRequest(_Strict):
     base_model: str = Field(min_length=1, max_length=1024)
     config: ModelConfig = ModelConfig()
     request_id: RequestId | None = None
+
+
+class ReplicaModel(_Strict):
+    """The head telling a replica to serve a model at a step (POST /fleet/models on the replica); the replica fetches
+    the step's adapter from the head."""
+
+    request: RegisterRequest
+    step: int = Field(ge=0)
+
+
+class ReplicaStep(_Strict):
+    """The head telling a replica to serve a model's new step (POST /fleet/models/{name}/steps on the replica)."""
+
+    step: int = Field(ge=0)
 
 
 Phase = Literal["idle", "serving", "preparing", "waiting", "training", "saving", "swapping"]
@@ -333,6 +389,8 @@ class TrainProgress(BaseModel):
     metrics: dict[str, float] = {}
     batches: list[dict[str, float]] = Field([], description="SFT: each batch's metrics, in order")
     message: str | None = None
+    status: int | None = Field(None, description="error: its HTTP status, as a plain request would get it (507: "
+                                                 "the disk is full)")
     skipped: list[str] = Field([], description="trajectories left out of the step, each with its group and "
                                                "trajectory index and the reason")
     activity: Activity | None = Field(None, description="progress: what the step is doing now (sent at least every "

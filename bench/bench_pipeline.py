@@ -4,8 +4,12 @@ The same run twice on one server (`art.LocalBackend`, the tiny model; the demo's
 `--groups` groups of `--group-size` rollouts, each rollout `--turns` turns that wait `--wait-min`..`--wait-max`
 seconds on a simulated environment after each completion (the same seeded waits and prompts both times).
 Sequential: gather, then train. Pipelined (`art_sky.pipeline`): batch i+1 is gathered while step i trains.
-Prints each step's wall time and mean rollout reward for both (the speedup must not be bought with learning) and,
-as its last line, `pipelined/sequential speedup X.XX` (target >= 1.6 where rollout waiting dominates).
+Prints each step's wall time and mean rollout reward for both (the speedup must not be bought with learning), then
+`pipelined/sequential speedup X.XX` (target >= 1.6 where rollout waiting dominates) and, as its last line,
+`overlap efficiency X.XX`: (sequential wall - pipelined wall) / min(total rollout time, total training time), both
+totals from the sequential run, where the phases do not overlap. 1.0: the shorter phase was hidden entirely behind
+the longer one; it says whether the overlap works, where the speedup also moves with the phases' ratio and with
+what else the machine runs.
 
     python bench/bench_pipeline.py
     python bench/bench_pipeline.py --turns 1   # one completion per rollout: its sampling and the step share the device
@@ -55,13 +59,19 @@ def batch_maker(model: art.TrainableModel, args: argparse.Namespace, seed: int):
     return batch
 
 
+PHASES: dict[str, float] = {"rollouts": 0.0, "training": 0.0}  # the sequential run's time in each phase
+
+
 async def sequential(model: art.TrainableModel, args, config) -> tuple[list[float], list[float]]:
     batch, times, rewards = batch_maker(model, args, args.seed), [], []
     for i in range(args.steps):
         start = time.perf_counter()
         groups = await batch(i)
+        gathered = time.perf_counter()
         await model.train(groups, config)
         times.append(time.perf_counter() - start)
+        PHASES["rollouts"] += gathered - start
+        PHASES["training"] += time.perf_counter() - gathered
         rewards.append(sum(t.reward for g in groups for t in g) / sum(len(g) for g in groups))
         print(f"  sequential step {i + 1:2d}  {times[-1]:6.2f} s  reward {rewards[-1]:.3f}", flush=True)
     return times, rewards
@@ -104,7 +114,10 @@ async def main(args: argparse.Namespace) -> None:
     for name, (total, rewards) in runs.items():
         print(f"{name:10s}  wall {total:6.1f} s  reward first {rewards[0]:.3f}  last-3 mean "
               f"{sum(rewards[-3:]) / len(rewards[-3:]):.3f}")
+    print(f"sequential phases: rollouts {PHASES['rollouts']:.1f} s, training {PHASES['training']:.1f} s")
     print(f"pipelined/sequential speedup {runs['sequential'][0] / runs['pipelined'][0]:.2f}")
+    hidden = runs["sequential"][0] - runs["pipelined"][0]
+    print(f"overlap efficiency {hidden / min(PHASES.values()):.2f}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig, TrainSFTConfig
 
+from .langfuse_traces import LangfuseTraces, langfuse_wanted, require_langfuse
 from .reporting import WandbRun, require_wandb, wandb_wanted
 from .trajectories import TrajectoryGroup, summarize
 
@@ -66,8 +67,9 @@ class Backend(Protocol):
 class Model(BaseModel):
     """A model you sample from (any OpenAI-compatible endpoint). `TrainableModel` is the one you train.
 
-    `report_metrics`, as ART's: None logs to Weights & Biases when WANDB_API_KEY is set; ["wandb"] asks for it; []
-    logs to the server's history only."""
+    `report_metrics`, as ART's: None logs to Weights & Biases when WANDB_API_KEY is set and traces rollouts to
+    Langfuse when LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are; ["wandb"], ["langfuse"] ask for them; [] logs to
+    the server's history only."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -82,6 +84,7 @@ class Model(BaseModel):
     _openai: AsyncOpenAI | None = PrivateAttr(None)
     _sampling: InFlight = PrivateAttr(default_factory=lambda: InFlight())
     _wandb: WandbRun | None = PrivateAttr(None)
+    _langfuse: LangfuseTraces | None = PrivateAttr(None)
 
     async def register(self, backend: Backend) -> None:
         self._backend = backend
@@ -98,6 +101,17 @@ class Model(BaseModel):
                             "history only (pip install \"art-sky[wandb]\" to log them to W&B)", self.name)
             else:
                 self._wandb = WandbRun(self.project, self.name, key and key.get_secret_value())
+        self._langfuse = None
+        if langfuse_wanted(self.report_metrics, backend.settings):
+            try:
+                require_langfuse()
+            except ConfigError:
+                if self.report_metrics is not None:
+                    raise
+                log.warning("LANGFUSE_PUBLIC_KEY is set but langfuse is not installed: %s's rollouts are not traced "
+                            "(pip install \"art-sky[langfuse]\" to trace them)", self.name)
+            else:
+                self._langfuse = LangfuseTraces(self.project, self.name, backend.settings)
 
     def openai_client(self) -> AsyncOpenAI:
         """An AsyncOpenAI client for this model's endpoint and key (one per model, reused). Its timeout is the
@@ -129,20 +143,25 @@ class Model(BaseModel):
     async def log(self, trajectories: Iterable[TrajectoryGroup] | None = None, split: str = "val", *,
                   metrics: dict[str, float] | None = None, step: int | None = None) -> dict[str, float]:
         """Record these groups' mean reward and metrics (ART's `model.log`), and/or `metrics` as given, at `step`
-        (default: the current one): a line of history.jsonl on the server, and a W&B row when W&B is on."""
-        values = (summarize(trajectories) if trajectories is not None else {}) | (metrics or {})
+        (default: the current one): a line of history.jsonl on the server, a W&B row when W&B is on, and the
+        rollouts' traces when Langfuse is."""
+        groups = list(trajectories) if trajectories is not None else None
+        values = (summarize(groups) if groups is not None else {}) | (metrics or {})
         if not values:
             return values
         backend = self._require_backend()
         if step is None:
             step = (await backend.model_info(self)).step if self.trainable else 0
         await backend.log(self, split, values, step)
-        self._report(split, values, step)
+        self._report(split, values, step, groups)
         return values
 
-    def _report(self, split: str, metrics: dict[str, float], step: int) -> None:
+    def _report(self, split: str, metrics: dict[str, float], step: int,
+                groups: list[TrajectoryGroup] | None = None) -> None:
         if self._wandb is not None:
             self._wandb.log(split, metrics, step)
+        if self._langfuse is not None and groups:
+            self._langfuse.log(split, groups, step)
 
     def _require_backend(self) -> Backend:
         if self._backend is None:
@@ -184,14 +203,15 @@ class TrainableModel(Model):
         `wait=False` returns at once with an asyncio.Task of those metrics: gather the next batch meanwhile
         (`art_sky.pipeline` runs that loop). Groups sampled more than `max_steps_off_policy` steps behind the step
         they train at are dropped and counted in `discarded_stale_groups` (client/pipeline.py)."""
-        step = await self._require_backend().train(self, trajectory_groups, config=config, verbose=verbose,
+        groups = list(trajectory_groups)
+        step = await self._require_backend().train(self, groups, config=config, verbose=verbose,
                                                    wait=False, max_steps_off_policy=max_steps_off_policy)
-        metrics = asyncio.ensure_future(self._step_metrics(step))
+        metrics = asyncio.ensure_future(self._step_metrics(step, groups))
         return await metrics if wait else metrics
 
-    async def _step_metrics(self, step: Awaitable[StepResult]) -> dict[str, float]:
+    async def _step_metrics(self, step: Awaitable[StepResult], groups: list[TrajectoryGroup]) -> dict[str, float]:
         result = await step
-        self._report("train", result.metrics | result.totals, result.step)
+        self._report("train", result.metrics | result.totals, result.step, groups)
         return result.metrics | result.totals | {"step": float(result.step)}
 
     async def train_sft(self, trajectories: Iterable[Any], config: TrainSFTConfig | None = None,

@@ -28,13 +28,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
-from art_sky.errors import (
-    ArtSkyError,
-    CheckpointStoreError,
-    ConfigError,
-    EngineError,
-    TokenizationError,
-)
+from art_sky.disk_full import disk_full
+from art_sky.errors import ArtSkyError, TokenizationError
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
@@ -52,7 +47,10 @@ from art_sky.wire import (
 
 from . import bodies
 from .activity import ModelActivity, StepTimer
+from .http_status import http_status
 from .inference import openai_api
+from .inference.fleet import Fleet
+from .inference.fleet import install as fleet_routes
 from .inference.gate import DeviceGate
 from .model_state import ModelState, create_model_state, device, restore_from_store
 from .node.gpu_sharing import sharing_of
@@ -96,28 +94,22 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     activities: dict[str, ModelActivity] = {}  # what the server is doing with each model (cluster/activity.py)
     registering: dict[str, asyncio.Task[ModelState]] = {}
     registration = asyncio.Lock()  # one model loads at a time; inference goes on meanwhile
-    bearer = HTTPBearer(auto_error=False)
-
-    def has_key(credentials: HTTPAuthorizationCredentials | None) -> bool:
-        return credentials is not None and secrets.compare_digest(credentials.credentials.encode(), api_key.encode())
-
-    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if not has_key(credentials):
-            raise HTTPException(401, openai_api.UNAUTHORIZED)
+    bearer, has_key, authorized = api_key_auth(api_key)
+    fleet = Fleet(engine, api_key)  # what /v1 and the steps see: this node's engine and the joined replicas
 
     def committed(state: ModelState) -> None:
         if sync:
             sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
 
-    steps = Steps(engine, gate, committed)
+    steps = Steps(fleet, gate, committed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
             yield
         finally:
-            await engine.aclose()  # connections made on this event loop
-            await asyncio.to_thread(engine.close)  # a child engine (vLLM) stops with the server
+            await fleet.aclose()  # connections made on this event loop
+            await asyncio.to_thread(fleet.close)  # a child engine (vLLM) stops with the server
             await asyncio.to_thread(trainer.close)  # so do the trainer's ranks
 
     app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan,
@@ -137,6 +129,17 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
                              for e in exc.errors()[:10])
         more = f" (and {len(exc.errors()) - 10} more)" if len(exc.errors()) > 10 else ""
         return JSONResponse({"detail": f"invalid request: {problems}{more}"}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """What no route expected: a full disk is still said as such (507); anything else, a sentence, not
+        Starlette's bare "Internal Server Error"."""
+        if full := disk_full(exc, art_path):
+            return JSONResponse({"detail": str(full)}, status_code=http_status(full))
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse({"detail": f"the server failed on {request.method} {request.url.path} "
+                                       f"({type(exc).__name__}: {exc}); the traceback is in its log "
+                                       "(`art-sky logs`): please report it"}, status_code=500)
 
     def model(name: str) -> ModelState:
         if name not in states:
@@ -158,19 +161,21 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
                               device=str(device()), models=sorted(states),
                               engine_port=engine.engine_port, versions=versions, stack=stack,
                               gpu_sharing=sharing_of(engine), serves_while_training=engine.serves_while_training,
-                              placement=getattr(engine, "placement", placement).describe())  # vLLM's: sized
+                              placement=getattr(engine, "placement", placement).describe(),  # vLLM's: sized
+                              fleet=fleet.describe())
 
-    openai_api.install(app, engine, states, gate, api_key, guarded, activities)
+    openai_api.install(app, fleet, states, gate, api_key, guarded, activities)
+    fleet_routes(app, fleet, guarded, states, trainer.rendezvous)
 
     async def load(body: RegisterRequest) -> ModelState:
         async with registration:
-            engine.check(body)  # before loading anything (or writing a step 0 checkpoint)
+            fleet.check(body)  # before loading anything (or writing a step 0 checkpoint)
             checkpoints = CheckpointDir(art_path, body.project, body.name)
             downloaded = await restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
             state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model,
                                             downloaded, trainer.load_weights)
             async with gate.exclusive():  # the engine starts serving it (vLLM loads its adapter)
-                await asyncio.to_thread(engine.attach, state)
+                await asyncio.to_thread(fleet.attach, state)
                 activities[body.name] = ModelActivity(gate, state.checkpoints.history())
                 states[body.name] = state
         if sync:
@@ -242,8 +247,12 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         try:
             state.checkpoints.append_history(entry)
         except OSError as exc:
-            raise HTTPException(507, f"the history of {name} could not be written ({exc.strerror or exc}): free "
-                                     "disk space on the cluster and log again") from exc
+            if full := disk_full(exc, state.checkpoints.model_dir, "Free space there (`await "
+                                 "model.delete_checkpoints()` deletes old checkpoints) and log again."):
+                raise full from exc
+            raise HTTPException(500, f"the history of {name} could not be written to "
+                                     f"{state.checkpoints.model_dir} ({exc.strerror or exc}): fix the directory "
+                                     "and log again") from exc
         return entry
 
     @app.get("/art/models/{name}/checkpoints", dependencies=guarded)
@@ -278,13 +287,20 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     return app
 
 
-def http_status(exc: ArtSkyError) -> int:
-    """The one mapping from art-sky's errors to HTTP: the client's fault 4xx, the engine's or the store's 5xx."""
-    for kind, status in ((ConfigError, 422), (TokenizationError, 422), (CheckpointStoreError, 502),
-                         (EngineError, 503)):
-        if isinstance(exc, kind):
-            return status
-    return 500
+def api_key_auth(api_key: str) -> tuple[HTTPBearer, Callable[[HTTPAuthorizationCredentials | None], bool],
+                                        Callable[..., None]]:
+    """The server's API key as a bearer token: (the scheme, `has_key(credentials)`, the dependency of every route
+    but /health, which answers 401)."""
+    bearer = HTTPBearer(auto_error=False)
+
+    def has_key(credentials: HTTPAuthorizationCredentials | None) -> bool:
+        return credentials is not None and secrets.compare_digest(credentials.credentials.encode(), api_key.encode())
+
+    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if not has_key(credentials):
+            raise HTTPException(401, openai_api.UNAUTHORIZED)
+
+    return bearer, has_key, authorized
 
 
 def _checkpoint_infos(checkpoints: CheckpointDir) -> list[CheckpointInfo]:

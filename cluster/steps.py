@@ -31,6 +31,7 @@ from art_sky.errors import ArtSkyError, EngineError
 from art_sky.wire import StepClock, TrainProgress
 
 from .activity import StepTimer, reset_peak_memory, step_metrics
+from .http_status import http_status
 from .inference.engine import Engine
 from .inference.gate import DeviceGate
 from .model_state import ModelState
@@ -107,9 +108,9 @@ def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress:
         timer.begin("saving", f"checkpoint of step {step}")
         try:
             state.save_checkpoint(record, metrics)  # the commit point: the step's directory renamed into place
-        except OSError as exc:
+        except OSError as exc:  # a full disk is a DiskFullError already (art_sky/disk_full.py)
             raise StepError(f"the checkpoint of step {step} could not be written to {state.checkpoints.path} "
-                            f"({exc.strerror or exc}): free disk space there (or fix the directory) and train "
+                            f"({exc.strerror or exc}): fix the directory (its permissions, its mount) and train "
                             "again") from exc
     except BaseException as exc:
         state.weights.restore(before)
@@ -293,7 +294,7 @@ class Steps:
                     log.exception("training %s failed", state.name)
                     if state.step != start:  # committed, then the engine failed: the checkpoint still uploads
                         self.on_commit(state)
-                    job.report(TrainProgress(type="error", message=str(exc)))
+                    job.report(TrainProgress(type="error", message=str(exc), status=http_status(exc)))
                     return
             log.info("committed step %d of %s", result.step, state.name)
             self.on_commit(state)

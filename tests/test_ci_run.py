@@ -13,13 +13,13 @@ import re
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from processes import python_command
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 
 from art_sky.ci.job import EXIT_MARKER, START_MARKER
@@ -35,7 +35,7 @@ class Job:
     """One `art-sky ci run` subprocess; its output lines with the time each arrived, read in a thread."""
 
     def __init__(self, args: list[str], workdir: Path, env: dict[str, str] | None = None):
-        self.process = subprocess.Popen([sys.executable, "-m", "art_sky.cli", "ci", "run", *args],
+        self.process = subprocess.Popen(python_command("-m", "art_sky.cli", "ci", "run", *args),
                                         cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=os.environ | (env or {}) | {"PYTHONUNBUFFERED": "1"})
         self.lines: list[tuple[float, str]] = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import Lines, art_sky_cli
+from processes import Lines, art_sky_cli, python_command
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
@@ -211,6 +211,18 @@ def test_two_clusters_on_one_host_up_status_and_down_independently(sshd, tmp_pat
     assert took < 5, f"down of a dead server took {took:.1f}s"
     assert_quiet(result.output)
     assert clusters.all_names(home) == []
+
+
+def test_the_tests_children_take_ctrl_c_even_when_the_run_ignores_it():
+    """`nohup bash tests/run.sh &` starts the run with SIGINT ignored, which children inherit: the CLI processes the
+    tests send Ctrl-C to start with it at its default (Python's KeyboardInterrupt)."""
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    ignoring = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+    for command, expected in ((python_command("-c", probe), "True"), ([sys.executable, "-c", probe], "False")):
+        result = subprocess.run([sys.executable, "-c", ignoring, *command], capture_output=True, text=True,
+                                timeout=60)
+        assert result.stdout.strip() == expected, (command, result.stderr)
 
 
 @pytest.mark.slow

@@ -80,13 +80,14 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def fill(disk: Path) -> Path:
-    """Fill the disk but for a few KiB: the next checkpoint cannot be written."""
+def fill(disk: Path, room: int = 0) -> Path:
+    """Fill the disk but for `room` bytes (and a few KiB): the next checkpoint cannot be written whole."""
     filler = disk / "filler"
     with open(filler, "wb", buffering=0) as out:
         with contextlib.suppress(OSError):
             while True:
                 out.write(b"\0" * 4096)
+        out.truncate(max(out.tell() - room, 0))
     return filler
 
 
@@ -96,12 +97,21 @@ def trainer_figures(replayed: dict, trained: dict) -> bool:
     return bool(replayed["metrics"]) and replayed["metrics"].items() <= trained["metrics"].items()
 
 
-async def test_a_full_disk_rolls_the_step_back_and_its_retry_trains_it_once(small_disk, tmp_path):
+# Where the disk runs out decides which layer raises: with no room, Python's own write of the adapter (OSError
+# ENOSPC); with room for the adapter but not the optimizer's state, torch.save (a RuntimeError with no errno:
+# "[enforce fail at inline_container.cc:...] . unexpected pos ..."). Either way the step's error says the disk is
+# full, where, and what to free, with HTTP's 507.
+@pytest.mark.parametrize("room,raised", [(0, "No space left on device"), (256 << 10, "unexpected pos")],
+                         ids=["oserror", "torch-save"])
+async def test_a_full_disk_rolls_the_step_back_and_its_retry_trains_it_once(small_disk, tmp_path, room, raised):
     async with app_client(small_disk / "art") as client:
         before = await served(client)
-        filler = fill(small_disk)
+        filler = fill(small_disk, room)
         failed = await train(client, group("r-1"))
-        assert failed["type"] == "error" and "rolled back" in failed["message"] and "disk" in failed["message"]
+        assert failed["type"] == "error" and "rolled back" in failed["message"], failed
+        assert failed["status"] == 507 and f"the disk is full: writing {small_disk}/art/" in failed["message"]
+        assert f"{small_disk} has " in failed["message"] and raised in failed["message"], failed["message"]
+        assert "await model.delete_checkpoints()" in failed["message"]
         assert (await client.get("/art/models/tiny")).json()["step"] == 0
         assert await served(client) == before  # the live LoRA is as before the step
         checkpoints = CheckpointDir(small_disk / "art", "faults", "tiny")
@@ -117,6 +127,18 @@ async def test_a_full_disk_rolls_the_step_back_and_its_retry_trains_it_once(smal
     async with app_client(tmp_path / "clean") as client:  # the same step on a server that never failed
         assert (await train(client, group("r-1")))["step"] == 1
     assert weights(small_disk / "art", 1) == weights(tmp_path / "clean", 1)  # weights and AdamW were restored
+
+
+async def test_registering_on_a_full_disk_is_a_507_that_names_the_disk(small_disk):
+    """Not only a step: any request that writes (here a new model's step 0 checkpoint) says the disk is full."""
+    async with app_client(small_disk / "art") as client:
+        fill(small_disk)
+        response = await client.post("/art/models", json={"name": "other", "project": "faults",
+                                                          "base_model": "art-sky/tiny"})
+        assert response.status_code == 507, response.text
+        detail = response.json()["detail"]
+        assert detail.startswith("the disk is full: writing ") and f"{small_disk} has " in detail, detail
+        assert "await model.delete_checkpoints()" in detail
 
 
 async def test_a_restarted_server_answers_a_retried_request_with_its_step(tmp_path):

@@ -18,7 +18,7 @@ import art_sky
 ROOT = Path(__file__).resolve().parent.parent
 LAPTOP = ("art_sky.backends", "art_sky.remote", "art_sky.cli", "art_sky.ci", "art_sky.clusters",
           "art_sky.provisioners", "art_sky.demo", "paramiko", "sky")
-SHARED = ("art_sky.wire", "art_sky.errors", "art_sky.settings", "art_sky.layout", "art_sky.files",
+SHARED = ("art_sky.wire", "art_sky.errors", "art_sky.settings", "art_sky.layout", "art_sky.files", "art_sky.disk_full",
           "art_sky.checkpoints", "art_sky.store")
 # (importer prefix, what it must not import): the data path's layers, one way
 RULES = [
@@ -37,7 +37,11 @@ RULES = [
     # Inside the server: engines and trainers do not know each other; what composes them (the server, a step's
     # transaction, node/ choosing what runs) sits above both; node/placement is data both read. Unsloth's trainer is the one exception: its model
     # runs vLLM inside (fast_inference), sized as the vLLM engine sizes its LoRA slots.
-    ("art_sky.cluster.inference", ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps")),
+    ("art_sky.cluster.inference", ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps",
+                                   "art_sky.cluster.replica")),
+    # The fleet knows engines by their protocol only: each replica's is the head's or a replica server's.
+    ("art_sky.cluster.inference.fleet", ("art_sky.cluster.inference.portable_engine",
+                                         "art_sky.cluster.inference.vllm_engine", "art_sky.cluster.node")),
     *((trainer, ("art_sky.cluster.inference", "art_sky.cluster.server", "art_sky.cluster.steps"))
       for trainer in ("art_sky.cluster.training.sequences", "art_sky.cluster.training.grpo",
                       "art_sky.cluster.training.peft_trainer", "art_sky.cluster.training.weights",
@@ -96,7 +100,8 @@ def _packages(modules: dict[str, str]) -> set[str]:
 
 def test_the_layers_import_one_way():
     modules = sources()
-    assert {"art_sky.cluster.server", "art_sky.client.model", "art_sky.remote.lifecycle"} <= set(modules)
+    assert {"art_sky.cluster.server", "art_sky.cluster.replica", "art_sky.cluster.inference.fleet",
+            "art_sky.client.model", "art_sky.remote.lifecycle"} <= set(modules)
     assert violations(modules, _packages(modules)) == []
 
 
@@ -110,8 +115,10 @@ def test_the_checker_catches_a_violation():
 
 
 def test_the_server_loads_no_ssh_stack():
-    """What `python -m art_sky.cluster` imports: no paramiko, no tunnel, no backend, no client."""
-    probe = ("import sys, art_sky.cluster.server; print(sorted(m for m in sys.modules if m == 'paramiko' or "
+    """What `python -m art_sky.cluster` imports (a head or a replica): no paramiko, no tunnel, no backend, no
+    client."""
+    probe = ("import sys, art_sky.cluster.server, art_sky.cluster.replica; "
+             "print(sorted(m for m in sys.modules if m == 'paramiko' or "
              "m.startswith(('art_sky.backends', 'art_sky.remote', 'art_sky.client', 'art_sky.cli'))))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -395,7 +395,7 @@ class Backend:
                         bar.refresh()
                         stall.saw(event)
                     elif event.type == "error":
-                        raise ServerError(500, event.message or "training failed")
+                        raise ServerError(event.status or 500, event.message or "training failed")
                     else:
                         if event.replayed:
                             log.info("%s: the server had trained this request already (step %d): its result",

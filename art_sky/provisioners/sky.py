@@ -9,19 +9,21 @@ all, so reaching a Slurm job or a Kubernetes pod works as `ssh <cluster>` does.
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 import paramiko
 from pydantic import BaseModel
 
 from art_sky.errors import BackendUnavailableError, ConfigError
-
 from art_sky.remote.ssh import SSHTarget
+
+log = logging.getLogger("art_sky")
 
 SERVER_JOB = "art-sky-server"  # the template's task name, so the job's name in `sky queue`
 _ACTIVE = ("INIT", "PENDING", "SETTING_UP", "RUNNING")
@@ -101,6 +103,15 @@ async def ensure_server(cluster_name: str, task, *, force_restart: bool, timeout
     sdk = _sdk()
     await check_infra(task)
     if await cluster_status(cluster_name) != "UP":
+        if task.num_nodes > 1:  # a node lost on the way leaves the others billing: tear them all down
+            try:
+                job_id, _ = await _call(f"launch {cluster_name}", sdk.launch, task, cluster_name=cluster_name,
+                                        stream=True)
+                await _wait_running(cluster_name, job_id, timeout)
+            except BaseException as exc:
+                await _down_after(cluster_name, exc)
+                raise
+            return
         job_id, _ = await _call(f"launch {cluster_name}", sdk.launch, task, cluster_name=cluster_name, stream=True)
     else:
         jobs = [j for j in await _call(f"list the jobs of {cluster_name}", sdk.queue, cluster_name,
@@ -115,6 +126,17 @@ async def ensure_server(cluster_name: str, task, *, force_restart: bool, timeout
             job_id, _ = await _call(f"start the server on {cluster_name}", sdk.exec, task, cluster_name=cluster_name,
                                     stream=True)
     await _wait_running(cluster_name, job_id, timeout)
+
+
+async def _down_after(cluster_name: str, exc: BaseException) -> None:
+    """Tear down a multi-node cluster whose launch failed; the launch's error stays the one raised."""
+    log.warning("launching %s failed (%s): tearing it down so that no node is left billing", cluster_name, exc)
+    try:
+        await asyncio.shield(down(cluster_name))
+    except Exception as down_exc:  # noqa: BLE001 (the launch's error is what the caller sees; say this one too)
+        log.error("could not tear %s down (%s): run `sky down %s` now", cluster_name, down_exc, cluster_name)
+    if isinstance(exc, Exception):
+        exc.add_note(f"{cluster_name} was torn down: a multi-node launch that fails leaves no node running")
 
 
 async def _wait_running(cluster_name: str, job_id: int, timeout: float) -> None:

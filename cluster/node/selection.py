@@ -99,7 +99,8 @@ def select_trainer(settings: Settings, placement: Placement | None = None,
             raise ConfigError(f"ART_SKY_TRAINER=unsloth trains on one GPU, and this cluster's trainer has {ranks} "
                               f"rank(s) on each of {settings.nodes} node(s): use ART_SKY_TRAINER=peft (sharded "
                               "with FSDP2), or one trainer GPU on one node (ART_SKY_TRAINER_GPUS=1)")
-        return ShardedTrainer(RankGroup(settings, ranks), mirrored=isinstance(engine, PortableEngine))
+        return ShardedTrainer(RankGroup(settings, ranks), mirrored=isinstance(engine, PortableEngine),
+                              gpu_memory_bytes=placement.gpu_memory_bytes if placement is not None else None)
     if unsloth_trains(settings):
         require_tested("unsloth", settings.allow_untested_stack)  # before importing it: it patches on import
         standby = shares_gpu_with_unsloth(settings, placement)

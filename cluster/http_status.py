@@ -1,0 +1,32 @@
+"""The one mapping from the server's errors to HTTP statuses: the client's fault 4xx, the server's resources 5xx,
+each with its own status (a full disk is 507, not 500). A step's error (cluster/steps.py) takes the status of what
+caused it, so the streamed error line of a training request carries the same status a plain request would."""
+
+from __future__ import annotations
+
+from art_sky.errors import CheckpointStoreError, ConfigError, DiskFullError, EngineError, TokenizationError
+
+from .training.rank_group import RankError
+
+STATUSES: tuple[tuple[type[BaseException], int], ...] = (
+    (ConfigError, 422),  # a setting or input is wrong: the message names it
+    (TokenizationError, 422),  # a trajectory cannot become training tokens
+    (DiskFullError, 507),  # Insufficient Storage: the message names the disk and what to free
+    (CheckpointStoreError, 502),  # the object store, upstream of the server, failed
+    (EngineError, 503),  # the inference engine is down or refused: retry once it is back (its log says why)
+    (RankError, 503),  # the trainer's ranks stopped: they restart from the last commit, retry the step
+)
+UNEXPECTED = 500  # anything else is a bug of the server's: its log has the traceback
+
+
+def http_status(exc: BaseException) -> int:
+    """The status of `exc`, or of the first error on its cause chain that has one."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for kind, status in STATUSES:
+            if isinstance(current, kind):
+                return status
+        current = current.__cause__
+    return UNEXPECTED
