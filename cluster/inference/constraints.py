@@ -106,7 +106,7 @@ class Matchers:
         ll = _ll_tokenizer(tokenizer, vocab, eos) if any(grammars) else None
         self.rows = [llguidance.LLMatcher(ll, g.text, log_level=0) if g else None for g in grammars]
         self.active = [row for row, matcher in enumerate(self.rows) if matcher is not None]
-        self.vocab = vocab
+        self.vocab, self.eos = vocab, set(eos)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits to draw from: each active constrained row's tokens its grammar forbids at -inf (a copy)."""
@@ -127,7 +127,7 @@ class Matchers:
             return
         if not matcher.consume_token(token):
             raise RuntimeError(f"constrained sampling drew token {token} its grammar refuses: {matcher.get_error()}")
-        if matcher.is_stopped():  # its end token drawn and, with ignore_eos, the row goes on: unconstrained
+        if token in self.eos:  # the grammar's end drawn and, with ignore_eos, the row goes on: unconstrained
             self.finish(row)
 
     def finish(self, row: int) -> None:
