@@ -11,7 +11,7 @@ PY_VERSION="${1:-3.12}"
 DEST=.gpu-wheels
 PIP="${PYTHON:-python3} -m pip"
 # What art-sky's server, the GPU tests and the benchmarks import beyond the image (their dependencies follow).
-WANTED=(fastapi uvicorn pydantic-settings python-dotenv openai paramiko obstore pytest-asyncio)
+WANTED=(fastapi uvicorn aiohttp llguidance pydantic-settings python-dotenv openai paramiko obstore pytest-asyncio)
 # Already on the image (the device's KINDS.md lists them): carrying them would shadow its own.
 PRESENT=" annotated-doc anyio certifi charset-normalizer click colorama h11 httpcore httpx idna iniconfig jinja2
  markdown-it-py markupsafe mdurl numpy packaging pluggy psutil pygments pytest pyyaml requests rich shellingham
