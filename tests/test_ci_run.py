@@ -7,6 +7,7 @@ gets success and failure as two jobs in parallel, and SIGTERM (each launch costs
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import re
@@ -26,6 +27,7 @@ from art_sky.ci.job import EXIT_MARKER, START_MARKER
 from art_sky.ci.workdir import files_to_sync
 from art_sky.cli.ci import ci_spec, parse_duration
 from art_sky.errors import ConfigError
+from art_sky.provisioners import sky as provisioner
 
 LIMIT = 420  # seconds any one `art-sky ci run` may take before the test fails instead of hanging
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -279,10 +281,9 @@ def sky_args(name: str) -> list[str]:
 
 def assert_cluster_gone(name: str) -> None:
     import slurm_harness
-    from sky.client import sdk
 
     assert not slurm_harness.slurm_jobs(name), f"the Slurm job of {name} still runs"
-    assert not sdk.get(sdk.status([name])), f"SkyPilot still lists {name}"
+    assert asyncio.run(provisioner.cluster_status(name)) is None, f"SkyPilot still lists {name}"
 
 
 def wait_for_idle_cpus(count: int, timeout: float = 300) -> None:
