@@ -113,8 +113,10 @@ def _translate(what: str, exc: SkyError) -> Exception:
     return exc
 
 
-def validate(config: dict[str, Any]) -> None:
-    """Check a task's config with SkyPilot's task schema (blocking); SkyError("invalid") names what is wrong."""
+def validate(config: dict[str, Any]) -> dict[str, Any]:
+    """Check a task's config with SkyPilot's task schema (blocking) and say what SkyPilot made of it (name, run,
+    setup, envs, secrets by name, file mounts, resources in order, what it stores); SkyError("invalid") names what
+    is wrong."""
     python = sky_python()
     result = subprocess.run([str(python), sky_driver.__file__, "validate"], input=json.dumps({"config": config}),
                             capture_output=True, text=True, timeout=300)
@@ -125,6 +127,7 @@ def validate(config: dict[str, Any]) -> None:
                                       f"{(result.stdout + result.stderr).strip()[-1500:]}")
     if "error" in replies[-1]:
         raise SkyError(replies[-1]["error"], replies[-1]["message"])
+    return replies[-1]["result"]
 
 
 async def check_infra(task: dict[str, Any]) -> None:

@@ -31,6 +31,25 @@ def task(config: dict):
     return sky.Task.from_yaml_config(copy.deepcopy(config))
 
 
+def summary(loaded) -> dict:
+    """What SkyPilot made of a task (what it would launch), as JSON: its secrets by name only."""
+    import yaml
+
+    resources = loaded.resources if isinstance(loaded.resources, list) else sorted(loaded.resources, key=str)
+
+    def one(r) -> dict:
+        autostop = r.autostop_config
+        return {"accelerators": r.accelerators, "cpus": r.cpus, "memory": r.memory, "use_spot": r.use_spot,
+                "cloud": str(r.cloud) if r.cloud is not None else None, "region": r.region,
+                "autostop": {"enabled": autostop.enabled, "idle_minutes": autostop.idle_minutes,
+                             "down": autostop.down} if autostop is not None else None}
+
+    return {"name": loaded.name, "run": loaded.run, "setup": loaded.setup, "envs": dict(loaded.envs),
+            "secrets": sorted(loaded.secrets), "file_mounts": loaded.file_mounts or {},
+            "ordered": isinstance(loaded.resources, list), "resources": [one(r) for r in resources],
+            "repr": repr(loaded), "stored": yaml.safe_dump(loaded.to_yaml_config(use_user_specified_yaml=True))}
+
+
 def request(call, *args, stream: bool = False, **kwargs):
     """Send one request, name it (its id), and wait for its result, relaying its log when `stream`."""
     from sky.client import sdk
@@ -51,8 +70,7 @@ def run(op: str, args: dict):
     from sky.client import sdk
 
     if op == "validate":
-        task(args["config"])
-        return None
+        return summary(task(args["config"]))
     if op == "check_infra":
         resources = task(args["config"]).resources
         return {"enabled": [str(c) for c in request(sdk.enabled_clouds)],
