@@ -67,7 +67,7 @@ async def _call(what: str, op: str, output: TextIO | None = None, on_request: Ca
     its log to `output` (default stdout) and translating SkyPilot's errors; `on_request` gets its id (to cancel)."""
     python = await asyncio.to_thread(sky_python)
     process = await asyncio.create_subprocess_exec(
-        str(python), sky_driver.__file__, op, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        str(python), "-P", sky_driver.__file__, op, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, limit=1 << 24)
     process.stdin.write(json.dumps(args).encode())
     process.stdin.close()
@@ -118,8 +118,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     setup, envs, secrets by name, file mounts, resources in order, what it stores); SkyError("invalid") names what
     is wrong."""
     python = sky_python()
-    result = subprocess.run([str(python), sky_driver.__file__, "validate"], input=json.dumps({"config": config}),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([str(python), "-P", sky_driver.__file__, "validate"],
+                            input=json.dumps({"config": config}), capture_output=True, text=True, timeout=300)
     replies = [json.loads(line[len(sky_driver.MARK):]) for line in result.stdout.splitlines()
                if line.startswith(sky_driver.MARK)]
     if not replies:

@@ -1,10 +1,10 @@
 """SkyPilot's side of the provisioner: run by the interpreter of SkyPilot's own environment (sky_env.py), never
 imported by art-sky, so SkyPilot's pins (click < 8.2) stay out of the user's environment.
 
-`python sky_driver.py OP` reads the call's arguments as JSON on stdin, runs one SkyPilot SDK request and writes
-what the request logs to stdout as it comes; its control lines start with MARK, then JSON: the request's id
-({"request_id": ...}, to cancel it), then {"result": ...} or {"error": KIND, "message": ...}. Only the standard
-library and SkyPilot here.
+`python -P sky_driver.py OP` (-P: this folder, whose sky.py is art-sky's, stays off the path) reads the call's
+arguments as JSON on stdin, runs one SkyPilot SDK request and writes what the request logs to stdout as it comes;
+its control lines start with MARK, then JSON: the request's id ({"request_id": ...}, to cancel it), then
+{"result": ...} or {"error": KIND, "message": ...}. Only the standard library and SkyPilot here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-MARK = "\x1eart-sky "
+MARK = "::art-sky-driver:: "  # starts a control line; a log line never does
 
 
 def say(**message) -> None:
