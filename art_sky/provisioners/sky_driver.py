@@ -111,12 +111,6 @@ def run(op: str, args: dict):
     if op == "down":
         request(sdk.down, args["cluster"])
         return None
-    if op == "check":
-        return {str(k): [str(c) for c in v] for k, v in request(sdk.check, tuple(args["clouds"]),
-                                                                verbose=False).items()}
-    if op == "api_stop":
-        sdk.api_stop()
-        return None
     raise ValueError(f"unknown operation {op!r}")
 
 
