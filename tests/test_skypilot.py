@@ -97,7 +97,7 @@ def test_an_unreachable_api_server_says_what_to_run():
 
 
 async def test_an_infra_that_is_not_enabled_says_what_to_run(sky_slurm, prepared_python):
-    with pytest.raises(ConfigError, match=r"aws is not enabled in SkyPilot .*run `sky check aws`"):
+    with pytest.raises(ConfigError, match=r"aws is not enabled in SkyPilot .*run `\S*/sky check aws`"):
         await initialize(cluster_name="art-sky-test-never", infra="aws")
     assert not slurm_harness.slurm_jobs("art-sky-test-never")
 
