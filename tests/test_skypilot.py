@@ -64,8 +64,7 @@ async def initialize(**kwargs) -> SkyPilotBackend:
 
 
 async def server_jobs() -> list[dict]:
-    jobs = await provisioner._call("list jobs", provisioner._sdk().queue, CLUSTER, skip_finished=True)
-    return [j for j in jobs if j["job_name"] == provisioner.SERVER_JOB]
+    return await provisioner.server_jobs(CLUSTER)
 
 
 def test_the_ssh_entry_skypilot_writes_becomes_a_target():
@@ -143,7 +142,7 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
     try:
         assert restarted.server.pid != first_pid
         (job,) = await server_jobs()
-        assert job["job_id"] > first_job["job_id"] and job["status"].value == "RUNNING"
+        assert job["job_id"] > first_job["job_id"] and job["status"] == "RUNNING"
         assert slurm_harness.slurm_jobs(CLUSTER) == [slurm_job]
         model = art_sky.TrainableModel(name="agent", project="sky", base_model="art-sky/tiny")
         await model.register(restarted)

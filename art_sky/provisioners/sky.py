@@ -157,8 +157,7 @@ async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restar
     if await cluster_status(cluster_name) != "UP":
         job_id = (await _call(f"launch {cluster_name}", "launch", config=task, cluster=cluster_name))["job_id"]
     else:
-        jobs = [j for j in await _call(f"list the jobs of {cluster_name}", "queue", cluster=cluster_name)
-                if j["job_name"] == SERVER_JOB and j["status"] in _ACTIVE]
+        jobs = [j for j in await server_jobs(cluster_name) if j["status"] in _ACTIVE]
         if jobs and not force_restart:
             job_id = max(j["job_id"] for j in jobs)
         else:
@@ -168,6 +167,12 @@ async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restar
             job_id = (await _call(f"start the server on {cluster_name}", "exec", config=task,
                                   cluster=cluster_name))["job_id"]
     await _wait_running(cluster_name, job_id, timeout)
+
+
+async def server_jobs(cluster_name: str) -> list[dict[str, Any]]:
+    """The cluster's unfinished server jobs: job_id, job_name, status (PENDING, RUNNING, ...)."""
+    jobs = await _call(f"list the jobs of {cluster_name}", "queue", cluster=cluster_name)
+    return [j for j in jobs if j["job_name"] == SERVER_JOB]
 
 
 async def _wait_running(cluster_name: str, job_id: int, timeout: float) -> None:
