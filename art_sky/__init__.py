@@ -16,10 +16,11 @@ _PUBLIC = {
     "SkyPilotBackend": "art_sky.backends", "TrainResult": "art_sky.backends", "attach": "art_sky.backends",
     "BootstrapOptions": "art_sky.remote.install",
     "Model": "art_sky.client", "ModelConfig": "art_sky.client", "TrainableModel": "art_sky.client",
-    "TrainConfig": "art_sky.client", "Trajectory": "art_sky.client", "TrajectoryGroup": "art_sky.client",
+    "TrainConfig": "art_sky.client", "TrainSFTConfig": "art_sky.client", "Trajectory": "art_sky.client",
+    "TrajectoryGroup": "art_sky.client",
     "gather_trajectory_groups": "art_sky.client", "pipeline": "art_sky.client",
 }
-__all__ = sorted(_PUBLIC) + ["__version__"]
+__all__ = sorted(_PUBLIC) + ["__version__", "dev", "rewards"]
 
 if TYPE_CHECKING:
     from art_sky.backends import Backend, LocalBackend, SkyPilotBackend, SSHBackend, TrainResult, attach
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
         ModelConfig,
         TrainableModel,
         TrainConfig,
+        TrainSFTConfig,
         Trajectory,
         TrajectoryGroup,
         gather_trajectory_groups,
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    elif name in ("client", "cluster", "backends"):  # `art.client.X` works before anything imported it
+    elif name in ("client", "cluster", "backends", "dev", "rewards"):  # `art.dev.X` works before any import
         value = importlib.import_module(f"art_sky.{name}")
     else:
         raise AttributeError(f"module 'art_sky' has no attribute {name!r}")

@@ -72,7 +72,9 @@ class Settings(BaseSettings):
     vllm_start_timeout: float = Field(600.0, description="seconds to wait for the vLLM child server to be ready")
     vllm_max_loras: int = Field(4, ge=1, description="adapters an engine keeps loaded at once: the newest "
                                 "step of each model plus older name@step ones (vLLM's --max-loras)")
-    vllm_tool_call_parser: str = Field("hermes", description="vLLM's --tool-call-parser for tool calls; empty: none")
+    tool_parser: str = Field("", description="how tool calls are read from replies, by vLLM's parser names (hermes, "
+                             "llama3_json, mistral; vLLM has more); empty: from the model's chat template; none: "
+                             "not read")
     checkpoint_uri: str | None = Field(
         None, description="object store the cluster mirrors checkpoints to: s3://bucket/prefix, gs://bucket/prefix "
                           "or file:///path; unset keeps them on the cluster only")

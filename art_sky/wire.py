@@ -44,6 +44,17 @@ class TrainConfig(_Strict):
                                        description="upper clip: ratio <= 1 + epsilon_high (default epsilon)")
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    allow_training_without_logprobs: bool = Field(
+        False, description="ART's: assistant turns written as dicts train too, rendered by the chat template "
+                           "(counted in trained_tokens_rerendered); False: they are context")
+
+
+class TrainSFTConfig(BaseModel):
+    """ART's `TrainSFTConfig`: one learning rate or one per batch, and trajectories per batch ("auto": 2, as ART's
+    LocalBackend)."""
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
 
 
 class ModelConfig(_Strict):
@@ -55,6 +66,46 @@ class ModelConfig(_Strict):
     target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
         None, min_length=1, max_length=256, description="default: every attention and MLP projection")
     max_seq_length: int = Field(8192, ge=16, le=1 << 20)
+
+
+class TrainerRendezvous(_Strict):
+    """Where every node's trainer ranks meet (torchrun's c10d rendezvous, hosted by the head's server): what a
+    worker node is told when it joins, so it starts its share of the ranks."""
+
+    endpoint: str = Field(description="host:port of the rendezvous on the head node")
+    run_id: str = Field(pattern=NAME_PATTERN)
+    nodes: int = Field(ge=1, description="nodes whose ranks meet there, the head included")
+    ranks_per_node: int = Field(ge=1)
+    max_restarts: int = Field(ge=0, description="torchrun's --max-restarts, the same on every node")
+
+
+class JoinRequest(_Strict):
+    """A worker node's replica server asking the head to take it into the inference fleet (POST /fleet/join)."""
+
+    url: str = Field(pattern=r"^https?://[^/\s]+$", max_length=512,
+                     description="where the head reaches the replica's server: http://HOST:PORT on the cluster's "
+                                 "private network")
+    node: str = Field(min_length=1, max_length=256, description="the node's name, shown by /health and status")
+    engine: str = Field(min_length=1, max_length=64, description="the replica's engine: the head's, or refused")
+
+
+class JoinReply(_Strict):
+    """The head's answer to a join: the replica is being brought up to date (its models at their served steps), and
+    where this node's share of the trainer's ranks meets the others (None: the trainer is one process on the
+    head)."""
+
+    trainer: TrainerRendezvous | None = None
+
+
+class FleetReplica(BaseModel):
+    """One replica of the inference fleet, as /health and `art-sky status` show it."""
+
+    url: str = Field(description="'local' for the head's own engine, else the replica server's URL")
+    node: str
+    outstanding: int = Field(0, description="completions routed to it and not finished (its load)")
+    completions: int = Field(0, description="completions it has served since it joined")
+    steps: dict[str, int] = Field({}, description="model name -> the step it serves (`name@step`); a model not "
+                                                  "listed is still being loaded there")
 
 
 class HealthResponse(BaseModel):
@@ -90,6 +141,8 @@ class HealthResponse(BaseModel):
                           "them; they wait only while the new one is swapped in); false: they wait for the whole "
                           "step (the engine sleeps so the trainer has the GPU's memory). Each step's "
                           "time/step_inference_paused_s says how long inference waited")
+    fleet: list[FleetReplica] = Field([], description="the inference replicas behind /v1: the head's own engine "
+                                                      "first, then each joined worker's")
 
 
 class RegisterRequest(_Strict):
@@ -98,6 +151,20 @@ class RegisterRequest(_Strict):
     base_model: str = Field(min_length=1, max_length=1024)
     config: ModelConfig = ModelConfig()
     request_id: RequestId | None = None
+
+
+class ReplicaModel(_Strict):
+    """The head telling a replica to serve a model at a step (POST /fleet/models on the replica); the replica fetches
+    the step's adapter from the head."""
+
+    request: RegisterRequest
+    step: int = Field(ge=0)
+
+
+class ReplicaStep(_Strict):
+    """The head telling a replica to serve a model's new step (POST /fleet/models/{name}/steps on the replica)."""
+
+    step: int = Field(ge=0)
 
 
 Phase = Literal["idle", "serving", "preparing", "waiting", "training", "saving", "swapping"]
@@ -374,6 +441,30 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema the reply must match (`strict` is always so here)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a `json_schema` object: {'name': ..., 'schema': {...}}")
+        return self
+
+
 class ChatMessage(BaseModel):
     """A message of a chat completion request, as OpenAI's API takes it: a known role, content that is a string, a
     list of content parts or null. Other fields (name, tool_calls, tool_call_id, reasoning_content) pass to the
@@ -407,7 +498,7 @@ class ChatCompletionRequest(_Strict):
     tools: list[dict[str, Any]] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False

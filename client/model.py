@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any, Protocol
 
 import httpx
 from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
+from art_sky.dev import InternalModelConfig
+from art_sky.dev import TrainSFTConfig as DevTrainSFTConfig
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
-from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig
+from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig, TrainSFTConfig
 
 from .langfuse_traces import LangfuseTraces, langfuse_wanted, require_langfuse
 from .reporting import WandbRun, require_wandb, wandb_wanted
@@ -55,6 +57,11 @@ class Backend(Protocol):
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]: ...
 
     async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]: ...
+
+    def _model_inference_name(self, model: Model, step: int | None = None) -> str: ...
+
+    def _train_sft(self, model: TrainableModel, trajectories: Iterable[Any], config: Any,
+                   dev_config: dict | None = None, verbose: bool = False) -> AsyncIterator[dict[str, float]]: ...
 
 
 class Model(BaseModel):
@@ -119,8 +126,19 @@ class Model(BaseModel):
                 http_client=httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(seconds, connect=30.0)))
         return self._openai
 
-    def get_inference_name(self) -> str:
-        return self.inference_model_name or self.name
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The name to send to the endpoint (ART's): the newest step's, or `name@step` for an older one."""
+        if self._backend is not None:
+            return self._backend._model_inference_name(self, step=step)
+        name = self.inference_model_name or self.name
+        return name if step is None else f"{name}@{step}"
+
+    def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
+        """Keyword arguments for `litellm.completion` (ART's): the endpoint, its key, this model (or `name@step`)
+        through litellm's hosted_vllm provider when trainable, and temperature 1, which training samples need."""
+        name = self.get_inference_name(step)
+        return {"model": f"hosted_vllm/{name}" if self.trainable else name, "base_url": self.inference_base_url,
+                "api_key": self.inference_api_key, "temperature": 1}
 
     async def log(self, trajectories: Iterable[TrajectoryGroup] | None = None, split: str = "val", *,
                   metrics: dict[str, float] | None = None, step: int | None = None) -> dict[str, float]:
@@ -157,6 +175,13 @@ class TrainableModel(Model):
     base_model: str
     config: ModelConfig | None = None
     trainable: bool = True
+    _internal_config: InternalModelConfig | None = PrivateAttr(None)
+
+    def __init__(self, *, _internal_config: InternalModelConfig | None = None, **fields: Any):
+        """ART's `_internal_config` (art_sky.dev.InternalModelConfig) is taken as ART takes it: its LoRA settings
+        apply where `config` gives none."""
+        super().__init__(**fields)
+        self._internal_config = _internal_config
 
     async def register(self, backend: Backend) -> None:
         await super().register(backend)
@@ -188,6 +213,16 @@ class TrainableModel(Model):
         result = await step
         self._report("train", result.metrics | result.totals, result.step, groups)
         return result.metrics | result.totals | {"step": float(result.step)}
+
+    async def train_sft(self, trajectories: Iterable[Any], config: TrainSFTConfig | None = None,
+                        _config: DevTrainSFTConfig | None = None, verbose: bool = False) -> None:
+        """Supervised fine-tuning on the assistant turns (ART's `model.train_sft`): one step, one optimizer step
+        per batch; the batches' mean metrics are reported at the new step, as ART reports them."""
+        batches = [metrics async for metrics in self._require_backend()._train_sft(
+            self, trajectories, config or TrainSFTConfig(), _config, verbose)]
+        if batches:
+            mean = {key: sum(b[key] for b in batches) / len(batches) for key in batches[0]}
+            await self.log(metrics=mean, split="train")
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[CheckpointInfo]:
         """Keep the newest step and the best by `best_checkpoint_metric`; delete the rest."""

@@ -26,13 +26,20 @@ from art_sky.settings import Settings
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m art_sky.cluster", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: reach it by tunnel)")
+    parser.add_argument("--host", action="append", help="address to bind (default 127.0.0.1: reach it by tunnel); "
+                        "repeat it to bind several (a multi-node head: 127.0.0.1 and its private address)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     parser.add_argument("--art-path", type=Path, default=Path(".art"), help="root of the checkpoint tree")
     parser.add_argument("--run-dir", type=Path, help="keep server.pid, port.json and server.log here")
     parser.add_argument("--detach", action="store_true", help="with --run-dir: run in a new session, return at once")
     parser.add_argument("--exit-with", type=int, metavar="PID",
                         help="stop when process PID ends (a LocalBackend's script: no server outlives it)")
+    parser.add_argument("--join", metavar="HEAD_URL",
+                        help="a worker node: serve this node's engine as a replica in the fleet of the head's server "
+                             "at HEAD_URL (http://HEAD:PORT on the cluster's private network), no trainer")
+    parser.add_argument("--advertise", metavar="HOST",
+                        help="with --join: the address the head reaches this replica at (default: --host, or this "
+                             "node's address when --host binds every interface)")
     args = parser.parse_args(argv)
     settings = Settings()
     if settings.api_key is None:
@@ -43,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_dir:
         layout = ServerLayout(run_dir=str(args.run_dir.resolve()), art_path=str(args.art_path.resolve()))
         _take_run_dir(layout, args.detach)
-    _serve(settings, args.host, args.port, args.art_path, layout, args.exit_with)
+    _serve(settings, list(dict.fromkeys(args.host or ["127.0.0.1"])), args.port, args.art_path, layout,
+           args.exit_with, args.join, args.advertise)
 
 
 def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
@@ -74,15 +82,15 @@ def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
     sys.stdout.reconfigure(line_buffering=True)
 
 
-def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: ServerLayout | None,
-           exit_with: int | None = None) -> None:
+def _serve(settings: Settings, hosts: list[str], port: int, art_path: Path, layout: ServerLayout | None,
+           exit_with: int | None = None, join: str | None = None, advertise: str | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request forwarded to vLLM is too many
     import torch
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores it may run on (a pinned replica: its own)
     from art_sky.errors import ConfigError
 
     from .node.placement import place
@@ -91,16 +99,25 @@ def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: Ser
 
     try:
         placement = place(settings, vllm_serves(settings))  # sets the trainer's GPUs before CUDA initializes here
-        app = create_app(art_path, settings.api_key.get_secret_value(), settings, placement)
+        if join:
+            from .replica import create_replica_app
+
+            app = create_replica_app(art_path, settings.api_key.get_secret_value(), settings, placement, join)
+        else:
+            app = create_app(art_path, settings.api_key.get_secret_value(), settings, placement)
     except ConfigError as exc:  # a setting or the installed stack: the message says what to change
         sys.exit(f"the cluster server cannot start: {exc}")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sys.exit(f"cannot bind {host}:{port}: {exc}. Pick another --port or stop what uses it")
-    bound = sock.getsockname()[1]
+    sockets = []
+    for host in hosts:  # the same port on each address: the first one picks it when --port is 0
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sys.exit(f"cannot bind {host}:{port}: {exc}. Pick another --port or stop what uses it")
+        port = sock.getsockname()[1]
+        sockets.append(sock)
+    bound = port
     # No access log: a line per completion costs the event loop what rollouts need (and no proxy headers: the
     # server is reached through a tunnel, never a proxy). A long keep-alive: clients (httpx: 5 s) drop idle
     # connections before the server does, so none reuses one the server is closing.
@@ -108,10 +125,41 @@ def _serve(settings: Settings, host: str, port: int, art_path: Path, layout: Ser
                                            proxy_headers=False, timeout_keep_alive=75))
     if layout is not None:
         atomic_write(layout.port_file, json.dumps({"port": bound, "pid": os.getpid()}))
-    logging.getLogger("art_sky.cluster").info("listening on %s:%d", host, bound)
+    logging.getLogger("art_sky.cluster").info("listening on %s port %d", ", ".join(hosts), bound)
     if exit_with is not None:
         threading.Thread(target=_exit_with, args=(exit_with, server), daemon=True).start()
-    server.run(sockets=[sock])
+    if not join:
+        server.run(sockets=sockets)
+        return
+    from art_sky.wire import JoinRequest
+
+    from .replica import JoinError, Membership
+
+    host = hosts[-1]
+    where = advertise or (host if host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname()))
+    url = f"http://{f'[{where}]' if ':' in where else where}:{bound}"
+    membership = Membership(join, settings.api_key.get_secret_value(),
+                            JoinRequest(url=url, node=socket.gethostname(), engine=app.state.engine))
+    refused: list[str] = []
+
+    def join_when_listening() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        try:
+            membership.join()
+        except JoinError as exc:
+            refused.append(str(exc))
+            server.should_exit = True
+            return
+        membership.stay()
+
+    threading.Thread(target=join_when_listening, daemon=True, name="fleet-membership").start()
+    try:
+        server.run(sockets=sockets)
+    finally:
+        membership.close()
+    if refused:
+        sys.exit(f"this replica could not join the fleet: {refused[0]}")
 
 
 def _exit_with(pid: int, server) -> None:

@@ -175,6 +175,25 @@ def load_peft(request: RegisterRequest, settings: Settings, checkpoint: Path | N
         return get_peft_model(base, lora_config(request.config), adapter_name=ADAPTER), tokenizer
 
 
+def load_shape(request: RegisterRequest, settings: Settings) -> tuple[Any, Any]:
+    """The base model's shape (on the meta device: no memory) and its tokenizer, for a process that renders
+    prompts and reads the model's config but samples and trains elsewhere (vLLM, the trainer's ranks)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    source = resolve_base_model(request.base_model, settings)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load base model {request.base_model!r}: {exc}") from exc
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:
+        pass  # the config's own
+    return model, tokenizer
+
+
 def lora_config(cfg: ModelConfig) -> Any:
     """A fresh LoRA's PEFT config from the model's settings."""
     from peft import LoraConfig

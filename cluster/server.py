@@ -49,6 +49,8 @@ from . import bodies
 from .activity import ModelActivity, StepTimer
 from .http_status import http_status
 from .inference import openai_api
+from .inference.fleet import Fleet
+from .inference.fleet import install as fleet_routes
 from .inference.gate import DeviceGate
 from .model_state import ModelState, create_model_state, device, restore_from_store
 from .node.gpu_sharing import sharing_of
@@ -92,28 +94,22 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     activities: dict[str, ModelActivity] = {}  # what the server is doing with each model (cluster/activity.py)
     registering: dict[str, asyncio.Task[ModelState]] = {}
     registration = asyncio.Lock()  # one model loads at a time; inference goes on meanwhile
-    bearer = HTTPBearer(auto_error=False)
-
-    def has_key(credentials: HTTPAuthorizationCredentials | None) -> bool:
-        return credentials is not None and secrets.compare_digest(credentials.credentials.encode(), api_key.encode())
-
-    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if not has_key(credentials):
-            raise HTTPException(401, openai_api.UNAUTHORIZED)
+    bearer, has_key, authorized = api_key_auth(api_key)
+    fleet = Fleet(engine, api_key)  # what /v1 and the steps see: this node's engine and the joined replicas
 
     def committed(state: ModelState) -> None:
         if sync:
             sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
 
-    steps = Steps(engine, gate, committed)
+    steps = Steps(fleet, gate, committed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
             yield
         finally:
-            await engine.aclose()  # connections made on this event loop
-            await asyncio.to_thread(engine.close)  # a child engine (vLLM) stops with the server
+            await fleet.aclose()  # connections made on this event loop
+            await asyncio.to_thread(fleet.close)  # a child engine (vLLM) stops with the server
             await asyncio.to_thread(trainer.close)  # so do the trainer's ranks
 
     app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan,
@@ -165,19 +161,21 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
                               device=str(device()), models=sorted(states),
                               engine_port=engine.engine_port, versions=versions, stack=stack,
                               gpu_sharing=sharing_of(engine), serves_while_training=engine.serves_while_training,
-                              placement=getattr(engine, "placement", placement).describe())  # vLLM's: sized
+                              placement=getattr(engine, "placement", placement).describe(),  # vLLM's: sized
+                              fleet=fleet.describe())
 
-    openai_api.install(app, engine, states, gate, api_key, guarded, activities)
+    openai_api.install(app, fleet, states, gate, api_key, guarded, activities)
+    fleet_routes(app, fleet, guarded, states, trainer.rendezvous)
 
     async def load(body: RegisterRequest) -> ModelState:
         async with registration:
-            engine.check(body)  # before loading anything (or writing a step 0 checkpoint)
+            fleet.check(body)  # before loading anything (or writing a step 0 checkpoint)
             checkpoints = CheckpointDir(art_path, body.project, body.name)
             downloaded = await restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
             state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model,
                                             downloaded, trainer.load_weights)
             async with gate.exclusive():  # the engine starts serving it (vLLM loads its adapter)
-                await asyncio.to_thread(engine.attach, state)
+                await asyncio.to_thread(fleet.attach, state)
                 activities[body.name] = ModelActivity(gate, state.checkpoints.history())
                 states[body.name] = state
         if sync:
@@ -289,6 +287,22 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     return app
 
 
+def api_key_auth(api_key: str) -> tuple[HTTPBearer, Callable[[HTTPAuthorizationCredentials | None], bool],
+                                        Callable[..., None]]:
+    """The server's API key as a bearer token: (the scheme, `has_key(credentials)`, the dependency of every route
+    but /health, which answers 401)."""
+    bearer = HTTPBearer(auto_error=False)
+
+    def has_key(credentials: HTTPAuthorizationCredentials | None) -> bool:
+        return credentials is not None and secrets.compare_digest(credentials.credentials.encode(), api_key.encode())
+
+    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if not has_key(credentials):
+            raise HTTPException(401, openai_api.UNAUTHORIZED)
+
+    return bearer, has_key, authorized
+
+
 def _checkpoint_infos(checkpoints: CheckpointDir) -> list[CheckpointInfo]:
     infos = []
     for step in checkpoints.steps():
@@ -378,8 +392,9 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
             for key, value in trajectory.metrics.items():
                 metric_values.setdefault(key, []).append(value)
             try:
-                built.append((trajectory.reward, build_sequences(tokenizer, trajectory, max_length, vocab_size,
-                                                                 state.eos_token_ids)))
+                built.append((trajectory.reward, build_sequences(
+                    tokenizer, trajectory, max_length, vocab_size, state.eos_token_ids,
+                    dict_turns=body.config.allow_training_without_logprobs)))
             except TokenizationError as exc:
                 skipped.append(f"group {g}, trajectory {t}: {exc}")
             except Exception as exc:  # a bug here must not cost the batch either; the log has the traceback

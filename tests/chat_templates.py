@@ -6,6 +6,8 @@
   templates re-serialise with `tojson` the same way.
 - TRIM (Llama 3's): every message's content is trimmed of surrounding whitespace.
 - ALL: the three at once (one vLLM server serves one base model, so the vLLM test uses this one).
+- LLAMA31, MISTRAL: the tool-call formats of Llama 3.1 (bare JSON) and Mistral ([TOOL_CALLS] and a JSON list);
+  Qwen2.5's (Hermes' <tool_call>) is the tiny model's own.
 """
 
 from __future__ import annotations
@@ -95,7 +97,41 @@ THINK = _template(think=True, tool_json=False, trim=False)
 TOOL_JSON = _template(think=False, tool_json=True, trim=False)
 TRIM = _template(think=False, tool_json=False, trim=True)
 ALL = _template(think=True, tool_json=True, trim=True)
-TEMPLATES = {"think": THINK, "tool_json": TOOL_JSON, "trim": TRIM, "all": ALL}
+
+# Tool-call families as vLLM's parsers name them, the calls written as each family's real template writes them.
+# Llama 3.1 (llama3_json): a bare {"name", "parameters"} object as the assistant turn.
+LLAMA31 = """\
+{%- if tools %}<|start_header_id|>system<|end_header_id|>
+
+Respond with {"name": function name, "parameters": dictionary of argument name and its value}.
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>{% endif -%}
+{%- for m in messages -%}
+<|start_header_id|>{{ m.role }}<|end_header_id|>
+
+{% if m.tool_calls -%}
+{%- for call in m.tool_calls -%}{%- set call = call.function if call.function is defined else call -%}
+{"name": "{{ call.name }}", "parameters": {{ call.arguments | tojson }}}{% if not loop.last %}; {% endif %}
+{%- endfor -%}
+{%- else -%}{{ m.content | trim }}{%- endif -%}<|im_end|>
+{%- endfor -%}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif -%}"""
+# Mistral (mistral): [TOOL_CALLS] then a JSON list of {"name", "arguments"}.
+MISTRAL = """\
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{{ m.content or '' }}{% if m.tool_calls %}[TOOL_CALLS][{% for call in m.tool_calls -%}
+{%- set call = call.function if call.function is defined else call -%}
+{"name": "{{ call.name }}", "arguments": {{ call.arguments | tojson }}}{% if not loop.last %}, {% endif %}
+{%- endfor %}]{% endif %}<|im_end|>
+{%- elif m.role == 'tool' -%}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
+{%- else -%}[INST]{{ m.content }}[/INST]{%- endif -%}
+{%- endfor -%}"""
+TEMPLATES = {"think": THINK, "tool_json": TOOL_JSON, "trim": TRIM, "all": ALL, "llama31": LLAMA31,
+             "mistral": MISTRAL}
 
 
 def template_model(root: Path, name: str) -> Path:

@@ -110,3 +110,79 @@ async def test_langchain(model):
     with_ids = chat(logprobs=True, extra_body={"return_tokens_as_token_ids": True})
     exact = await train(model, lambda reward: rollout(reward, with_ids))
     assert exact["trained_tokens_rerendered"] == 0
+
+
+async def test_dict_assistant_turns_train_when_allowed(model, caplog):
+    """ART's allow_training_without_logprobs: assistant turns written as dicts train, rendered by the chat template;
+    without it they are context and a trajectory with nothing else is skipped, saying why."""
+    def groups() -> list[art.TrajectoryGroup]:
+        return [art.TrajectoryGroup(art.Trajectory(
+            messages_and_choices=[*QUESTION, {"role": "assistant", "content": f"{reward:.0f}"},
+                                  {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}],
+            reward=reward) for reward in REWARDS)]
+
+    allowed = art.TrainConfig(learning_rate=1e-3, allow_training_without_logprobs=True)
+    metrics = await model.train(groups(), config=allowed)
+    assert metrics["num_trajectories_skipped"] == 0
+    assert metrics["trained_tokens"] == metrics["trained_tokens_rerendered"] > 0
+    with caplog.at_level("WARNING"):
+        skipped = await model.train(groups() + [art.TrajectoryGroup(await train_group(model))],
+                                    config=art.TrainConfig(learning_rate=1e-3))
+    assert skipped["num_trajectories_skipped"] == len(REWARDS)
+    assert "allow_training_without_logprobs=True" in caplog.text
+
+
+async def train_group(model) -> list[art.Trajectory]:
+    client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
+    trajectories = []
+    for reward in REWARDS:
+        completion = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=4)
+        trajectories.append(art.Trajectory(messages_and_choices=[*QUESTION, completion.choices[0]], reward=reward))
+    return trajectories
+
+
+async def test_langchain_structured_output_on_the_portable_engine(model):
+    """LangChain's with_structured_output, both methods (response_format json_schema; a named tool with
+    parallel_tool_calls=false): the reply is constrained, so even the untrained tiny model returns a parsed object."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        ok: bool
+        word: Literal["sea", "sky"]
+
+    llm = ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
+                     max_tokens=200, seed=1)
+    for method in ("json_schema", "function_calling"):
+        parsed = await llm.with_structured_output(Answer, method=method, strict=True).ainvoke("Sea or sky?")
+        assert isinstance(parsed, Answer), method
+
+
+async def test_ruler_with_the_clusters_own_endpoint_as_judge(model):
+    """RULER (art.rewards.ruler_score_group, ART's signature) judged by a base model registered next to the trained
+    one on the same server: its reply is constrained to the scores' schema, so even the untrained tiny model returns
+    a scored group, which trains. An unreachable judge is an error naming it and its URL; the rollouts are kept."""
+    judge = art.TrainableModel(name="judge", project="any", base_model="art-sky/tiny",
+                               config=art.ModelConfig(max_seq_length=2048))
+    await judge.register(model._backend)
+    client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
+
+    async def rollout() -> art.Trajectory:
+        completion = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=4)
+        return art.Trajectory(messages_and_choices=[*QUESTION, completion.choices[0]], reward=0.0)
+
+    group = art.TrajectoryGroup([await rollout(), await rollout()])
+    scored = await art.rewards.ruler_score_group(group, judge, {"seed": 1, "max_tokens": 900},
+                                                 rubric="Score correct answers higher.")
+    assert [t.metrics["independent_reward"] for t in scored.trajectories] == [0.0, 0.0]
+    assert all(0 <= t.reward <= 1 and t.metrics["ruler_score"] == t.reward for t in scored.trajectories)
+    assert all(t.reward == 0.0 for t in group.trajectories), "the group passed in is unchanged"
+    metrics = await model.train([scored], config=art.TrainConfig(learning_rate=1e-3))
+    assert metrics["num_trajectories_skipped"] == 0
+
+    params = {"api_base": "http://127.0.0.1:9/v1", "api_key": "none", "num_retries": 0}
+    with pytest.raises(art.rewards.JudgeError, match=r"'openai/absent' at http://127.0.0.1:9/v1 cannot be reached"):
+        await art.rewards.ruler_score_group(group, "openai/absent", params)
+    assert await art.rewards.ruler_score_group(group, "openai/absent", params, swallow_exceptions=True) is None

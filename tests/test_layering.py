@@ -28,10 +28,20 @@ RULES = [
     ("art_sky.remote", ("art_sky.backends", "art_sky.cli", "art_sky.ci", "art_sky.client", "art_sky.cluster",
                         "art_sky.clusters")),
     ("art_sky.backends", ("art_sky.cli", "art_sky.ci", "art_sky.cluster")),
+    # ART's extra names: the judge and the internal config know nothing of backends or the server
+    *((extra, LAPTOP + ("art_sky.cluster",)) for extra in ("art_sky.rewards", "art_sky.dev")),
+    # the engines' helpers: grammars and tool-call parsing, each its own job, used by the engines, never the reverse
+    *((helper, ("art_sky.cluster.inference.portable_engine", "art_sky.cluster.inference.vllm_engine",
+                "art_sky.cluster.training", "art_sky.cluster.server"))
+      for helper in ("art_sky.cluster.inference.constraints", "art_sky.cluster.inference.tool_parsers")),
     # Inside the server: engines and trainers do not know each other; what composes them (the server, a step's
     # transaction, node/ choosing what runs) sits above both; node/placement is data both read. Unsloth's trainer is the one exception: its model
     # runs vLLM inside (fast_inference), sized as the vLLM engine sizes its LoRA slots.
-    ("art_sky.cluster.inference", ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps")),
+    ("art_sky.cluster.inference", ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps",
+                                   "art_sky.cluster.replica")),
+    # The fleet knows engines by their protocol only: each replica's is the head's or a replica server's.
+    ("art_sky.cluster.inference.fleet", ("art_sky.cluster.inference.portable_engine",
+                                         "art_sky.cluster.inference.vllm_engine", "art_sky.cluster.node")),
     *((trainer, ("art_sky.cluster.inference", "art_sky.cluster.server", "art_sky.cluster.steps"))
       for trainer in ("art_sky.cluster.training.sequences", "art_sky.cluster.training.grpo",
                       "art_sky.cluster.training.peft_trainer", "art_sky.cluster.training.weights",
@@ -90,7 +100,8 @@ def _packages(modules: dict[str, str]) -> set[str]:
 
 def test_the_layers_import_one_way():
     modules = sources()
-    assert {"art_sky.cluster.server", "art_sky.client.model", "art_sky.remote.lifecycle"} <= set(modules)
+    assert {"art_sky.cluster.server", "art_sky.cluster.replica", "art_sky.cluster.inference.fleet",
+            "art_sky.client.model", "art_sky.remote.lifecycle"} <= set(modules)
     assert violations(modules, _packages(modules)) == []
 
 
@@ -104,8 +115,10 @@ def test_the_checker_catches_a_violation():
 
 
 def test_the_server_loads_no_ssh_stack():
-    """What `python -m art_sky.cluster` imports: no paramiko, no tunnel, no backend, no client."""
-    probe = ("import sys, art_sky.cluster.server; print(sorted(m for m in sys.modules if m == 'paramiko' or "
+    """What `python -m art_sky.cluster` imports (a head or a replica): no paramiko, no tunnel, no backend, no
+    client."""
+    probe = ("import sys, art_sky.cluster.server, art_sky.cluster.replica; "
+             "print(sorted(m for m in sys.modules if m == 'paramiko' or "
              "m.startswith(('art_sky.backends', 'art_sky.remote', 'art_sky.client', 'art_sky.cli'))))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -30,9 +30,11 @@ PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
 TOOLS = [
     {"type": "function", "function": {"name": "lookup", "description": "look a word up",
                                       "parameters": {"type": "object", "required": ["word"], "properties": {
-                                          "word": {"type": "string", "enum": ["sea", "sky"]}}}}},
+                                          "word": {"type": "string", "enum": ["sea", "sky"]}},
+                                          "additionalProperties": False}}},
     {"type": "function", "function": {"name": "weather", "description": "today's weather",
-                                      "parameters": {"type": "object", "properties": {}}}},
+                                      "parameters": {"type": "object", "properties": {},
+                                                     "additionalProperties": False}}},
 ]
 
 
@@ -149,35 +151,75 @@ async def test_portable_tool_choice(portable):
     assert await prompt_tokens(tools=TOOLS, tool_choice="none") == plain, "tool_choice none hides the tools"
     named = {"type": "function", "function": {"name": "weather"}}
     only_weather = await prompt_tokens(tools=TOOLS[1:])
-    # The named tool is the only one the model is shown; the untrained tiny model does not call it, which is an
-    # error naming what it answered (the portable engine cannot constrain sampling), never a reply without a call.
-    for choice in (named, "required"):
-        with pytest.raises(openai.UnprocessableEntityError, match="did not produce"):
-            await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=4, tools=TOOLS,
-                                                 tool_choice=choice)
+    # The named tool is the only one the model is shown, and the reply is constrained to its arguments (llguidance):
+    # even the untrained tiny model always calls it, with arguments its schema allows
+    for seed in range(3):
+        reply = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=200, tools=TOOLS,
+                                                     tool_choice=named, seed=seed, logprobs=True)
+        call, = reply.choices[0].message.tool_calls
+        assert call.function.name == "weather" and json.loads(call.function.arguments) == {}
+        ids = reply.choices[0].model_extra["token_ids"]
+        assert len(ids) == len(reply.choices[0].logprobs.content)  # the ids sampled, each with its own logprob
+    required = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=200, tools=TOOLS,
+                                                    tool_choice="required", parallel_tool_calls=False, seed=3)
+    call, = required.choices[0].message.tool_calls  # parallel_tool_calls=false: one call
+    assert call.function.name in ("lookup", "weather") and required.choices[0].finish_reason == "tool_calls"
+    if call.function.name == "lookup":
+        assert json.loads(call.function.arguments)["word"] in ("sea", "sky")
+    streamed = await collect(await client.chat.completions.create(
+        model=model.name, messages=PROMPT, max_tokens=200, tools=TOOLS, tool_choice=named, seed=0, stream=True))
+    assert [t.function.name for t in streamed["choices"][0]["tools"]] == ["weather"]
+    assert streamed["choices"][0]["text"] == "", "a forced call's JSON is its arguments, never content"
     async with httpx.AsyncClient(base_url=f"{backend.base_url}/v1", timeout=60,
                                  headers={"authorization": f"Bearer {backend.api_key}"}) as http:
         response = await http.post("/chat/completions", json={
-            "model": model.name, "messages": PROMPT, "max_tokens": 4, "tools": TOOLS, "tool_choice": named})
-        assert response.json()["error"]["param"] == "tool_choice"
-        assert "weather" in response.json()["error"]["message"]
+            "model": model.name, "messages": PROMPT, "max_tokens": 1, "tools": TOOLS, "tool_choice": named})
+        assert response.status_code == 422 and response.json()["error"]["param"] == "max_tokens", \
+            "a forced call cut short by max_tokens says so"
         probe = await http.post("/chat/completions", json={
             "model": model.name, "messages": PROMPT, "max_tokens": 1, "tools": TOOLS[1:]})
         assert probe.json()["usage"]["prompt_tokens"] == only_weather
-    with pytest.raises(openai.APIError, match="did not produce"):
-        await collect(await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=4,
-                                                           tools=TOOLS, tool_choice="required", stream=True))
-    with pytest.raises(openai.BadRequestError, match="not among the request's tools"):
+    with pytest.raises(openai.BadRequestError, match="not among the request's tools") as refused:
         await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=1, tools=TOOLS,
                                              tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert refused.value.body["param"] == "tool_choice"
+    bad_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}]
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled") as refused:
+        await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=1, tools=bad_tool,
+                                             tool_choice="required")
+    assert refused.value.body["param"] == "tools"
+
+
+async def test_portable_response_format(portable):
+    backend, model = portable
+    client = sdk(backend)
+    for seed in (0, 2, 3):  # seeds whose random-weight replies end: any object's keys are free strings
+        reply = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=200, seed=seed,
+                                                     response_format={"type": "json_object"})
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "word": {"enum": ["sea", "sky"]}},
+              "required": ["ok", "word"], "additionalProperties": False}
+    form = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    reply = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=200, seed=1,
+                                                 response_format=form, logprobs=True)
+    assert set(json.loads(reply.choices[0].message.content)) == {"ok", "word"}
+    # the mask picks which token is drawn, not how it is recorded: the logprob is the model's own (unmasked)
+    free = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=1, logprobs=True,
+                                                extra_body={"top_k": 1})
+    first = reply.choices[0].logprobs.content[0]
+    assert first.token == "{" and first.logprob < free.choices[0].logprobs.content[0].logprob
+    for bad, param in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}},
+                        "response_format.json_schema.schema"),
+                       ({"type": "json_schema"}, "response_format"), ({"type": "yaml"}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=2, response_format=bad)
+        assert refused.value.body["param"] == param
 
 
 async def test_portable_refuses_what_it_cannot_honour(portable):
     backend, model = portable
     client = sdk(backend)
     base = dict(model=model.name, messages=PROMPT, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="response_format 'json_object' is not supported by the portable"):
-        await client.chat.completions.create(**base, response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="'frequency_penalty', 'logit_bias' are not supported"):
         await client.chat.completions.create(**base, frequency_penalty=0.5, logit_bias={"5": 2.0})
     with pytest.raises(openai.BadRequestError, match="'guided_json' is not a chat completion parameter"):

@@ -175,15 +175,18 @@ def adapter_weights(step_directory) -> dict:
     return load_file(step_directory / "adapter_model.safetensors")
 
 
-async def test_resume_is_exact(s3_server, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one process", "two sharded ranks"])
+async def test_resume_is_exact(s3_server, tmp_path, ranks):
     """N steps straight, or k steps, the server killed (kill -9), and N - k more on a fresh server restored from the
     object store: the same weights. The checkpoint carries what the next step depends on (AdamW's moments, the
-    step's seed), not only the LoRA."""
+    step's seed), not only the LoRA. Sharded over two CPU ranks too: the ranks gather the same checkpoint and
+    load it back into their shards."""
     import os
     import signal
 
     total, first = 4, 2
-    straight = LocalBackend(path=tmp_path / "straight")
+    sharded = {"ART_SKY_TRAINER_CPU_RANKS": str(ranks)}
+    straight = LocalBackend(path=tmp_path / "straight", env=sharded)
     try:
         model = new_model()
         await model.register(straight)
@@ -193,7 +196,7 @@ async def test_resume_is_exact(s3_server, tmp_path):
     expected = adapter_weights(step_dir(tmp_path / "straight", total))
 
     uri = f"s3://{s3_server.new_bucket()}/runs"
-    killed = LocalBackend(path=tmp_path / "killed", env=s3_server.env(), checkpoint_uri=uri)
+    killed = LocalBackend(path=tmp_path / "killed", env=s3_server.env() | sharded, checkpoint_uri=uri)
     try:
         model = new_model()
         await model.register(killed)
@@ -204,7 +207,7 @@ async def test_resume_is_exact(s3_server, tmp_path):
         await killed.close(force=True)
     shutil.rmtree(tmp_path / "killed")
 
-    fresh = LocalBackend(path=tmp_path / "fresh", env=s3_server.env(), checkpoint_uri=uri)
+    fresh = LocalBackend(path=tmp_path / "fresh", env=s3_server.env() | sharded, checkpoint_uri=uri)
     try:
         model = new_model()
         await model.register(fresh)

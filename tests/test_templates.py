@@ -151,3 +151,19 @@ def test_an_empty_fallback_list_is_refused():
 def test_a_missing_template_says_which(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_template(tmp_path / "nope.yaml")
+
+
+def test_several_nodes_are_one_skypilot_task_whose_head_serves_and_the_others_join():
+    """num_nodes reaches SkyPilot; the run script starts the server on node 0 (also on its private address, at
+    the head port) and has every other node join it there."""
+    config = render_task(ClusterSpec(gpu="H100:8", num_nodes=2, wheel=WHEEL), KEY)
+    task = validate(validate_task(config))
+    assert task["num_nodes"] == 2
+    assert '--host 127.0.0.1 --host "$head" --port "$ART_SKY_HEAD_PORT"' in config["run"]
+    assert '--join "http://$head:$ART_SKY_HEAD_PORT"' in config["run"]
+    assert "num_nodes" not in render_task(ClusterSpec(gpu="H100:8", wheel=WHEEL), KEY)
+
+
+def test_fewer_than_one_node_is_refused():
+    with pytest.raises(ValueError, match="num_nodes"):
+        ClusterSpec(gpu="H100:8", num_nodes=0, wheel=WHEEL)

@@ -267,3 +267,23 @@ async def test_over_ssh_inference_goes_through_the_one_tunnel(sshd, tmp_path, ar
         await backend.close()
     assert backend.tunnel is None
 
+
+
+async def test_langchain_structured_output_on_vllm(served):
+    """LangChain's with_structured_output on vLLM, both methods, as on the portable engine (tests/test_any_client.py):
+    the same parameters constrain the reply on both engines."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        ok: bool
+        word: Literal["sea", "sky"]
+
+    _, model = served
+    llm = ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
+                     max_tokens=200, seed=1)
+    for method in ("json_schema", "function_calling"):
+        parsed = await llm.with_structured_output(Answer, method=method, strict=True).ainvoke("Sea or sky?")
+        assert isinstance(parsed, Answer), method

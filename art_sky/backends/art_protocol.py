@@ -32,7 +32,7 @@ class TrainResult:
 
 # ART 0.5's LocalBackend.train keywords that art-sky's trainer maps onto TrainConfig.
 _MAPPED = {"learning_rate", "loss_fn", "epsilon", "epsilon_high", "kl_penalty_coef", "normalize_advantages",
-           "scale_rewards", "beta", "max_grad_norm"}
+           "scale_rewards", "beta", "max_grad_norm", "allow_training_without_logprobs"}
 # The others, with the value that means "off" in ART: accepted at that value, refused at any other.
 _ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "loss_fn_config": (None, "art-sky's losses take no extra config"),
@@ -60,7 +60,7 @@ def train_config(config: TrainConfig | None, kwargs: dict[str, Any]) -> TrainCon
     (loss_fn "cispo" with its clip [0, 5]; "ppo" clips at 0.2). A keyword the trainer cannot honour is refused,
     naming it; none is ignored."""
     for name, value in kwargs.items():
-        if name in _MAPPED or name == "allow_training_without_logprobs":  # art-sky always allows it (on-policy)
+        if name in _MAPPED:
             continue
         if name not in _ONLY_DEFAULT:
             raise TypeError(f"backend.train() got an unexpected keyword argument {name!r}: art-sky takes ART 0.5's "

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from art_sky import clusters
+from art_sky import capacity, clusters
 from art_sky.errors import ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.provisioners import sky as provisioner
@@ -61,15 +61,25 @@ class SkyPilotBackend(SSHBackend):
         resources: dict[str, Any] | None = None, spot: bool = False, autostop_minutes: int | None = 60,
         env_path: str | Path | None = None, art_sky_version: str | Path | None = None, force_restart: bool = False,
         api_key: str | None = None, template: str | Path | None = None, overrides: dict[str, Any] | None = None,
-        checkpoint_uri: str | None = None, settings: Settings | None = None,
+        checkpoint_uri: str | None = None, settings: Settings | None = None, num_nodes: int = 1,
+        base_model: str | None = None,
     ) -> SkyPilotBackend:
-        """The backend `initialize_cluster` starts (and `art-sky up` uses), not started yet; arguments as there."""
+        """The backend `initialize_cluster` starts (and `art-sky up` uses), not started yet; arguments as there.
+        What cannot train (`num_nodes` < 1, more trainer GPUs than a node has, `base_model`'s shards too big for the
+        GPUs) is refused here, before anything is rented."""
         settings = settings or Settings()
         version, source = _version_or_source(art_sky_version)
+        secrets = server_env(settings, checkpoint_uri) | read_env_file(env_path)
+        trainer_gpus = secrets.get("ART_SKY_TRAINER_GPUS", "1")  # what the server will see: the env file's
+        try:
+            trainer_gpus = int(trainer_gpus)
+        except ValueError:
+            raise ConfigError(f"ART_SKY_TRAINER_GPUS={trainer_gpus!r} in {env_path}: give a whole number") from None
+        capacity.check_before_renting(gpu, num_nodes, trainer_gpus, base_model)
         spec = ClusterSpec(
-            gpu=gpu, infra=infra, resources=resources or {}, spot=spot, autostop_minutes=autostop_minutes,
-            secrets=server_env(settings, checkpoint_uri) | read_env_file(env_path), python=settings.remote_python,
-            version=version, template=Path(template) if template else None, overrides=overrides or {})
+            gpu=gpu, infra=infra, num_nodes=num_nodes, resources=resources or {}, spot=spot,
+            autostop_minutes=autostop_minutes, secrets=secrets, python=settings.remote_python, version=version,
+            template=Path(template) if template else None, overrides=overrides or {})
         recorded_key = _recorded_key(settings.home, cluster_name)
         known_key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None) or recorded_key
         return cls(cluster_name, spec, force_restart=force_restart or known_key is None, api_key=known_key,
@@ -82,7 +92,10 @@ class SkyPilotBackend(SSHBackend):
 
         `gpu`: an accelerator with its count ("H100:1"; "H100:8": vLLM on 7 GPUs, the trainer on the 8th, see
         cluster/node/placement.py) or a list tried in order; None with `resources={"cpus": ...}` runs the portable
-        engine. `infra`: SkyPilot's selector (aws, gcp/us-central1, k8s/<context>, slurm/<cluster>).
+        engine. `num_nodes`: nodes of that many GPUs each (SkyPilot's multi-node launch): the server on the head,
+        an engine replica on every node, the trainer's ranks over every node's trainer GPUs (ART_SKY_TRAINER_GPUS
+        per node). `base_model`: the model you will train, checked against the GPUs before anything is rented.
+        `infra`: SkyPilot's selector (aws, gcp/us-central1, k8s/<context>, slurm/<cluster>).
         `spot`, `autostop_minutes` (None keeps it up), `resources` (more SkyPilot resource fields).
         `env_path`: a .env file whose variables reach the server as SkyPilot secrets. `art_sky_version`: install
         that release from PyPI, or build the wheel from that source checkout; default: this client's own build.

@@ -75,6 +75,10 @@ def up(
                                                    "the trainer on one); repeat it or give a comma list for "
                                                    "fallbacks tried in order; `none` for CPUs only",
                                   rich_help_panel=SKY),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="nodes, each with --gpu: the server on the head, an engine "
+                                                       "replica and trainer ranks on every node", rich_help_panel=SKY),
+    model: str | None = typer.Option(None, "--model", help="the base model you will train: refused before renting "
+                                                           "if its shards do not fit the GPUs", rich_help_panel=SKY),
     spot: bool = typer.Option(False, help="use spot instances", rich_help_panel=SKY),
     autostop: int = typer.Option(60, min=0, help="tear the cluster down after this many idle minutes; 0 never "
                                                  "(needed where the infra has no autostop, e.g. plain Slurm)",
@@ -119,7 +123,7 @@ def up(
         backend = SkyPilotBackend.for_cluster(
             cluster_name=name, gpu=parse_gpus(gpu), infra=infra, spot=spot, autostop_minutes=autostop or None,
             resources={k: v for k, v in (("cpus", cpus), ("memory", memory)) if v is not None}, env_path=env_file,
-            force_restart=force_restart, settings=settings)
+            force_restart=force_restart, settings=settings, num_nodes=nodes, base_model=model)
     if name in clusters.all_names(settings.home):
         existing = clusters.load(settings.home, name)
         if (existing.kind, existing.where) != (backend.kind, backend.where):

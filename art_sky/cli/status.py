@@ -18,7 +18,7 @@ from art_sky.backends import attach
 from art_sky.backends.cluster import Machine
 from art_sky.errors import ArtSkyError, VersionMismatchError
 from art_sky.settings import Settings
-from art_sky.wire import ModelInfo
+from art_sky.wire import FleetReplica, ModelInfo
 
 from . import live, table
 from .errors import console
@@ -33,6 +33,7 @@ class ServerReport(BaseModel):
     version: str | None = None
     placement: str | None = None  # how the node's GPUs are split (cluster/node/placement.py)
     log: str | None = None  # the server log's path on its machine (`art-sky logs NAME` prints it)
+    fleet: list[FleetReplica] = []  # the inference replicas behind its /v1 (cluster/inference/fleet.py)
 
 
 class ClusterStatus(BaseModel):
@@ -71,7 +72,7 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
                     detail += f", {health.placement}"
                 server = ServerReport(state="ok", detail=detail, engine=health.engine, trainer=health.trainer,
                                       device=health.device, version=health.version, placement=health.placement,
-                                      log=log)
+                                      log=log, fleet=health.fleet)
     except VersionMismatchError as exc:
         server = ServerReport(state="error", detail=_line(exc), log=log)
     except ArtSkyError as exc:
@@ -105,6 +106,17 @@ def row(status: ClusterStatus) -> list[str]:
     return [status.name, status.kind, where, machine.accelerators or "-", uptime_and_cost(machine), health, models]
 
 
+FLEET_HEADERS = ("REPLICA", "NODE", "LOAD", "SERVED", "SERVES")
+
+
+def fleet_row(cluster: str, replica: FleetReplica) -> list[str]:
+    """One inference replica of a cluster with several: its load, completions so far, and the step of each model
+    it serves (a model it is still loading is not listed)."""
+    where = "head" if replica.url == "local" else replica.url
+    return [f"{cluster}/{where}", replica.node, f"{replica.outstanding} outstanding", str(replica.completions),
+            ", ".join(f"{name}@{step}" for name, step in sorted(replica.steps.items())) or "loading"]
+
+
 def uptime_and_cost(machine: Machine) -> str:
     """"2h05m, $3.20/h, $6.67 so far": the price where SkyPilot knows one."""
     if machine.uptime_s is None:
@@ -124,6 +136,9 @@ def show(statuses: list[ClusterStatus], as_json: bool) -> None:
         if models := [live.row(s.name, m) for s in statuses for m in s.models]:
             console.print()
             table.show(live.HEADERS, models, shrink=live.SHRINK)
+        if replicas := [fleet_row(s.name, r) for s in statuses if len(s.server.fleet) > 1 for r in s.server.fleet]:
+            console.print()
+            table.show(FLEET_HEADERS, replicas, shrink=(4, 3))
 
 
 def status_command(names: list[str] | None, as_json: bool) -> None:

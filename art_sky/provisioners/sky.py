@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -27,6 +28,8 @@ from art_sky.remote.ssh import SSHTarget
 
 from . import sky_driver
 from .sky_env import sky_cli, sky_python
+
+log = logging.getLogger("art_sky")
 
 SERVER_JOB = "art-sky-server"  # the template's task name, so the job's name in `sky queue`
 _ACTIVE = ("INIT", "PENDING", "SETTING_UP", "RUNNING")
@@ -155,6 +158,15 @@ async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restar
     `force_restart`); return once the job runs."""
     await check_infra(task)
     if await cluster_status(cluster_name) != "UP":
+        if task.get("num_nodes", 1) > 1:  # a node lost on the way leaves the others billing: tear them all down
+            try:
+                job_id = (await _call(f"launch {cluster_name}", "launch", config=task,
+                                      cluster=cluster_name))["job_id"]
+                await _wait_running(cluster_name, job_id, timeout)
+            except BaseException as exc:
+                await _down_after(cluster_name, exc)
+                raise
+            return
         job_id = (await _call(f"launch {cluster_name}", "launch", config=task, cluster=cluster_name))["job_id"]
     else:
         jobs = [j for j in await server_jobs(cluster_name) if j["status"] in _ACTIVE]
@@ -173,6 +185,18 @@ async def server_jobs(cluster_name: str) -> list[dict[str, Any]]:
     """The cluster's unfinished server jobs: job_id, job_name, status (PENDING, RUNNING, ...)."""
     jobs = await _call(f"list the jobs of {cluster_name}", "queue", cluster=cluster_name)
     return [j for j in jobs if j["job_name"] == SERVER_JOB]
+
+
+async def _down_after(cluster_name: str, exc: BaseException) -> None:
+    """Tear down a multi-node cluster whose launch failed; the launch's error stays the one raised."""
+    log.warning("launching %s failed (%s): tearing it down so that no node is left billing", cluster_name, exc)
+    try:
+        await asyncio.shield(down(cluster_name))
+    except Exception as down_exc:  # noqa: BLE001 (the launch's error is what the caller sees; say this one too)
+        log.error("could not tear %s down (%s): run `%s down %s` now", cluster_name, down_exc, sky_cli(),
+                  cluster_name)
+    if isinstance(exc, Exception):
+        exc.add_note(f"{cluster_name} was torn down: a multi-node launch that fails leaves no node running")
 
 
 async def _wait_running(cluster_name: str, job_id: int, timeout: float) -> None:

@@ -44,8 +44,8 @@ def summary(loaded) -> dict:
                 "autostop": {"enabled": autostop.enabled, "idle_minutes": autostop.idle_minutes,
                              "down": autostop.down} if autostop is not None else None}
 
-    return {"name": loaded.name, "run": loaded.run, "setup": loaded.setup, "envs": dict(loaded.envs),
-            "secrets": sorted(loaded.secrets), "file_mounts": loaded.file_mounts or {},
+    return {"name": loaded.name, "num_nodes": loaded.num_nodes, "run": loaded.run, "setup": loaded.setup,
+            "envs": dict(loaded.envs), "secrets": sorted(loaded.secrets), "file_mounts": loaded.file_mounts or {},
             "ordered": isinstance(loaded.resources, list), "resources": [one(r) for r in resources],
             "repr": repr(loaded), "stored": yaml.safe_dump(loaded.to_yaml_config(use_user_specified_yaml=True))}
 

@@ -27,6 +27,8 @@ class ClusterSpec(BaseModel):
     gpu: str | list[str] | None = Field("H100:1", description="an accelerator, or an ordered fallback list; "
                                                               "None runs the portable engine on CPUs")
     infra: str | None = Field(None, description="SkyPilot's infra: aws, gcp/us-central1, k8s/<context>, slurm/<name>")
+    num_nodes: int = Field(1, ge=1, description="nodes: the server on the head, a replica and trainer ranks on "
+                                                "every node (templates/cluster.yaml)")
     resources: dict[str, Any] = Field(default_factory=dict, description="more SkyPilot resource fields "
                                                                         "(cpus, memory, disk_size, region, ...)")
     spot: bool = False
@@ -110,6 +112,8 @@ def render_task(spec: ClusterSpec, api_key: SecretStr) -> dict[str, Any]:
         envs["ART_SKY_WHEEL"] = spec.wheel.name
         config.setdefault("file_mounts", {})[f"{WHEEL_DIR}/{spec.wheel.name}"] = str(spec.wheel)
     envs.update(spec.env)
+    if spec.num_nodes > 1:
+        config["num_nodes"] = spec.num_nodes
     config["secrets"] = (config.get("secrets") or {}) | spec.secrets | {"ART_SKY_API_KEY": api_key.get_secret_value()}
     return _merge(config, spec.overrides)
 

@@ -42,16 +42,18 @@ class RemoteServer(BaseModel):
 
 
 def start(runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict[str, str], port: int = 0,
-          pythonpath: str | None = None, exit_with: int | None = None) -> None:
+          pythonpath: str | None = None, exit_with: int | None = None, args: tuple[str, ...] = ()) -> None:
     """Stop any server of `layout.run_dir`, then start a new one detached (it outlives the runner's session; with
     `exit_with`, a pid on the server's machine, not that process). `env` (the API key among it) travels on stdin into
-    the server's environment: never in argv or a file."""
+    the server's environment: never in argv or a file. `args` go to `python -m art_sky.cluster` (a worker node's
+    `--join HEAD_URL`)."""
     stop(runner, layout)
     q = shlex.quote
     path = f"PYTHONPATH={q(pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}} " if pythonpath else ""
     script = (f"set -e\numask 077\n{READ_ENV}{path}exec {q(python)} -m art_sky.cluster --detach --port {port} "
               f"--run-dir {q(layout.run_dir)} --art-path {q(layout.art_path)}"
-              f"{f' --exit-with {exit_with}' if exit_with is not None else ''}\n")
+              f"{f' --exit-with {exit_with}' if exit_with is not None else ''}"
+              f"{''.join(' ' + q(arg) for arg in args)}\n")
     runner.run(script, timeout=120, stdin=env_stdin(env))
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from collections import OrderedDict
@@ -35,14 +34,12 @@ from art_sky.wire import ChatCompletionRequest, RegisterRequest
 from ..chat_template import prompt_ids
 from ..model_state import ADAPTER, ModelState, device
 from .chat_parameters import PORTABLE
+from .constraints import Grammar, Matchers, grammar_for, tool_calls
 from .gate import Hold
 from .openai_api import SSE, OpenAIError, Served, invalid_request, sse
+from .tool_parsers import ToolParser, portable_parser
 
 log = logging.getLogger("art_sky.cluster")
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-_TOOL_TAG = "<tool_call>"
-
 
 @dataclass
 class Sample:
@@ -62,20 +59,19 @@ class Job:
     budget: int
     step: int | None = None  # an older step than the live one: its checkpoint's adapter samples
     tools: list[dict] | None = None  # the tools the prompt shows (tool_choice none: none; named: that one)
+    grammar: Grammar | None = None  # what the reply must be (response_format, a forced tool_choice)
+    parser: ToolParser | None = None  # how tool calls are read from the reply (its chat template's family)
     stream: _Events | None = None  # stream=True: sampled tokens go out as they come
     cancelled: bool = False  # the streaming client went away: its rows stop
 
     @property
     def parses_tools(self) -> bool:
-        return bool(self.tools)
+        """Tool calls are read from the reply's text (a forced tool_choice's reply is its calls' JSON instead)."""
+        return bool(self.tools) and self.parser is not None and self.grammar is None
 
     @property
-    def must_call(self) -> str | None:
-        """'*' when tool_choice is required, the function's name when it is named, else None."""
-        choice = self.request.tool_choice
-        if choice == "required":
-            return "*"
-        return choice.function.name if choice is not None and not isinstance(choice, str) else None
+    def forced_call(self) -> bool:
+        return self.grammar is not None and self.grammar.kind != "json"
 
 
 class PortableEngine:
@@ -84,7 +80,10 @@ class PortableEngine:
     honoured = PORTABLE
     serves_while_training = True  # from its own copy of each adapter (a model it cannot copy turns this off)
 
-    def __init__(self, max_new_tokens_limit: int, max_batch_rows: int = 64, max_loaded_steps: int = 4):
+    def __init__(self, max_new_tokens_limit: int, max_batch_rows: int = 64, max_loaded_steps: int = 4,
+                 tool_parser: str = ""):
+        portable_parser(tool_parser, None)  # a parser this engine lacks is refused at start, naming the setting
+        self.tool_parser = tool_parser
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_batch_rows = max_batch_rows
         self._queue: _BatchQueue | None = None
@@ -157,15 +156,8 @@ class PortableEngine:
 
     def prepare(self, state: ModelState, request: ChatCompletionRequest, step: int | None = None) -> Job:
         """Render the prompt and check the request; ValueError (a 400) when it asks what this engine cannot do."""
-        if request.response_format is not None and request.response_format.get("type") != "text":
-            raise OpenAIError(400, f"response_format {request.response_format.get('type')!r} is not supported by "
-                                   "the portable engine (it cannot constrain sampling to JSON): ask for JSON in the "
-                                   "prompt and parse it, or serve with vLLM (ART_SKY_ENGINE=vllm)",
-                              param="response_format")
-        if request.parallel_tool_calls is False:
-            raise OpenAIError(400, "parallel_tool_calls=false is not supported by the portable engine: leave it "
-                                   "unset and use the first tool call", param="parallel_tool_calls")
         tools = _tools_shown(request)
+        grammar = grammar_for(request)
         try:
             prompt = prompt_ids(state.tokenizer, request.message_dicts(), tools)
         except TokenizationError as exc:
@@ -181,7 +173,8 @@ class PortableEngine:
         if asked is not None and asked > self.max_new_tokens_limit:
             raise ValueError(f"max_tokens {asked} exceeds this server's limit {self.max_new_tokens_limit} "
                              "(ART_SKY_MAX_NEW_TOKENS_LIMIT)")
-        return Job(state, request, prompt, min(asked or self.max_new_tokens_limit, room), step=step, tools=tools)
+        return Job(state, request, prompt, min(asked or self.max_new_tokens_limit, room), step=step, tools=tools,
+                   grammar=grammar, parser=portable_parser(self.tool_parser, state.tokenizer.chat_template))
 
     def complete(self, state: ModelState, request: ChatCompletionRequest) -> ChatCompletion:
         return ChatCompletion.model_validate(self.run([self.prepare(state, request)])[0])
@@ -247,6 +240,8 @@ class PortableEngine:
         texts = [_Detokenizer(state.tokenizer) if job.stream or job.request.stop_strings else None
                  for job, _ in rows]
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+        matchers = Matchers(state.tokenizer, sorted(state.eos_token_ids), out.logits.shape[-1],
+                            [job.grammar for job, _ in rows])
         tokens: list[list[int]] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in rows]
@@ -254,8 +249,9 @@ class PortableEngine:
         eos = state.eos_token_ids
         for step in range(max(job.budget for job in jobs)):
             logits = out.logits[:, -1, :].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = torch.cat([_choose(logits[a:b], job.request, generator)
+            logprobs = torch.log_softmax(logits, dim=-1)  # recorded unmasked: the model's own, as the trainer's
+            drawn = matchers.masked(logits)
+            chosen = torch.cat([_choose(drawn[a:b], job.request, generator)
                                 for job, generator, (a, b) in zip(jobs, generators, spans)])
             events: dict[int, list] = {}
             for row, (job, copy) in enumerate(rows):
@@ -265,6 +261,7 @@ class PortableEngine:
                     finish[row] = "cancelled"
                     continue
                 token = int(chosen[row])
+                matchers.consume(row, token)
                 tokens[row].append(token)
                 logps[row].append(float(logprobs[row, token]))
                 if job.request.top_logprobs:
@@ -277,6 +274,8 @@ class PortableEngine:
                     finish[row] = "stop"
                 elif step + 1 >= job.budget:
                     finish[row] = "length"
+                if finish[row] is not None:
+                    matchers.finish(row)
                 if job.stream:
                     events.setdefault(id(job), []).append(
                         (copy, token, logps[row][-1], tops[row][-1] if tops[row] else [], delta, finish[row]))
@@ -335,36 +334,31 @@ def _tools_shown(request: ChatCompletionRequest) -> list[dict] | None:
 
 
 def _content_and_calls(job: Job, text: str) -> tuple[str | None, list[dict]]:
-    """Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks as OpenAI tool calls, and
-    the text around them. tool_choice required / named: no such call is an error (422) naming what came back."""
-    calls = _tool_calls(text) if job.parses_tools else []
-    must = job.must_call
-    if must is not None and not any(must in ("*", c["function"]["name"]) for c in calls):
-        wanted = "a tool call" if must == "*" else f"a call of {must!r}"
-        raise OpenAIError(422, f"the model did not produce {wanted} although tool_choice asks for one (the portable "
-                               "engine instructs the model but cannot constrain it); it answered: "
-                               f"{text[:200]!r}. Retry, or serve with vLLM, which constrains tool calls",
-                          param="tool_choice", type="model_output_error")
-    if not calls:
+    """The reply's content and its OpenAI tool calls: a forced tool_choice's reply is its calls' JSON (vLLM's way,
+    content ""); otherwise the template family's parser reads them from the text. parallel_tool_calls=false keeps
+    the first call, as vLLM does. A forced reply cut short by max_tokens is a 422 saying so."""
+    if job.forced_call:
+        calls = tool_calls(job.grammar, text)
+        if calls is None:
+            raise OpenAIError(422, "the reply to tool_choice was cut at max_tokens before its call's JSON ended "
+                                   f"({text[:200]!r}): raise max_tokens", param="max_tokens",
+                              type="model_output_error")
+        content = ""
+    elif job.parses_tools:
+        content, calls = job.parser.parse(text)
+    else:
         return text, []
-    return _TOOL_CALL.sub("", text).strip() or None, calls
-
-
-def _tool_calls(text: str) -> list[dict]:
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            body = json.loads(match.group(1))
-            name, arguments = body["name"], body.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            continue
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": str(name), "arguments": json.dumps(arguments)}})
-    return calls
+    if job.request.parallel_tool_calls is False:
+        calls = calls[:1]
+    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
 
 
 def _final_text(job: Job, sample: Sample) -> str:
-    text = job.state.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    """The reply's text; with the special tokens a family's tool calls are marked by (Mistral's [TOOL_CALLS])."""
+    keep = job.parses_tools and job.parser.keeps_special_tokens
+    ids = [t for t in sample.token_ids if t not in job.state.eos_token_ids] if keep else sample.token_ids
+    text = job.state.tokenizer.decode(ids, skip_special_tokens=not keep)
     for stop in job.request.stop_strings:
         if stop in text:
             text = text[: text.index(stop)]
@@ -449,7 +443,8 @@ class _StreamWriter:
         self.text = [""] * n
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.finished = [False] * n
-        self.holds = [s for s in job.request.stop_strings] + ([_TOOL_TAG] if job.parses_tools else [])
+        self.marker = job.parser.marker if job.parses_tools else None  # a tool call may start here
+        self.holds = [s for s in job.request.stop_strings] + ([self.marker] if self.marker else [])
 
     def _chunk(self, choices: list[dict], **extra) -> bytes:
         return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -515,10 +510,13 @@ class _StreamWriter:
         yield self._chunk([choice])
 
     def _releasable(self, index: int) -> str:
-        """New text that can no longer turn into a stop string or a tool call."""
+        """New text that can no longer turn into a stop string or a tool call (none for a forced tool_choice,
+        whose reply is its calls)."""
+        if self.job.forced_call:
+            return ""
         text = self.text[index]
-        if _TOOL_TAG in self.holds and _TOOL_TAG in text:
-            text = text[: text.index(_TOOL_TAG)]
+        if self.marker and self.marker in text:
+            text = text[: text.index(self.marker)]
         for hold in self.holds:
             for size in range(min(len(hold) - 1, len(text)), 0, -1):
                 if text.endswith(hold[:size]):

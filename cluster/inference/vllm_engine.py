@@ -41,6 +41,7 @@ from ..model_state import ModelState, device, resolve_base_model
 from ..node.placement import Placement, base_parameters
 from .gate import Hold
 from .openai_api import SSE, OpenAIError, Served
+from .tool_parsers import parser_name
 
 log = logging.getLogger("art_sky.cluster")
 
@@ -253,7 +254,8 @@ class VllmEngine:
         port = _free_port()
         placement = self.placement.sized(state.model.config, base_parameters(state.model), self.settings)
         args, env = vllm_command(self.settings, placement, resolve_base_model(state.request.base_model, self.settings),
-                                 state.request, port, rank, device().type == "cuda", self.sleep_mode, self.api_key)
+                                 state.request, port, rank, device().type == "cuda", self.sleep_mode, self.api_key,
+                                 state.tokenizer.chat_template)
         if not self.sleep_mode:
             log.info("vLLM never sleeps here (%s): it serves the previous adapter while a step trains",
                      placement.describe())
@@ -330,7 +332,8 @@ class VllmEngine:
 
 
 def vllm_command(settings: Settings, placement: Placement, source: str, request: RegisterRequest, port: int,
-                 lora_rank: int, on_cuda: bool, sleep_mode: bool, api_key: str) -> tuple[list[str], dict[str, str]]:
+                 lora_rank: int, on_cuda: bool, sleep_mode: bool, api_key: str,
+                 chat_template: str | dict | None = None) -> tuple[list[str], dict[str, str]]:
     """vLLM's command line and what its environment adds to the server's: the placement's GPUs and parallelism,
     sleep mode only where it shares a GPU, the API key in the environment (never on argv, where `ps` shows it).
     `python -m vllm.entrypoints.openai.api_server` is one API server process whatever the data-parallel size, so
@@ -346,8 +349,9 @@ def vllm_command(settings: Settings, placement: Placement, source: str, request:
         "--dtype", "auto" if on_cuda else "float32",
         "--disable-uvicorn-access-log",
     ]
-    if settings.vllm_tool_call_parser:
-        args += ["--enable-auto-tool-choice", "--tool-call-parser", settings.vllm_tool_call_parser]
+    parser = parser_name(settings.tool_parser, chat_template)
+    if parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
     if sleep_mode:
         args.append("--enable-sleep-mode")
     env = {

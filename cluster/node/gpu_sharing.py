@@ -66,8 +66,8 @@ class _InProcessVllm(PortableEngine):
     """The portable engine's request handling around Unsloth's in-process vLLM (`model.fast_generate`): prompts go
     in as the chat template's token ids, and the LoRA served is the newest checkpoint's."""
 
-    def __init__(self, max_new_tokens_limit: int, max_batch_rows: int):
-        super().__init__(max_new_tokens_limit, max_batch_rows)
+    def __init__(self, max_new_tokens_limit: int, max_batch_rows: int, tool_parser: str):
+        super().__init__(max_new_tokens_limit, max_batch_rows, tool_parser=tool_parser)
         self.lora: dict[str, Any] = {}  # model name -> the LoRARequest of its current step
 
     def prepare(self, state: ModelState, request: ChatCompletionRequest, step: int | None = None) -> Job:
@@ -81,12 +81,14 @@ class _InProcessVllm(PortableEngine):
 
     def _sample(self, jobs: list[Job]) -> list[list[Sample]]:
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
         state = jobs[0].state
         params = [SamplingParams(
             n=job.request.n, temperature=job.request.temperature, top_p=job.request.top_p, seed=job.request.seed,
             max_tokens=job.budget, stop=job.request.stop_strings or None, stop_token_ids=sorted(state.eos_token_ids),
-            logprobs=max(1, job.request.top_logprobs or 0), detokenize=bool(job.request.stop_strings))
+            logprobs=max(1, job.request.top_logprobs or 0), detokenize=bool(job.request.stop_strings),
+            structured_outputs=StructuredOutputsParams(json=job.grammar.schema) if job.grammar else None)
             for job in jobs]  # each step's LoRA is a new adapter id (load_lora counts): no stale prefix cache
         outputs = state.model.fast_generate([{"prompt_token_ids": job.prompt} for job in jobs], sampling_params=params,
                                             lora_request=self.lora[state.name], use_tqdm=False)
@@ -125,7 +127,8 @@ class SharedGpuEngine:
 
     def __init__(self, settings: Settings, art_path: Path, api_key: str):
         self.server = VllmEngine(settings, art_path, api_key)
-        self.in_process = _InProcessVllm(settings.max_new_tokens_limit, settings.max_batch_rows)
+        self.in_process = _InProcessVllm(settings.max_new_tokens_limit, settings.max_batch_rows,
+                                         settings.tool_parser)
         self.sharing = "pending"  # until the first model is registered
         self.state: ModelState | None = None  # the model whose vLLM serves, with standby
 

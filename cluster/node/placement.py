@@ -26,13 +26,13 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from art_sky.capacity import BF16_BYTES  # vLLM serves the weights in bf16, whatever the trainer holds
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
 log = logging.getLogger("art_sky.cluster")
 
 LAYOUTS = ("auto", "shared", "dedicated")
-BF16_BYTES = 2  # vLLM serves the weights in bf16 whatever precision the trainer holds them in
 WEIGHTS_SHARE = 0.5  # of vLLM's memory on a GPU: the weights' slice at most, the rest for the KV cache
 
 

@@ -77,7 +77,8 @@ def select_engine(settings: Settings, art_path: Path, api_key: str, placement: P
         if shares_gpu_with_unsloth(settings, placement):
             return SharedGpuEngine(settings, art_path, api_key)
         return VllmEngine(settings, art_path, api_key, placement)
-    return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras)
+    return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras,
+                          settings.tool_parser)
 
 
 def trainer_ranks(settings: Settings, placement: Placement | None) -> int:
@@ -98,7 +99,8 @@ def select_trainer(settings: Settings, placement: Placement | None = None,
             raise ConfigError(f"ART_SKY_TRAINER=unsloth trains on one GPU, and this cluster's trainer has {ranks} "
                               f"rank(s) on each of {settings.nodes} node(s): use ART_SKY_TRAINER=peft (sharded "
                               "with FSDP2), or one trainer GPU on one node (ART_SKY_TRAINER_GPUS=1)")
-        return ShardedTrainer(RankGroup(settings, ranks), mirrored=isinstance(engine, PortableEngine))
+        return ShardedTrainer(RankGroup(settings, ranks), mirrored=isinstance(engine, PortableEngine),
+                              gpu_memory_bytes=placement.gpu_memory_bytes if placement is not None else None)
     if unsloth_trains(settings):
         require_tested("unsloth", settings.allow_untested_stack)  # before importing it: it patches on import
         standby = shares_gpu_with_unsloth(settings, placement)

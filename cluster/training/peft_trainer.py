@@ -41,8 +41,8 @@ class Policy:
 
 class PeftTrainer:
     name = "peft"
-
     ranks = 1
+    rendezvous = None  # one process: no other node's ranks meet it (ShardedTrainer's says where they do)
 
     def __init__(self, microbatch_tokens: int):
         self.microbatch_tokens = microbatch_tokens

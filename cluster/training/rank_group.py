@@ -19,19 +19,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from art_sky import capacity
 from art_sky.checkpoints import CheckpointDir
 from art_sky.errors import ArtSkyError, ConfigError
 from art_sky.settings import Settings
-from art_sky.wire import RegisterRequest, TrainConfig
+from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 
-from ..model_state import ADAPTER, ModelState, load_peft, resolve_base_model
+from ..model_state import ADAPTER, ModelState, load_peft, load_shape
+from ..node.placement import base_parameters
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
 from .sequences import Sequence
@@ -42,7 +43,8 @@ log = logging.getLogger("art_sky.cluster")
 
 # Each round of ranks gets a store of its own (rank 0's): in the store torchrun's agents share by default, gloo's
 # keys outlive a restart and the next round's ranks read the dead round's addresses (they hang or fail to connect).
-RANKS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# PYTHONSAFEPATH: the ranks (`python -m`) import art-sky as installed, not a folder of that name where they start.
+RANKS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONSAFEPATH": "1"}
 
 
 class RankError(ArtSkyError):
@@ -54,16 +56,6 @@ class RankError(ArtSkyError):
         self.intact = intact
 
 
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where every node's torchrun meets: what a worker node needs to start its share of the ranks."""
-
-    endpoint: str  # host:port on the head
-    run_id: str
-    nodes: int
-    ranks_per_node: int
-
-
 class RankGroup:
     """torchrun on this node and a socket to its leading rank. `request` sends one command and waits for the
     answer; `loaded` remembers how to load each model again after a restart."""
@@ -73,9 +65,10 @@ class RankGroup:
         self.env = env or {}
         self.key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=self.key)
-        self.rendezvous = Rendezvous(f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}",
-                                     secrets.token_hex(8), settings.nodes, ranks_per_node)
-        self.generation = 0  # how many times the leader has connected: a restart moves it on
+        self.rendezvous = TrainerRendezvous(
+            endpoint=f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}", run_id=secrets.token_hex(8),
+            nodes=settings.nodes, ranks_per_node=ranks_per_node, max_restarts=settings.trainer_max_restarts)
+        self.generation = 0  # moves on when the ranks fail and when the leader connects (again)
         self.loaded: dict[str, Callable[[], RankCommand]] = {}
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
@@ -137,6 +130,7 @@ class RankGroup:
             if self._connection is not None and self._connection.poll():  # closed while idle: the ranks restarted
                 self._connection.close()
                 self._connection = None
+                self.generation += 1
             while self._connection is None:
                 if self._closed:
                     raise RankError("the trainer's ranks are stopping with the server")
@@ -162,15 +156,12 @@ class RankGroup:
             raise RankError(reply.message)
 
     def _start(self) -> None:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.rendezvous.nodes}",
-                   f"--nproc-per-node={self.ranks_per_node}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint={self.rendezvous.endpoint}", f"--rdzv-id={self.rendezvous.run_id}",
-                   f"--max-restarts={self.settings.trainer_max_restarts}", "-m", "art_sky.cluster.training.sharded"]
         address = self._listener.address
         env = os.environ | self.env | RANKS_ENV | {LEADER_ENV: f"{address[0]}:{address[1]}", KEY_ENV: self.key.hex()}
         log.info("starting the trainer's ranks: %d per node on %d node(s), rendezvous at %s", self.ranks_per_node,
                  self.rendezvous.nodes, self.rendezvous.endpoint)
-        self._process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        self._process = subprocess.Popen(torchrun(self.rendezvous), env=env, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=_ends_with_parent)
 
     def _not_ready(self) -> str:
         waiting = (f" (waiting for {self.rendezvous.nodes - 1} worker node(s) to join the rendezvous at "
@@ -192,9 +183,11 @@ class RankGroup:
                 self._connected.notify_all()
 
     def _lost(self, connection: Connection) -> None:
+        """The ranks failed: they restart from the last commit, which a snapshot taken before cannot undo."""
         with self._connected:
             if self._connection is connection:
                 self._connection = None
+                self.generation += 1
         connection.close()
 
 
@@ -242,26 +235,23 @@ class ShardedTrainer:
 
     name = "sharded"
 
-    def __init__(self, group: RankGroup, mirrored: bool):
+    def __init__(self, group: RankGroup, mirrored: bool, gpu_memory_bytes: int | None = None):
         self.group, self.mirrored = group, mirrored
+        self.capacity = capacity.Layout(gpu_memory_bytes, group.rendezvous.nodes, engine_gpus=0,
+                                        trainer_gpus=group.ranks_per_node) if gpu_memory_bytes else None
         self.ranks = group.ranks_per_node * group.rendezvous.nodes
+        self.rendezvous = group.rendezvous  # what a worker node is told when it joins
 
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
-        if self.mirrored:
-            return load_peft(request, settings, checkpoint)
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-        source = resolve_base_model(request.base_model, settings)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot load base model {request.base_model!r}: {exc}") from exc
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(source)
-        except OSError:
-            pass  # the config's own
+        """The server's copy: the whole model (mirrored), else its shape; refused when its shards do not fit the
+        trainer's GPUs."""
+        model, tokenizer = (load_peft(request, settings, checkpoint) if self.mirrored
+                            else load_shape(request, settings))
+        problem = self.capacity.problem(base_parameters(model)) if self.capacity else None
+        if problem:
+            raise ConfigError(f"{request.base_model} does not fit this cluster: {problem}. Start a cluster with more "
+                              "trainer GPUs (ART_SKY_TRAINER_GPUS, more nodes) or larger ones, or train a smaller "
+                              "model")
         return model, tokenizer
 
     def load_weights(self, state: ModelState, step_dir: Path | None) -> RankWeights:
@@ -288,10 +278,62 @@ class ShardedTrainer:
         self.group.close()
 
 
+class WorkerRanks:
+    """A worker node's share of the trainer's ranks: its torchrun joins the head's rendezvous, and is started again
+    whenever it ends (its restarts used up, or the head's group started anew) until `close`."""
+
+    def __init__(self, rendezvous: TrainerRendezvous, env: dict[str, str] | None = None):
+        self.rendezvous, self.env = rendezvous, env or {}
+        self._process: subprocess.Popen | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="worker-ranks")
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        process = self._process
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        self._thread.join(15)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            log.info("joining the trainer's rendezvous at %s with %d rank(s)", self.rendezvous.endpoint,
+                     self.rendezvous.ranks_per_node)
+            self._process = subprocess.Popen(torchrun(self.rendezvous), env=os.environ | self.env | RANKS_ENV,
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=_ends_with_parent)
+            code = self._process.wait()
+            if not self._closed.is_set():
+                log.warning("this node's trainer ranks ended (exit %s): joining again", code)
+                self._closed.wait(2.0)
+
+
+def torchrun(rendezvous: TrainerRendezvous) -> list[str]:
+    """The same torchrun on every node: the head's also tells its leading rank where the server listens (env)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rendezvous.nodes}",
+            f"--nproc-per-node={rendezvous.ranks_per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.run_id}",
+            f"--max-restarts={rendezvous.max_restarts}", "-m", "art_sky.cluster.training.sharded"]
+
+
 def _reload(name: str, request: RegisterRequest, checkpoints: CheckpointDir) -> RankCommand:
     steps = checkpoints.steps()
     return RankCommand(kind="load", name=name, request=request,
                        checkpoint=str(checkpoints.step_dir(steps[-1])) if steps else None)
+
+
+def _ends_with_parent() -> None:
+    """In torchrun's child, before it starts: SIGTERM when the server that started it dies, however it dies (kill
+    -9 included), so no ranks outlive it; torchrun then stops its ranks."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port(host: str) -> int:

@@ -51,9 +51,10 @@ class Built:
 
 
 def build_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int, vocab_size: int,
-                    eos_ids: set[int]) -> Built:
+                    eos_ids: set[int], dict_turns: bool = False) -> Built:
     """Every sampled turn of every history of the trajectory, in the context it was sampled from (advantage 0: the
-    caller sets it once the group's trajectories are built).
+    caller sets it once the group's trajectories are built). With `dict_turns` (ART's
+    allow_training_without_logprobs), assistant turns written as dicts train too, rendered by the chat template.
 
     TokenizationError (the caller skips the trajectory and reports why) when a turn cannot be placed exactly, the
     trajectory has nothing to train, or a sequence is longer than `max_length`.
@@ -62,12 +63,12 @@ def build_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
     histories = trajectory.histories()
     for number, history in enumerate(histories):
         where = f"additional_histories[{number - 1}], " if number else ""
-        _build_history(tokenizer, history, vocab_size, eos_ids, where, built)
+        _build_history(tokenizer, history, vocab_size, eos_ids, where, built, dict_turns)
     if not built.exact_tokens + built.rerendered_tokens:
         raise TokenizationError(
             "no sampled turn to train on: put the objects your completions returned in messages_and_choices (an "
             "openai Choice or ChatCompletion, a litellm ModelResponse, a LangChain AIMessage); assistant messages "
-            "given as dicts are context, as in ART")
+            "given as dicts are context, as in ART, unless TrainConfig(allow_training_without_logprobs=True)")
     for sequence in built.sequences:
         if len(sequence.token_ids) > max_length:
             raise TokenizationError(
@@ -77,11 +78,14 @@ def build_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
 
 
 def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_ids: set[int], where: str,
-                   built: Built) -> None:
+                   built: Built, dict_turns: bool) -> None:
     messages: list[dict] = []
     current: Sequence | None = None
     previous: list[int] = []  # the last choice's full prompt + sampled ids: what `prompt_shared` refers to
     for index, item in enumerate(history.items):
+        if isinstance(item, WireMessage) and dict_turns and item.role == "assistant":
+            item = WireChoice(content=item.content, tool_calls=item.tool_calls,
+                              reasoning_content=item.reasoning_content)  # trained as a choice without its ids
         if isinstance(item, WireMessage):
             messages.append(item.message())
             continue

@@ -30,6 +30,8 @@ for shape in "${SHAPES[@]}"; do
   "$PYTHON" bench/bench_trainer.py --shape "$shape" --rows 16 --length 1024 --prompt 256 --repeats 5 \
     --microbatch-tokens 8192 --json "$RESULTS/trainer-$shape.json" || status=1
   "$PYTHON" bench/bench_portable_engine.py --shape "$shape" --json "$RESULTS/engine-$shape.json" || status=1
+  "$PYTHON" bench/bench_sharded.py --shape "$shape" --rows 16 --length 1024 --prompt 256 --microbatch-tokens 8192 \
+    --json "$RESULTS/sharded-$shape.json" || status=1
 done
 echo "results in $RESULTS"
 exit $status

@@ -1,0 +1,131 @@
+"""Will the model fit the cluster? The memory arithmetic behind README's "Scale" table, used twice: by
+`initialize_cluster` / `art-sky up` before anything is rented (the model's size read from its name, the GPU's memory
+from a table), and by the server when a model registers (the model's real parameter count, nvidia-smi's memory).
+
+Training holds the bf16 base weights sharded over the trainer's ranks (FSDP2): 2 bytes x parameters / ranks on each
+trainer GPU, at most TRAINER_SHARE of its memory (the rest: the layer being gathered, activations, the LoRA and its
+AdamW state, CUDA's own). vLLM holds a full copy per replica, split over at most one node's inference GPUs (tensor
+parallel never crosses nodes), at most ENGINE_SHARE of their memory (the rest: the KV cache). On one GPU both jobs
+share it (vLLM sleeps or shares Unsloth's weights while a step trains): the trainer's rule.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from art_sky.errors import ConfigError
+
+BF16_BYTES = 2
+TRAINER_SHARE = 0.6
+ENGINE_SHARE = 0.9
+
+# GiB of memory per accelerator, as SkyPilot names them (the common training GPUs).
+GPU_MEMORY_GIB = {
+    "H100": 80, "H100-MEGA": 80, "H100-SXM": 80, "H200": 141, "B200": 180, "GH200": 96, "A100-80GB": 80,
+    "A100": 40, "L40S": 48, "L40": 48, "L4": 24, "A10G": 24, "A10": 24, "A6000": 48, "RTX6000-Ada": 48, "V100": 16,
+    "V100-32GB": 32, "T4": 16, "MI300X": 192,
+}
+
+_SIZE = re.compile(r"(?<![A-Za-z0-9.])(?:(\d+)x)?(\d+(?:\.\d+)?)([BbMm])(?![A-Za-z])")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a cluster's GPUs are split: per node, `engine_gpus` for vLLM and `trainer_gpus` for the trainer's ranks
+    (the same GPU in the shared layout)."""
+
+    gpu_memory_bytes: int
+    nodes: int
+    engine_gpus: int
+    trainer_gpus: int
+
+    @property
+    def shared(self) -> bool:
+        return self.engine_gpus == 0
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.trainer_gpus * self.nodes
+
+    def problem(self, parameters: float) -> str | None:
+        """Why a model of `parameters` does not fit, with the arithmetic; None when it fits."""
+        weights = parameters * BF16_BYTES
+        gib = self.gpu_memory_bytes / 2**30
+        per_rank = weights / self.trainer_ranks
+        if per_rank > TRAINER_SHARE * self.gpu_memory_bytes:
+            return (f"its {weights / 2**30:.0f} GiB of bf16 weights over {self.trainer_ranks} trainer GPU(s) are "
+                    f"{per_rank / 2**30:.0f} GiB per GPU, more than {TRAINER_SHARE:.0%} of a {gib:.0f} GiB GPU")
+        if not self.shared and weights / self.engine_gpus > ENGINE_SHARE * self.gpu_memory_bytes:
+            return (f"vLLM's copy ({weights / 2**30:.0f} GiB of bf16 weights) over a node's {self.engine_gpus} "
+                    f"inference GPU(s) is {weights / self.engine_gpus / 2**30:.0f} GiB per GPU, more than "
+                    f"{ENGINE_SHARE:.0%} of a {gib:.0f} GiB GPU")
+        return None
+
+    def largest(self) -> float:
+        """The most parameters that fit (README's table)."""
+        trainer = TRAINER_SHARE * self.gpu_memory_bytes * self.trainer_ranks / BF16_BYTES
+        if self.shared:
+            return trainer
+        return min(trainer, ENGINE_SHARE * self.gpu_memory_bytes * self.engine_gpus / BF16_BYTES)
+
+
+def layout(gpus_per_node: int, memory_bytes: int, nodes: int = 1, trainer_gpus: int = 1) -> Layout:
+    """The layout the server chooses (cluster/node/placement.py): one GPU shared, else the last `trainer_gpus` of
+    each node train and the others serve. More trainer GPUs than the node has is refused here, before renting."""
+    if nodes < 1:
+        raise ConfigError(f"num_nodes={nodes}: a cluster has at least one node")
+    if gpus_per_node <= 1:
+        return Layout(memory_bytes, nodes, engine_gpus=0, trainer_gpus=1)
+    if trainer_gpus >= gpus_per_node:
+        raise ConfigError(f"ART_SKY_TRAINER_GPUS={trainer_gpus} trainer ranks per node, but a node has "
+                          f"{gpus_per_node} GPUs and vLLM needs at least one: give the trainer at most "
+                          f"{gpus_per_node - 1}, or ask for more GPUs per node")
+    return Layout(memory_bytes, nodes, engine_gpus=gpus_per_node - trainer_gpus, trainer_gpus=trainer_gpus)
+
+
+def accelerator(gpu: str) -> tuple[str, int, int | None]:
+    """'H100:8' -> ('H100', 8, its memory in bytes, or None for an accelerator not in the table)."""
+    name, _, count = gpu.partition(":")
+    try:
+        number = int(float(count)) if count else 1
+    except ValueError:
+        raise ConfigError(f"gpu={gpu!r}: write an accelerator and a count, e.g. H100:8") from None
+    gib = {key.lower(): value for key, value in GPU_MEMORY_GIB.items()}.get(name.strip().lower())
+    return name, number, gib * 2**30 if gib else None
+
+
+def parameters_from_name(model: str) -> float | None:
+    """A model's parameter count from the size in its name ('Qwen2.5-32B-Instruct': 32e9, 'Mixtral-8x7B': 56e9);
+    None when its name gives none."""
+    found = [(int(experts or 1), float(size), unit.lower()) for experts, size, unit in
+             _SIZE.findall(model.rsplit("/", 1)[-1])]
+    if not found:
+        return None
+    experts, size, unit = max(found, key=lambda f: f[0] * f[1] * (1e9 if f[2] == "b" else 1e6))
+    return experts * size * (1e9 if unit == "b" else 1e6)
+
+
+def check_before_renting(gpu: str | list[str] | None, nodes: int, trainer_gpus: int, base_model: str | None) -> None:
+    """Refuse, before anything is rented, a cluster the model cannot train on: each accelerator asked for (a
+    fallback list: each one) checked with the model's size from its name. Unknown sizes and accelerators pass:
+    the server checks again with the real numbers when the model registers."""
+    if nodes < 1:
+        raise ConfigError(f"num_nodes={nodes}: a cluster has at least one node")
+    if gpu is None:
+        if nodes > 1:
+            raise ConfigError(f"num_nodes={nodes} without GPUs: a multi-node cluster shards training over GPUs; "
+                              "ask for gpu='H100:8' (or another accelerator) or num_nodes=1")
+        return
+    for choice in [gpu] if isinstance(gpu, str) else gpu:
+        name, count, memory = accelerator(choice)
+        planned = layout(count, memory or 0, nodes, trainer_gpus)  # checks the trainer's GPUs against the node's
+        parameters = parameters_from_name(base_model) if base_model else None
+        if memory is None or parameters is None:
+            continue
+        problem = planned.problem(parameters)
+        if problem:
+            raise ConfigError(f"{base_model} ({parameters / 1e9:g}B parameters) does not fit {nodes} node(s) of "
+                              f"{choice}: {problem}. Ask for more GPUs per node, more nodes (the trainer shards "
+                              f"over every node's trainer GPUs: ART_SKY_TRAINER_GPUS), larger GPUs, or a smaller "
+                              "model")

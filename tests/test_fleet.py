@@ -1,0 +1,194 @@
+"""The inference fleet: a head server and a replica server joined to it (`python -m art_sky.cluster --join`), each its
+own process and port on this machine. Completions spread over both; a trained step is served by both as soon as
+train returns; a replica killed under load loses no completion that had not started streaming and leaves the
+fleet; a join that cannot work is refused, saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fleet_nodes import API_KEY, Node, fleet, start_node, wait_fleet
+from typer.testing import CliRunner
+
+from art_sky import clusters
+from art_sky.cli import app
+from art_sky.errors import BackendUnavailableError
+from art_sky.remote import lifecycle
+from art_sky.remote.runner import LocalRunner
+
+pytestmark = pytest.mark.slow
+MODEL = {"name": "tiny", "project": "fleet", "base_model": "art-sky/tiny"}
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory) -> tuple[Node, Node]:
+    root = tmp_path_factory.mktemp("fleet")
+    head = start_node(root, "head")
+    replica = None
+    try:
+        with head.client() as client:
+            assert client.post("/art/models", json=MODEL).status_code == 200
+        replica = start_node(root, "replica", join=head.url)
+        wait_fleet(head, lambda f: len(f) == 2 and f[1]["steps"] == {"tiny": 0}, "the replica serving tiny@0")
+        yield head, replica
+    finally:
+        for node in (replica, head):
+            if node is not None:
+                node.stop()
+
+
+def client(node: Node) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=node.url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120)
+
+
+async def complete(http: httpx.AsyncClient, text: str, **extra) -> httpx.Response:
+    return await http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8} | extra)
+
+
+def served(head: Node) -> list[int]:
+    """Completions each replica has served: the head's own engine, then the replica."""
+    return [r["completions"] for r in fleet(head)]
+
+
+async def test_completions_spread_over_both_replicas(nodes):
+    head, _ = nodes
+    before = served(head)
+    async with client(head) as http:
+        responses = await asyncio.gather(*(complete(http, f"conversation {i}") for i in range(24)))
+    assert [r.status_code for r in responses] == [200] * 24
+    assert {r.json()["model"] for r in responses} == {"tiny@0"}
+    after = served(head)
+    assert sum(after) - sum(before) == 24
+    assert after[0] > before[0] and after[1] > before[1], (before, after)
+
+
+async def test_a_conversations_turns_stay_on_one_replica(nodes):
+    head, _ = nodes
+    before = served(head)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first turn"}]
+    async with client(head) as http:
+        for turn in range(6):  # one at a time: both replicas idle, the conversation's own replica serves it
+            response = await http.post("/v1/chat/completions",
+                                       json={"model": "tiny", "messages": messages, "max_tokens": 4})
+            assert response.status_code == 200
+            messages += [{"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"turn {turn + 2}"}]
+    grew = [a - b for a, b in zip(served(head), before)]
+    assert sorted(grew) == [0, 6], grew
+
+
+async def test_a_trained_step_is_served_by_every_replica_when_train_returns(nodes):
+    head, _ = nodes
+    async with client(head) as http:
+        sampled = (await complete(http, "hi", n=4, logprobs=True, return_tokens_as_token_ids=True, seed=1)).json()
+        group = {"trajectories": [trajectory(choice, float(i % 2)) for i, choice in enumerate(sampled["choices"])]}
+        response = await http.post("/art/models/tiny/train", json={"groups": [group], "config": {
+            "learning_rate": 1e-3}})
+        lines = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+        assert lines[-1]["type"] == "result" and lines[-1]["step"] == 1, lines[-1]
+        assert [r["steps"] for r in fleet(head)] == [{"tiny": 1}, {"tiny": 1}]  # every replica, at once
+        before = served(head)
+        responses = await asyncio.gather(*(complete(http, f"after the step {i}") for i in range(24)))
+        assert {r.json()["model"] for r in responses} == {"tiny@1"}
+        after = served(head)
+        assert after[0] > before[0] and after[1] > before[1], (before, after)
+        older = await http.post("/v1/chat/completions", json={
+            "model": "tiny@0", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert older.status_code == 200 and older.json()["model"] == "tiny@0"  # the head has every checkpoint
+
+
+def test_status_shows_each_replica_its_load_and_step(nodes, tmp_path, monkeypatch):
+    head, replica = nodes
+    monkeypatch.setenv("ART_SKY_HOME", str(tmp_path))
+    clusters.save(tmp_path, clusters.ClusterRecord(name="two", kind="local", where="this machine", target=None,
+                                                   layout=head.layout, port=head.server.port, pid=head.server.pid,
+                                                   api_key=API_KEY))
+    result = CliRunner().invoke(app, ["status", "two", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)[0]["server"]["fleet"]
+    assert [(r["url"], r["steps"], r["outstanding"]) for r in shown] == [
+        ("local", {"tiny": 1}, 0), (replica.url, {"tiny": 1}, 0)]
+    result = CliRunner().invoke(app, ["status", "two"])
+    rows = {line.split()[0]: line for line in result.output.partition("REPLICA")[2].splitlines()[1:] if line}
+    assert "REPLICA" in result.output and set(rows) == {"two/head", f"two/{replica.url}"}, result.output
+    assert all("0 outstanding" in line and line.endswith("tiny@1") for line in rows.values()), result.output
+
+
+async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
+    head, _ = nodes
+    join = {"url": "http://127.0.0.1:1", "node": "elsewhere", "engine": "portable"}
+    async with httpx.AsyncClient(base_url=head.url, timeout=60) as http:
+        wrong_key = await http.post("/fleet/join", json=join, headers={"authorization": "Bearer wrong"})
+        assert wrong_key.status_code == 401
+        auth = {"authorization": f"Bearer {API_KEY}"}
+        unreachable = await http.post("/fleet/join", json=join, headers=auth)
+        assert unreachable.status_code == 502 and "cannot reach the replica at http://127.0.0.1:1" in \
+            unreachable.json()["detail"]
+        other_engine = await http.post("/fleet/join", json=join | {"engine": "vllm"}, headers=auth)
+        assert other_engine.status_code == 409 and "ART_SKY_ENGINE" in other_engine.json()["detail"]
+        not_a_url = await http.post("/fleet/join", json=join | {"url": "127.0.0.1:80/x"}, headers=auth)
+        assert not_a_url.status_code == 422 and "url" in not_a_url.json()["detail"]
+    try:  # it listens, then the head refuses it and it exits: which of the two the readiness wait sees varies
+        stranger = start_node(tmp_path, "stranger", join=head.url, key="not-the-head-key").layout
+    except BackendUnavailableError:
+        stranger = None
+    log = Path(tmp_path / "stranger" / "run" / "server.log")
+    deadline = time.monotonic() + 60
+    while "could not join" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "this replica could not join the fleet: the head at " in log.read_text()
+    assert "refused this node's API key: start it with the head's ART_SKY_API_KEY" in log.read_text()
+    while stranger is not None and lifecycle.status(LocalRunner(), stranger).state != "stopped":
+        assert time.monotonic() < deadline, "the refused replica did not exit"
+        time.sleep(0.2)
+    assert len(fleet(head)) == 2
+
+
+async def test_a_replica_that_stops_answering_leaves_and_joins_again_once_it_answers(nodes):
+    head, replica = nodes
+    async with client(head) as http:
+        requests = [asyncio.ensure_future(complete(http, f"stall {i}", max_tokens=32)) for i in range(24)]
+        await asyncio.to_thread(wait_fleet, head, lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
+                                "completions in flight on the replica", 60)
+        os.kill(replica.server.pid, signal.SIGSTOP)
+        try:  # three missed health checks later it leaves, and what it held is served by the head
+            responses = await asyncio.gather(*requests)
+            assert [r.status_code for r in responses] == [200] * 24
+            assert [r["url"] for r in fleet(head)] == ["local"]
+        finally:
+            os.kill(replica.server.pid, signal.SIGCONT)
+    await asyncio.to_thread(wait_fleet, head, lambda f: len(f) == 2 and f[1]["steps"] == {"tiny": 1},
+                            "the replica in the fleet again, serving tiny@1", 60)
+
+
+async def test_a_replica_killed_under_load_loses_no_completion_and_leaves(nodes):
+    head, replica = nodes
+    async with client(head) as http:
+        requests = [asyncio.ensure_future(complete(http, f"load {i}", max_tokens=32)) for i in range(40)]
+        streams = [asyncio.ensure_future(complete(http, f"stream {i}", max_tokens=64, stream=True))
+                   for i in range(6)]
+        await asyncio.to_thread(wait_fleet, head, lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
+                                "completions in flight on the replica", 60)
+        replica.kill()
+        responses = await asyncio.gather(*requests)
+        streamed = [response.text for response in await asyncio.gather(*streams)]
+    assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
+    for text in streamed:  # whole, or ended by an error event that says what happened
+        assert text.endswith("data: [DONE]\n\n") or "failed after it had started streaming" in text, text[-500:]
+    assert [r["url"] for r in wait_fleet(head, lambda f: len(f) == 1, "the killed replica gone")] == ["local"]
+
+
+def trajectory(choice: dict, reward: float) -> dict:
+    ids = [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]]
+    return {"items": [{"role": "user", "content": "hi"},
+                      {"kind": "choice", "content": choice["message"]["content"], "token_ids": ids,
+                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
+            "reward": reward}
