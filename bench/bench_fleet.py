@@ -5,8 +5,9 @@ model on the portable engine.
 Each phase sends `--concurrency` completions at a time through the head's /v1 for `--seconds` (distinct
 conversations, `--max-tokens` sampled tokens each, EOS ignored so every completion costs the same). Then one
 training step: the time from train returning to every replica listing the new step (/health) and to a completion
-sampled by the new step from every replica. The last line is `fleet speedup X.XX` (2 replicas / 1; expect >= 1.5
-on 2 cores).
+sampled by the new step from every replica. Each phase also says how much CPU the servers got (on a machine others
+share, two pinned servers may get less than two cores) and the completions per CPU-second. The last line is `fleet
+speedup X.XX` (2 replicas / 1; expect >= 1.5 on 2 otherwise idle cores).
 
     python bench/bench_fleet.py
     python bench/bench_fleet.py --seconds 30 --concurrency 256
@@ -17,10 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,30 +36,45 @@ from fleet_nodes import API_KEY, Node, fleet, start_node, wait_fleet  # noqa: E4
 MODEL = {"name": "tiny", "project": "bench", "base_model": "art-sky/tiny"}
 
 
-async def throughput(head: Node, args: argparse.Namespace, phase: str) -> float:
+def cpu_seconds(nodes: list[Node]) -> float:
+    """CPU time the servers have used (user + system, every thread): what they got of a shared machine."""
+    total = 0
+    for node in nodes:
+        fields = Path(f"/proc/{node.server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def throughput(nodes: list[Node], args: argparse.Namespace, phase: str) -> float:
     """Completions per second through the head's /v1 with `args.concurrency` in flight."""
+    head = nodes[0]
     done = 0
     counter = iter(range(10**9))
 
-    async def worker(http: httpx.AsyncClient, deadline: float) -> None:
+    async def worker(http: aiohttp.ClientSession, deadline: float) -> None:
         nonlocal done
         while time.monotonic() < deadline:
-            response = await http.post("/v1/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": f"{phase} conversation {next(counter)}"}],
-                "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0})
-            response.raise_for_status()
+            async with http.post("/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": f"{phase} conversation {next(counter)}"}],
+                    "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0}) as response:
+                response.raise_for_status()
+                await response.read()
             done += 1
 
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=300,
-                                 limits=limits) as http:
+    async with aiohttp.ClientSession(base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"},
+                                     connector=aiohttp.TCPConnector(limit=0)) as http:  # a light client: 2 cores
         await asyncio.gather(*(worker(http, time.monotonic() + 3) for _ in range(args.concurrency)))  # warm up
         done = 0
-        start = time.monotonic()
+        before = {r["url"]: r["completions"] for r in fleet(head)}
+        cpu, start = cpu_seconds(nodes), time.monotonic()
         await asyncio.gather(*(worker(http, start + args.seconds) for _ in range(args.concurrency)))
-        rate = done / (time.monotonic() - start)
+        took = time.monotonic() - start
+        cpu = cpu_seconds(nodes) - cpu
+        each = ", ".join(f"{r['url']} {(r['completions'] - before[r['url']]) / took:.1f}/s" for r in fleet(head))
+    rate = done / took
     print(f"{phase}: {rate:.1f} completions/s ({done} in {args.seconds:.0f}s, {args.concurrency} in flight, "
-          f"{args.max_tokens} tokens each)", flush=True)
+          f"{args.max_tokens} tokens each; {each}); the servers got {cpu / took:.2f} cores ({rate * took / cpu:.1f} "
+          f"completions per CPU-second) with this machine's load average at {os.getloadavg()[0]:.1f}", flush=True)
     return rate
 
 
@@ -102,7 +120,7 @@ async def step_everywhere(head: Node) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
@@ -112,11 +130,10 @@ def main() -> None:
         try:
             with head.client() as client:
                 client.post("/art/models", json=MODEL).raise_for_status()
-            one = asyncio.run(throughput(head, args, "head alone (core 0)"))
+            one = asyncio.run(throughput([head], args, "head alone (core 0)"))
             replica = start_node(root, "replica", join=head.url, core=1)
             wait_fleet(head, lambda f: len(f) == 2 and f[1]["steps"].get("tiny") == 0, "the replica serving tiny")
-            two = asyncio.run(throughput(head, args, "head (core 0) + replica (core 1)"))
-            print("completions per replica: " + ", ".join(f"{r['url']} {r['completions']}" for r in fleet(head)))
+            two = asyncio.run(throughput([head, replica], args, "head (core 0) + replica (core 1)"))
             asyncio.run(step_everywhere(head))
         finally:
             for node in (replica, head):

@@ -4,7 +4,9 @@ With `--run-dir` the server keeps its run files there (art_sky.layout: server.pi
 logs to server.log; `--detach` also puts it in its own session and returns at once. Every way of starting a server
 goes through here: the laptop's lifecycle (art_sky.remote.lifecycle: this machine, an SSH host) and the SkyPilot
 task (templates/cluster.yaml). Nothing that starts threads (torch, uvicorn) is imported before the fork, and the
-GPU layout (cluster/node/placement.py) is chosen before CUDA initializes.
+GPU layout (cluster/node/placement.py) is chosen before CUDA initializes. With `--join HEAD_URL` it is a worker
+node's replica server (cluster/replica.py) instead: it joins the head's inference fleet once it listens, and a head
+that refuses it ends it, saying why.
 """
 
 from __future__ import annotations

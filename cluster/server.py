@@ -1,7 +1,8 @@
 """The cluster server: art-sky's control API and an OpenAI-compatible endpoint, one FastAPI app.
 
 Binds 127.0.0.1 (reached through an SSH tunnel from the laptop); every route but /health needs the API key (the OpenAPI
-document too: /openapi.json; there are no /docs pages). The OpenAI surface (/v1) is cluster/inference/openai_api.py. The
+document too: /openapi.json; there are no /docs pages). The OpenAI surface (/v1) is cluster/inference/openai_api.py,
+with the inference fleet behind it (cluster/inference/fleet.py: this node's engine and the worker nodes' replicas). The
 device gate (cluster/inference/gate.py) keeps inference and adapter swaps apart: a completion is sampled by the step it
 names; while a model trains, completions go on with its previous step where the engine serves while training, and wait
 otherwise (ART's semantics). A training step is a transaction (cluster/steps.py). Request bodies are size-limited per

@@ -27,11 +27,12 @@ from art_sky.errors import ConfigError
 from art_sky.wire import ModelConfig, TrainConfig
 
 PROGRAMS = Path(__file__).parent / "art_programs"
+ROOT = Path(__file__).resolve().parent.parent
 LOCAL_LINE = "    backend = art_sky.LocalBackend()  # BACKEND"
 
 
-def run_program(name: str, cwd: Path, backend_line: str | None = None) -> dict:
-    """Run an ART program (its BACKEND line replaced, if given) in `cwd` with this venv's Python."""
+def run_program(name: str, cwd: Path, backend_line: str | None = None, python: str | Path = sys.executable) -> dict:
+    """Run an ART program (its BACKEND line replaced, if given) in `cwd` with `python` (this venv's by default)."""
     source = (PROGRAMS / f"{name}.py").read_text()
     if backend_line is not None:
         line = next(line for line in source.splitlines() if line.startswith(LOCAL_LINE))
@@ -40,7 +41,7 @@ def run_program(name: str, cwd: Path, backend_line: str | None = None) -> dict:
     program.write_text(source)
     env = os.environ | {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "WANDB_MODE": "disabled"}
     env.pop("WANDB_API_KEY", None)
-    done = subprocess.run([sys.executable, str(program)], cwd=cwd, env=env, capture_output=True, text=True,
+    done = subprocess.run([str(python), str(program)], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -86,6 +87,27 @@ def test_art_program_on_ssh_backend(sshd, tmp_path, art_sky_home):  # noqa: F811
     seen = run_program("multiply", tmp_path, line)
     server_dir = remote / "art" / "art-compat" / "models" / "multiply"
     check_multiply(seen, server_dir, tmp_path / ".art" / "art-compat" / "models" / "multiply")
+
+
+@pytest.mark.slow
+def test_art_program_from_a_clean_venv_with_only_the_art_extra(tmp_path):
+    """A user's laptop: a fresh venv with `pip install "art-sky[art]"` (no torch, no server) runs ART's `model.log`,
+    `delete_checkpoints` and `train_sft`; the server its LocalBackend starts runs on another Python (this venv's), as
+    it would on a cluster."""
+    venv = tmp_path / "art-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    install = subprocess.run([python, "-m", "pip", "install", "-q", f"{ROOT}[art]"], capture_output=True, text=True,
+                             timeout=1800)
+    assert install.returncode == 0, install.stderr[-5000:]
+    check = "import importlib.util as u; print([m for m in ('torch', 'transformers', 'fastapi') if u.find_spec(m)])"
+    assert subprocess.run([python, "-c", check], capture_output=True, text=True, check=True,
+                          cwd=tmp_path).stdout.strip() == "[]"  # the laptop side only: [art] pulls no server deps
+    work = tmp_path / "work"
+    work.mkdir()
+    seen = run_program("multiply", work, f"art_sky.LocalBackend(python={sys.executable!r})", python=python)
+    model_dir = work / ".art" / "art-compat" / "models" / "multiply"
+    check_multiply(seen, model_dir, model_dir)
 
 
 # -- ART's keywords, internal config and trajectories, translated ----------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from art_sky import capacity, clusters
-from art_sky.errors import ConfigError
+from art_sky.errors import BackendUnavailableError, ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.provisioners import sky as provisioner
 from art_sky.provisioners.sky_env import sky_cli
@@ -26,6 +26,7 @@ from art_sky.remote.runner import first_line
 from art_sky.remote.wheel import build_wheel
 from art_sky.settings import Settings, read_env_file
 from art_sky.store import server_env
+from art_sky.wire import HealthResponse
 
 from .cluster import Machine
 from .ssh import SSHBackend
@@ -108,6 +109,28 @@ class SkyPilotBackend(SSHBackend):
         await backend._ensure_started()
         clusters.save(backend.settings.home, backend.record(cluster_name))
         return backend
+
+    async def check_server(self) -> HealthResponse:
+        """As every backend's, and on several nodes, until every node's replica has joined the head's fleet. A node
+        that never joins (lost during `up`) has the whole cluster torn down: nothing is left billing for a cluster
+        that cannot work."""
+        health = await super().check_server()
+        nodes = self.spec.num_nodes if self.spec is not None else 1
+        deadline = asyncio.get_running_loop().time() + self.settings.server_start_timeout
+        while nodes > 1:
+            joined = 1 + sum(replica.url != "local" for replica in health.fleet)  # the head, and each worker
+            if joined >= nodes:
+                return health
+            if asyncio.get_running_loop().time() > deadline:
+                await provisioner.down(self.cluster_name)  # not `down()`: its checkpoints-first rules need a server
+                raise BackendUnavailableError(
+                    f"{self.where}: {joined} of its {nodes} nodes joined within "
+                    f"{self.settings.server_start_timeout:.0f} s (ART_SKY_SERVER_START_TIMEOUT), so it was torn "
+                    f"down: nothing is left billing. Read `sky logs {self.cluster_name}` of a new launch, or ask "
+                    "for fewer nodes")
+            await asyncio.sleep(5)
+            health = HealthResponse.model_validate(await self._request("GET", "/health"))
+        return health
 
     @property
     def where(self) -> str:

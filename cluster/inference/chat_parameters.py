@@ -42,7 +42,7 @@ PORTABLE = frozenset({
     "model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
     "logprobs", "top_logprobs", "tools", "tool_choice", "stream", "stream_options", "return_tokens_as_token_ids",
     "return_token_ids", "ignore_eos", "top_k",
-    "response_format", "parallel_tool_calls",  # text and true only: the engine says why it refuses the others
+    "response_format", "parallel_tool_calls",  # constrained with llguidance (cluster/inference/constraints.py)
 })
 
 

@@ -106,7 +106,7 @@ class Matchers:
         ll = _ll_tokenizer(tokenizer, vocab, eos) if any(grammars) else None
         self.rows = [llguidance.LLMatcher(ll, g.text, log_level=0) if g else None for g in grammars]
         self.active = [row for row, matcher in enumerate(self.rows) if matcher is not None]
-        self.vocab = vocab
+        self.vocab, self.eos = vocab, set(eos)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits to draw from: each active constrained row's tokens its grammar forbids at -inf (a copy)."""
@@ -123,8 +123,12 @@ class Matchers:
 
     def consume(self, row: int, token: int) -> None:
         matcher = self.rows[row]
-        if matcher is not None and row in self.active and not matcher.consume_token(token):
+        if matcher is None or row not in self.active:
+            return
+        if not matcher.consume_token(token):
             raise RuntimeError(f"constrained sampling drew token {token} its grammar refuses: {matcher.get_error()}")
+        if token in self.eos:  # the grammar's end drawn and, with ignore_eos, the row goes on: unconstrained
+            self.finish(row)
 
     def finish(self, row: int) -> None:
         """The row is done: it is no longer masked (a finished grammar allows no token at all)."""

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-import httpx
+import aiohttp
 from fastapi import APIRouter, FastAPI, HTTPException
 from fastapi.responses import FileResponse
 
@@ -60,7 +60,7 @@ class ReplicaError(Exception):
 class Replica:
     url: str  # "local": the head's own engine
     node: str
-    client: httpx.AsyncClient | None = None
+    session: aiohttp.ClientSession | None = None  # aiohttp, as the vLLM proxy: a node's few cores go to sampling
     steps: dict[str, int] = field(default_factory=dict)  # model name -> the step it serves
     outstanding: int = 0
     completions: int = 0
@@ -139,7 +139,7 @@ class Fleet:
         if self._monitor is not None:
             self._monitor.cancel()
         for replica in self.remotes:
-            await replica.client.aclose()
+            await replica.session.close()
         await self.local.aclose()
 
     async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:
@@ -185,26 +185,26 @@ class Fleet:
     async def _forward(self, replica: Replica, served: Served, body: dict, hold: Hold) -> bytes | SSE:
         """The completion from a replica server's /v1, under the served step's exact name. Its 4xx answers are the
         request's (passed on); anything else is the replica's failure (ReplicaError)."""
-        request = replica.client.build_request("POST", "/v1/chat/completions", json=body | {"model": served.name})
-        response = await _until_gone(replica, replica.client.send(request, stream=True))
+        response = await _until_gone(replica, replica.session.post(
+            "/v1/chat/completions", data=json.dumps(body | {"model": served.name}).encode(),
+            headers={"content-type": "application/json"}))
         try:
-            if response.status_code != 200:
-                content = await _until_gone(replica, response.aread())
-                _raise_for(replica, response.status_code, content)
+            if response.status != 200:
+                _raise_for(replica, response.status, await _until_gone(replica, response.read()))
             if not body.get("stream"):
-                content = await _until_gone(replica, response.aread())
+                content = await _until_gone(replica, response.read())
                 hold.release()
-                await response.aclose()
+                response.release()
                 return content
-            chunks = response.aiter_raw()
+            chunks = response.content.iter_any()
             first = await _until_gone(replica, anext(chunks))
         except BaseException:
-            await response.aclose()
+            response.close()
             raise
 
         async def close() -> None:
             hold.release()
-            await response.aclose()
+            response.close()  # a stream the client left: the replica's engine drops it
 
         return SSE(self._relay(replica, first, chunks), close)
 
@@ -232,24 +232,25 @@ class Fleet:
         if request.engine != self.local.name:
             raise HTTPException(409, f"the replica on {request.node} runs the {request.engine} engine and this head "
                                      f"runs {self.local.name}: start every node with the same ART_SKY_ENGINE")
-        client = httpx.AsyncClient(base_url=request.url, headers=self.headers,
-                                   timeout=httpx.Timeout(10.0, read=None, pool=None),
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        session = aiohttp.ClientSession(base_url=request.url, headers=self.headers,
+                                        connector=aiohttp.TCPConnector(limit=0),
+                                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0))
         try:
-            health = await client.get("/health")
-        except httpx.HTTPError as exc:
-            await client.aclose()
+            async with session.get("/health", timeout=aiohttp.ClientTimeout(total=10.0)) as health:
+                accepted = health.status == 200 and (await health.json()).get("engine") is not None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            await session.close()
             raise HTTPException(502, f"the head cannot reach the replica at {request.url} ({exc!r}): start the "
                                      "replica with --host on an address of the cluster's private network that "
                                      "the head reaches, and open its port between the nodes") from exc
-        if health.status_code != 200 or health.json().get("engine") is None:
-            await client.aclose()
+        if not accepted:
+            await session.close()
             raise HTTPException(502, f"the replica at {request.url} did not accept this head's API key: start it "
                                      "with the head's ART_SKY_API_KEY")
         self._loop = asyncio.get_running_loop()
         for old in [r for r in self.remotes if r.url == request.url]:
             self._leave(old, "it joined again")
-        replica = Replica(request.url, request.node, client)
+        replica = Replica(request.url, request.node, session)
         self.replicas.append(replica)
         log.info("replica %s on %s joined the fleet (%d replicas)", replica.url, replica.node, len(self.replicas))
         if self._monitor is None:
@@ -266,7 +267,7 @@ class Fleet:
         self.replicas.remove(replica)
         replica.gone.set()
         log.warning("replica %s on %s left the fleet: %s", replica.url, replica.node, reason)
-        asyncio.get_running_loop().create_task(replica.client.aclose())
+        asyncio.get_running_loop().create_task(replica.session.close())
 
     async def _watch(self) -> None:
         while True:
@@ -275,11 +276,11 @@ class Fleet:
 
     async def _check(self, replica: Replica) -> None:
         try:
-            response = await replica.client.get("/health", timeout=HEALTH_TIMEOUT)
-            response.raise_for_status()
-        except httpx.ConnectError as exc:  # nothing listens there any more
+            async with replica.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
+                r.raise_for_status()
+        except aiohttp.ClientConnectorError as exc:  # nothing listens there any more
             self._leave(replica, f"it refuses connections ({exc})")
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             replica.misses += 1
             if replica.misses >= MISSES:
                 self._leave(replica, f"it did not answer /health {MISSES} times in a row ({exc!r})")
@@ -322,9 +323,15 @@ class Fleet:
     async def _serve(self, replica: Replica, state: ModelState, step: int) -> None:
         """The replica loads the model at `step` (fetching its adapter from this head); ReplicaError if it cannot."""
         body = ReplicaModel(request=state.request, step=step).model_dump(mode="json")
-        response = await _until_gone(replica, replica.client.post("/fleet/models", json=body, timeout=LOAD_TIMEOUT))
-        if response.status_code != 200:
-            raise ReplicaError(f"it could not load {state.name}@{step}: {_detail(response.content)}")
+
+        async def load() -> tuple[int, bytes]:
+            async with replica.session.post("/fleet/models", json=body,
+                                            timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT)) as response:
+                return response.status, await response.read()
+
+        status, content = await _until_gone(replica, load())
+        if status != 200:
+            raise ReplicaError(f"it could not load {state.name}@{step}: {_detail(content)}")
 
 
 def install(app: FastAPI, fleet: Fleet, dependencies: list, states: dict[str, ModelState],
@@ -388,7 +395,7 @@ async def _until_gone(replica: Replica, awaitable: Awaitable[T]) -> T:
         raise ReplicaError(f"replica {replica.url} on {replica.node} left the fleet")
     try:
         return task.result()
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise ReplicaError(f"replica {replica.url} on {replica.node} failed: {exc!r}") from exc
 
 

@@ -1,0 +1,157 @@
+"""Two nodes on this machine, started as SkyPilot starts a `num_nodes=2` cluster: the shipped task's own `run:`
+script (templates/cluster.yaml) on each node with SkyPilot's variables (SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS,
+SKYPILOT_NUM_NODES), each node its own home. The head serves and hosts the trainer's rendezvous; the other node
+joins it: a replica in the fleet and its share of the trainer's ranks. A step trains on ranks of both nodes, both
+replicas serve it, and losing the worker node loses no completion that had not started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+from fleet_nodes import API_KEY, Node, wait_fleet
+from test_fleet import complete, trajectory
+
+from art_sky.layout import ServerLayout
+from art_sky.remote import lifecycle
+from art_sky.remote.runner import LocalRunner
+
+pytestmark = pytest.mark.slow
+TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "cluster.yaml"
+MODEL = {"name": "tiny", "project": "nodes", "base_model": "art-sky/tiny"}
+
+
+class SkyNode:
+    """One node of the cluster: the template's run script as SkyPilot runs it there."""
+
+    def __init__(self, root: Path, rank: int, head_port: int):
+        self.home = root / f"node{rank}"
+        self.home.mkdir()
+        env = os.environ | {
+            "HOME": str(self.home), "ART_SKY_PYTHON": sys.executable, "ART_SKY_HEAD_PORT": str(head_port),
+            "ART_SKY_API_KEY": API_KEY, "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1", "ART_SKY_TRAINER_CPU_RANKS": "1",
+            "ART_SKY_TRAIN_MICROBATCH_TOKENS": "64"}
+        run = yaml.safe_load(TEMPLATE.read_text())["run"]
+        self.process = subprocess.Popen(["bash", "-c", run], env=env, start_new_session=True,
+                                        stdout=subprocess.DEVNULL, stderr=(self.home / "run.err").open("w"))
+        self.layout = ServerLayout.under(str(self.home / "art-sky"))
+        self.server = lifecycle.wait_ready(LocalRunner(), self.layout, timeout=240,
+                                           reach=lambda port: f"http://127.0.0.1:{port}", stop_on_timeout=True,
+                                           waits_for_start=True)  # a job still starting, as on SkyPilot
+        self.node = Node(self.layout, self.server)  # what the fleet tests' helpers take
+        self.url = self.node.url
+
+    def trainer_ranks(self) -> list[psutil.Process]:
+        ranks = []
+        for process in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                if "art_sky.cluster.training.sharded" in process.cmdline() and "LOCAL_RANK" in process.environ():
+                    ranks.append(process)  # a rank (torchrun's own command line names the module too)
+            except psutil.NoSuchProcess:
+                continue
+        return ranks
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_two_node_cluster_trains_on_both_nodes_and_serves_from_both(tmp_path):
+    head_port = free_port()
+    head = SkyNode(tmp_path, 0, head_port)
+    worker = None
+    try:
+        assert head.server.port == head_port  # the head listens where the other nodes look for it
+        async with httpx.AsyncClient(base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"},
+                                     timeout=300) as http:
+            health = (await http.get("/health")).json()
+            assert (health["trainer"], health["trainer_ranks"]) == ("sharded", 2)
+            worker = SkyNode(tmp_path, 1, head_port)  # SkyPilot starts every node's script at once
+            assert (await http.post("/art/models", json=MODEL)).status_code == 200  # ranks on both nodes load it
+            await asyncio.to_thread(wait_fleet, head.node, lambda f: len(f) == 2 and f[1]["steps"] == {"tiny": 0},
+                                    "the worker node's replica serving tiny@0")
+
+            sampled = (await complete(http, "hi", n=8, logprobs=True, return_tokens_as_token_ids=True,
+                                      seed=3, max_tokens=16)).json()
+            group = {"trajectories": [trajectory(c, float(i % 3)) for i, c in enumerate(sampled["choices"])]}
+            response = await http.post("/art/models/tiny/train", json={"groups": [group],
+                                                                       "config": {"learning_rate": 1e-3}})
+            assert response.status_code == 200 and '"step":1' in response.text.replace(" ", ""), response.text[-800:]
+            assert len(head.trainer_ranks()) == 1 and len(worker.trainer_ranks()) == 1  # the step's two ranks
+            assert [r["steps"] for r in await asyncio.to_thread(wait_fleet, head.node, lambda f: len(f) == 2,
+                                                                 "both replicas")] == [{"tiny": 1}, {"tiny": 1}]
+            answers = await asyncio.gather(*(complete(http, f"after the step {i}") for i in range(16)))
+            assert {a.json()["model"] for a in answers} == {"tiny@1"}
+
+            load = [asyncio.ensure_future(complete(http, f"load {i}", max_tokens=24)) for i in range(24)]
+            await asyncio.to_thread(wait_fleet, head.node, lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
+                                    "completions in flight on the worker node", 60)
+            worker.stop(signal.SIGKILL)  # the node is lost: nothing of it says goodbye
+            responses = await asyncio.gather(*load)
+            assert [r.status_code for r in responses] == [200] * 24, [r.text for r in responses
+                                                                      if r.status_code != 200]
+            assert [r["url"] for r in await asyncio.to_thread(
+                wait_fleet, head.node, lambda f: len(f) == 1, "the lost node's replica gone")] == ["local"]
+    finally:
+        for node in (worker, head):
+            if node is not None:
+                node.stop()
+
+
+async def test_a_node_that_never_joins_has_the_cluster_torn_down(tmp_path, monkeypatch):
+    """`up` of a two-node SkyPilot cluster waits for the second node's replica; one that does not join in time
+    (a node lost on the way) tears the cluster down, the one thing here that stands in for the cloud."""
+    from fleet_nodes import start_node
+
+    from art_sky import SkyPilotBackend
+    from art_sky.errors import BackendUnavailableError
+    from art_sky.provisioners import sky as provisioner
+    from art_sky.provisioners.sky_task import ClusterSpec
+    from art_sky.settings import Settings
+
+    torn_down = []
+
+    async def down(name: str) -> None:
+        torn_down.append(name)
+
+    monkeypatch.setattr(provisioner, "down", down)
+    head = start_node(tmp_path, "head")
+    replica = None
+    try:
+        spec = ClusterSpec(gpu="H100:8", num_nodes=2, python=sys.executable)
+        backend = SkyPilotBackend("big", spec, api_key=API_KEY, settings=Settings(server_start_timeout=3))
+        backend.base_url, backend.api_key = head.url, API_KEY  # as `up` leaves them once the tunnel is up
+        with pytest.raises(BackendUnavailableError, match="1 of its 2 nodes joined within 3 s.*torn down"):
+            await backend.check_server()
+        assert torn_down == ["big"]
+        replica = start_node(tmp_path, "replica", join=head.url)
+        backend.settings = Settings(server_start_timeout=120)
+        assert [r.url for r in (await backend.check_server()).fleet][1:] == [replica.url] and torn_down == ["big"]
+        await backend.close()
+    finally:
+        for node in (replica, head):
+            if node is not None:
+                node.stop()
