@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     wandb_api_key: SecretStr | None = Field(
         None, validation_alias=AliasChoices("WANDB_API_KEY", "wandb_api_key"),
         description="Weights & Biases' key (WANDB_API_KEY): set, each model logs its steps to a W&B run")
+    skypilot_python: Path | None = Field(
+        None, description="a Python that has SkyPilot, to run it with; default: a venv art-sky makes for it under "
+                          "the cache dir (SkyPilot's pins stay out of this environment)")
     langfuse_public_key: str | None = Field(
         None, validation_alias=AliasChoices("LANGFUSE_PUBLIC_KEY", "langfuse_public_key"),
         description="Langfuse's public key (LANGFUSE_PUBLIC_KEY): with the secret key, each model's rollouts go to "

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import httpx
 import pytest
+
+from art_sky.provisioners.sky_env import sky_cli
 
 API_KEY = "test-key-0123456789"
 
@@ -41,7 +45,6 @@ def sky_slurm():
     """A real local Slurm with SkyPilot's API server running and `slurm/<alias>` enabled (tests/slurm_harness.py);
     yields the infra string. Skips, saying what to run, where the packages are not installed. The API server stops
     with the session: one started from this checkout's venv must not serve the next run from another."""
-    pytest.importorskip("sky", reason="the SkyPilot extra is not installed: bash tests/setup/30-slurm-skypilot.sh")
     import slurm_harness
 
     reason = slurm_harness.missing()
@@ -50,6 +53,4 @@ def sky_slurm():
     slurm_harness.start()
     slurm_harness.enable_sky()
     yield slurm_harness.INFRA
-    from sky.client import sdk
-
-    sdk.api_stop()
+    subprocess.run([sky_cli(), "api", "stop"], capture_output=True, timeout=120)

@@ -8,6 +8,7 @@ shared/notes/skypilot-on-local-slurm.md. SkyPilot itself edits /root/.ssh and /r
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -15,6 +16,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from art_sky.errors import ConfigError
+from art_sky.provisioners import sky as provisioner
+from art_sky.provisioners.sky_env import sky_cli
 
 ALIAS = "localcluster"  # the Host alias in ~/.slurm/config, so SkyPilot's region
 INFRA = f"slurm/{ALIAS}"
@@ -211,18 +216,18 @@ def slurm_jobs(name_prefix: str) -> list[str]:
 
 
 def enable_sky() -> None:
-    """Start SkyPilot's API server (if none runs) and enable the local Slurm: `sky check slurm`."""
-    from sky.client import sdk
-
-    enabled = sdk.get(sdk.check(("slurm",), verbose=False))
-    if not any("Slurm" in clouds for clouds in enabled.values()):
-        raise RuntimeError(f"`sky check slurm` did not enable the local Slurm ({enabled}): see ~/.slurm/config")
+    """Start SkyPilot's API server (if none runs) and enable the local Slurm: `sky check slurm`, with the CLI of
+    SkyPilot's own environment (art_sky/provisioners/sky_env.py)."""
+    result = subprocess.run([sky_cli(), "check", "slurm"], capture_output=True, text=True, timeout=600)
+    try:
+        asyncio.run(provisioner.check_infra({"resources": {"infra": INFRA}}))
+    except ConfigError as exc:
+        raise RuntimeError(f"`sky check slurm` did not enable the local Slurm ({exc}): see ~/.slurm/config\n"
+                           f"{result.stdout[-2000:]}{result.stderr[-2000:]}") from None
 
 
 def down_clusters(prefix: str) -> None:
     """Tear down every SkyPilot cluster whose name starts with `prefix` (what this test run launched)."""
-    from sky.client import sdk
-
-    for record in sdk.get(sdk.status(None)):
-        if record["name"].startswith(prefix):
-            sdk.get(sdk.down(record["name"]))
+    for record in asyncio.run(provisioner.status()):
+        if record.name.startswith(prefix):
+            asyncio.run(provisioner.down(record.name))

@@ -20,6 +20,7 @@ from art_sky import capacity, clusters
 from art_sky.errors import BackendUnavailableError, ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.provisioners import sky as provisioner
+from art_sky.provisioners.sky_env import sky_cli
 from art_sky.provisioners.sky_task import SERVER_DIR, ClusterSpec, render_task, validate_task
 from art_sky.remote.runner import first_line
 from art_sky.remote.wheel import build_wheel
@@ -166,8 +167,8 @@ class SkyPilotBackend(SSHBackend):
         elif self.server is None:  # never started here: nothing to flush, nothing to ask
             done = await self._end(ServerLayout.under(SERVER_DIR), None)
         elif state != "UP" and not force:
-            raise ConfigError(f"{self.where} is {state}: `sky start {self.cluster_name}` so that its checkpoints "
-                              f"can reach the store first, or tear it down as it is with `art-sky down "
+            raise ConfigError(f"{self.where} is {state}: `{sky_cli()} start {self.cluster_name}` so that its "
+                              "checkpoints can reach the store first, or tear it down as it is with `art-sky down "
                               f"{self.cluster_name} --force`")
         elif state != "UP":
             done = await self._end(self._layout(), None)

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from art_sky.errors import ArtSkyError, SSHError
 from art_sky.provisioners import sky as provisioner
+from art_sky.provisioners.sky_env import sky_cli
 from art_sky.provisioners.sky_task import CIJobSpec, render_ci_task, validate_task
 from art_sky.remote.runner import READ_ENV, env_stdin
 from art_sky.remote.ssh import SSHRunner, SSHTarget
@@ -218,27 +219,24 @@ class SkyPilotRunner:
         self._task = validate_task(render_ci_task(spec))  # refuse a bad spec before anything is launched
         self._request_id: str | None = None
         self._launched = threading.Event()
-        self._job_id: int | None = None
-        self._handle = None
+        self._launched_job: provisioner.Launched | None = None
 
     def launch(self, out: Output) -> None:
         def requested(request_id: str) -> None:
             self._request_id = request_id
 
-        self._job_id, self._handle = asyncio.run(provisioner.launch_job(self.name, self._task, out, requested))
+        launched = self._launched_job = asyncio.run(provisioner.launch_job(self.name, self._task, out, requested))
         self._launched.set()
-        resources = self._handle.launched_resources
-        self.accelerator = (", ".join(f"{k}:{v:g}" for k, v in resources.accelerators.items())
-                            if resources.accelerators else f"none ({resources.cpus or '?'} CPUs)")
-        out.note(f"launched; accelerator {self.accelerator}, job {self._job_id}")
+        self.accelerator = launched.accelerator
+        out.note(f"launched; accelerator {self.accelerator}, job {launched.job_id}")
 
     def follow(self, out: Output) -> int:
-        assert self._job_id is not None
-        asyncio.run(provisioner.follow_job(self.name, self._job_id, out))
+        assert self._launched_job is not None
+        asyncio.run(provisioner.follow_job(self.name, self._launched_job.job_id, out))
         out.flush()
         if out.exit_code is not None:
             return out.exit_code
-        state = asyncio.run(provisioner.job_state(self.name, self._job_id))
+        state = asyncio.run(provisioner.job_state(self.name, self._launched_job.job_id))
         return 0 if state == "SUCCEEDED" else 1
 
     def teardown(self, out: Output) -> None:
@@ -249,13 +247,14 @@ class SkyPilotRunner:
         asyncio.run(provisioner.down(self.name))
 
     def keep_hint(self) -> str:
-        net = (f" It tears itself down after {self.spec.autodown_minutes} idle minutes (`sky autostop {self.name} "
-               "--cancel` keeps it)." if self.spec.autodown_minutes is not None else "")
+        sky = sky_cli()
+        net = (f" It tears itself down after {self.spec.autodown_minutes} idle minutes (`{sky} autostop "
+               f"{self.name} --cancel` keeps it)." if self.spec.autodown_minutes is not None else "")
         return (f"cluster {self.name} is left up. Attach: `ssh {self.name}` (work dir ~/sky_workdir); logs: "
-                f"`sky logs {self.name}`; down: `sky down {self.name}`.{net}")
+                f"`{sky} logs {self.name}`; down: `{sky} down {self.name}`.{net}")
 
     def cost(self, seconds: float) -> float | None:
-        hourly = provisioner.hourly_cost(self._handle) if self._handle is not None else None
+        hourly = self._launched_job.hourly_cost if self._launched_job is not None else None
         return None if hourly is None else hourly * seconds / 3600
 
 

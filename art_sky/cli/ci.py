@@ -77,11 +77,6 @@ def _runner(command: list[str], *, gpu, spot, timeout, workdir, env_file, setup,
                               "with whatever it has: drop them or drop --host")
         return SSHHostRunner(name, SSHTarget.parse(host, key), command=line, setup=setup, workdir=workdir,
                              timeout_s=timeout_s, env=env, settings=Settings()), timeout_s
-    try:
-        import sky  # noqa: F401
-    except ImportError:
-        raise ConfigError("SkyPilot is not installed: pip install 'art-sky[sky]', or run on your own machine "
-                          "with --host user@host") from None
     spec = ci_spec(line, gpu=gpu, spot=spot, timeout_s=timeout_s, workdir=workdir, env=env, setup=setup,
                    infra=infra, cpus=cpus, memory=memory, autodown=autodown)
     return SkyPilotRunner(name, spec), timeout_s

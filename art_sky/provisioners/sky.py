@@ -1,14 +1,17 @@
 """The SkyPilot provisioner: launch or reuse a cluster that runs the server task, and say how to reach it by SSH.
 
-Every SkyPilot call is blocking (it talks to SkyPilot's API server, starting one when none runs), so each runs in
-a thread. The server itself is the task's `run:` job (templates/cluster.yaml); `ensure_server` makes sure exactly
-that job runs. SSH details come from the ssh-config file that SkyPilot's own `sky status` writes, ProxyCommand and
-all, so reaching a Slurm job or a Kubernetes pod works as `ssh <cluster>` does.
+SkyPilot runs in its own environment (sky_env.py): each call here runs sky_driver.py with that interpreter, one
+SkyPilot SDK request per process (it talks to SkyPilot's API server, starting one when none runs), relaying its log
+and reading back its result. A task is its YAML config (a dict, checked by SkyPilot's schema in `validate_task`).
+The server itself is the task's `run:` job (templates/cluster.yaml); `ensure_server` makes sure exactly that job
+runs. SSH details come from the ssh-config file that SkyPilot's own `sky status` writes, ProxyCommand and all, so
+reaching a Slurm job or a Kubernetes pod works as `ssh <cluster>` does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import subprocess
 import sys
@@ -22,6 +25,9 @@ from pydantic import BaseModel
 
 from art_sky.errors import BackendUnavailableError, ConfigError
 from art_sky.remote.ssh import SSHTarget
+
+from . import sky_driver
+from .sky_env import sky_cli, sky_python
 
 log = logging.getLogger("art_sky")
 
@@ -41,91 +47,144 @@ class ClusterInfo(BaseModel):
     hourly_cost: float | None  # None where SkyPilot knows no price
 
 
-def _sdk():
-    from sky.client import sdk
+class Launched(BaseModel):
+    """A launched cluster's first job: its id, what the cluster costs an hour (None: SkyPilot knows no price) and
+    its accelerator ("A100:1", or "none (2 CPUs)")."""
 
-    return sdk
+    job_id: int
+    hourly_cost: float | None
+    accelerator: str
 
 
-async def _call(what: str, request, *args, stream: bool = False, output: TextIO | None = None,
-                on_request: Callable[[str], None] | None = None, **kwargs) -> Any:
-    """Run one SkyPilot SDK request in a thread and wait for its result, translating SkyPilot's errors.
+class SkyError(Exception):
+    """What sky_driver.py reported: SkyPilot's error, by kind."""
 
-    `stream` relays the request's log (to `output`, default stdout); `on_request` gets its id (to cancel it).
-    """
-    from sky import exceptions
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
-    sdk = _sdk()
 
-    def blocking():
-        request_id = request(*args, **kwargs)
-        if on_request is not None:
-            on_request(request_id)
-        return sdk.stream_and_get(request_id, output_stream=output) if stream else sdk.get(request_id)
-
+async def _call(what: str, op: str, output: TextIO | None = None, on_request: Callable[[str], None] | None = None,
+                **args: Any) -> Any:
+    """Run one SkyPilot request (sky_driver.py's `op`) in SkyPilot's environment and return its result, relaying
+    its log to `output` (default stdout) and translating SkyPilot's errors; `on_request` gets its id (to cancel)."""
+    python = await asyncio.to_thread(sky_python)
+    process = await asyncio.create_subprocess_exec(
+        str(python), "-P", sky_driver.__file__, op, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, limit=1 << 24)
+    process.stdin.write(json.dumps(args).encode())
+    process.stdin.close()
+    reply, log = None, []
     try:
-        return await asyncio.to_thread(blocking)
-    except exceptions.ApiServerConnectionError as exc:
-        raise BackendUnavailableError(
-            f"cannot start or reach the SkyPilot API server while trying to {what} ({exc}): run `sky api start` "
-            "and read `sky api logs`") from None
-    except exceptions.ResourcesUnavailableError as exc:
-        raise BackendUnavailableError(
+        async for raw in process.stdout:
+            line = raw.decode(errors="replace")
+            if line.startswith(sky_driver.MARK):
+                message = json.loads(line[len(sky_driver.MARK):])
+                if "request_id" in message and on_request is not None:
+                    on_request(message["request_id"])
+                reply = message if "request_id" not in message else reply
+            else:
+                log.append(line)
+                (output or sys.stdout).write(line)
+        await process.wait()
+    except asyncio.CancelledError:
+        process.kill()
+        raise
+    if reply is None:
+        raise BackendUnavailableError(f"SkyPilot ({python}) stopped while trying to {what} (exit "
+                                      f"{process.returncode}): {''.join(log[-20:]).strip()[-1500:]}")
+    if "error" in reply:
+        raise _translate(what, SkyError(reply["error"], reply["message"]))
+    return reply["result"]
+
+
+def _translate(what: str, exc: SkyError) -> Exception:
+    sky = sky_cli()
+    if exc.kind == "api_server":
+        return BackendUnavailableError(
+            f"cannot start or reach the SkyPilot API server while trying to {what} ({exc}): run `{sky} api start` "
+            f"and read `{sky} api logs`")
+    if exc.kind == "resources":
+        return BackendUnavailableError(
             f"SkyPilot found no resources to {what}: {exc}. Try another infra or region, a GPU fallback list "
-            "(gpu=[...]), or spot=False") from None
-    except exceptions.NotSupportedError as exc:
-        raise ConfigError(f"SkyPilot cannot {what} as asked: {exc}. On infra without autostop (e.g. Slurm without "
-                          "containers), pass autostop_minutes=None (`art-sky ci run`: --no-autodown)") from None
+            "(gpu=[...]), or spot=False")
+    if exc.kind == "not_supported":
+        return ConfigError(f"SkyPilot cannot {what} as asked: {exc}. On infra without autostop (e.g. Slurm without "
+                           "containers), pass autostop_minutes=None (`art-sky ci run`: --no-autodown)")
+    if exc.kind == "invalid":
+        return ConfigError(f"SkyPilot refuses to {what}: {exc}")
+    return exc
 
 
-async def check_infra(task) -> None:
+def validate(config: dict[str, Any]) -> dict[str, Any]:
+    """Check a task's config with SkyPilot's task schema (blocking) and say what SkyPilot made of it (name, run,
+    setup, envs, secrets by name, file mounts, resources in order, what it stores); SkyError("invalid") names what
+    is wrong."""
+    python = sky_python()
+    result = subprocess.run([str(python), "-P", sky_driver.__file__, "validate"],
+                            input=json.dumps({"config": config}), capture_output=True, text=True, timeout=300)
+    replies = [json.loads(line[len(sky_driver.MARK):]) for line in result.stdout.splitlines()
+               if line.startswith(sky_driver.MARK)]
+    if not replies:
+        raise BackendUnavailableError(f"SkyPilot ({python}) could not check the task (exit {result.returncode}): "
+                                      f"{(result.stdout + result.stderr).strip()[-1500:]}")
+    if "error" in replies[-1]:
+        raise SkyError(replies[-1]["error"], replies[-1]["message"])
+    return replies[-1]["result"]
+
+
+async def check_infra(task: dict[str, Any]) -> None:
     """Refuse early, saying what to run, when the task's cloud (or any cloud) is not enabled in SkyPilot."""
-    enabled = {c.lower() for c in await _call("list the enabled clouds", _sdk().enabled_clouds)}
+    found = await _call("list the enabled clouds", "check_infra", config=task)
+    enabled = {c.lower() for c in found["enabled"]}
     if not enabled:
         raise ConfigError("no cloud or infra is enabled in SkyPilot: set up credentials (a cloud account, a "
-                          "kubeconfig, ~/.slurm/config, ...) and run `sky check`")
-    missing = sorted({str(r.cloud).lower() for r in task.resources if r.cloud is not None} - enabled)
+                          f"kubeconfig, ~/.slurm/config, ...) and run `{sky_cli()} check`")
+    missing = sorted({c.lower() for c in found["wanted"]} - enabled)
     if missing:
         cloud = missing[0]
         raise ConfigError(f"{cloud} is not enabled in SkyPilot (enabled: {', '.join(sorted(enabled))}): set up its "
-                          f"credentials and run `sky check {cloud}`, or pick an enabled infra")
+                          f"credentials and run `{sky_cli()} check {cloud}`, or pick an enabled infra")
 
 
 async def cluster_status(cluster_name: str) -> str | None:
     """The cluster's status (UP, INIT, STOPPED), or None when there is no such cluster."""
-    records = await _call(f"look up {cluster_name}", _sdk().status, [cluster_name])
-    return records[0]["status"].value if records else None
+    records = await _call(f"look up {cluster_name}", "status", names=[cluster_name])
+    return records[0]["status"] if records else None
 
 
-async def ensure_server(cluster_name: str, task, *, force_restart: bool, timeout: float) -> None:
+async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restart: bool, timeout: float) -> None:
     """Launch the cluster with the server task, or on an UP cluster make sure the server job runs (a new one on
     `force_restart`); return once the job runs."""
-    sdk = _sdk()
     await check_infra(task)
     if await cluster_status(cluster_name) != "UP":
-        if task.num_nodes > 1:  # a node lost on the way leaves the others billing: tear them all down
+        if task.get("num_nodes", 1) > 1:  # a node lost on the way leaves the others billing: tear them all down
             try:
-                job_id, _ = await _call(f"launch {cluster_name}", sdk.launch, task, cluster_name=cluster_name,
-                                        stream=True)
+                job_id = (await _call(f"launch {cluster_name}", "launch", config=task,
+                                      cluster=cluster_name))["job_id"]
                 await _wait_running(cluster_name, job_id, timeout)
             except BaseException as exc:
                 await _down_after(cluster_name, exc)
                 raise
             return
-        job_id, _ = await _call(f"launch {cluster_name}", sdk.launch, task, cluster_name=cluster_name, stream=True)
+        job_id = (await _call(f"launch {cluster_name}", "launch", config=task, cluster=cluster_name))["job_id"]
     else:
-        jobs = [j for j in await _call(f"list the jobs of {cluster_name}", sdk.queue, cluster_name,
-                                       skip_finished=True)
-                if j["job_name"] == SERVER_JOB and j["status"].value in _ACTIVE]
+        jobs = [j for j in await server_jobs(cluster_name) if j["status"] in _ACTIVE]
         if jobs and not force_restart:
             job_id = max(j["job_id"] for j in jobs)
         else:
             if jobs:
-                await _call(f"stop the server on {cluster_name}", sdk.cancel, cluster_name,
+                await _call(f"stop the server on {cluster_name}", "cancel", cluster=cluster_name,
                             job_ids=[j["job_id"] for j in jobs])
-            job_id, _ = await _call(f"start the server on {cluster_name}", sdk.exec, task, cluster_name=cluster_name,
-                                    stream=True)
+            job_id = (await _call(f"start the server on {cluster_name}", "exec", config=task,
+                                  cluster=cluster_name))["job_id"]
     await _wait_running(cluster_name, job_id, timeout)
+
+
+async def server_jobs(cluster_name: str) -> list[dict[str, Any]]:
+    """The cluster's unfinished server jobs: job_id, job_name, status (PENDING, RUNNING, ...)."""
+    jobs = await _call(f"list the jobs of {cluster_name}", "queue", cluster=cluster_name)
+    return [j for j in jobs if j["job_name"] == SERVER_JOB]
 
 
 async def _down_after(cluster_name: str, exc: BaseException) -> None:
@@ -134,7 +193,8 @@ async def _down_after(cluster_name: str, exc: BaseException) -> None:
     try:
         await asyncio.shield(down(cluster_name))
     except Exception as down_exc:  # noqa: BLE001 (the launch's error is what the caller sees; say this one too)
-        log.error("could not tear %s down (%s): run `sky down %s` now", cluster_name, down_exc, cluster_name)
+        log.error("could not tear %s down (%s): run `%s down %s` now", cluster_name, down_exc, sky_cli(),
+                  cluster_name)
     if isinstance(exc, Exception):
         exc.add_note(f"{cluster_name} was torn down: a multi-node launch that fails leaves no node running")
 
@@ -147,52 +207,53 @@ async def _wait_running(cluster_name: str, job_id: int, timeout: float) -> None:
             return
         if name not in _ACTIVE:
             raise BackendUnavailableError(f"the server job {job_id} on {cluster_name} is {name}: read "
-                                          f"`sky logs {cluster_name} {job_id}`, then retry with force_restart=True")
+                                          f"`{sky_cli()} logs {cluster_name} {job_id}`, then retry with "
+                                          "force_restart=True")
         if time.monotonic() > deadline:
             raise BackendUnavailableError(f"the server job {job_id} on {cluster_name} was still {name} after "
-                                          f"{timeout:.0f}s: read `sky logs {cluster_name} {job_id}`")
+                                          f"{timeout:.0f}s: read `{sky_cli()} logs {cluster_name} {job_id}`")
         await asyncio.sleep(2)
 
 
 async def job_state(cluster_name: str, job_id: int) -> str:
     """A job's status on the cluster (PENDING, SETTING_UP, RUNNING, SUCCEEDED, FAILED_SETUP, ...), or UNKNOWN."""
-    statuses = await _call(f"check job {job_id} on {cluster_name}", _sdk().job_status, cluster_name,
-                           job_ids=[job_id])
-    status = statuses.get(job_id) or statuses.get(str(job_id))
-    return status.value if status is not None else "UNKNOWN"
+    return await _call(f"check job {job_id} on {cluster_name}", "job_status", cluster=cluster_name, job_id=job_id)
 
 
-async def launch_job(cluster_name: str, task, output: TextIO, on_request: Callable[[str], None]) -> tuple[int, Any]:
+async def launch_job(cluster_name: str, task: dict[str, Any], output: TextIO,
+                     on_request: Callable[[str], None]) -> Launched:
     """Launch a new cluster with `task` as its first job, SkyPilot's launch log going to `output`; return once the
-    job is submitted: (job id, handle). `on_request` gets the launch request's id, for `cancel_request`."""
+    job is submitted. `on_request` gets the launch request's id, for `cancel_request`."""
     await check_infra(task)
-    return await _call(f"launch {cluster_name}", _sdk().launch, task, cluster_name=cluster_name, stream=True,
-                       output=output, on_request=on_request)
+    return Launched(**await _call(f"launch {cluster_name}", "launch", output=output, on_request=on_request,
+                                  config=task, cluster=cluster_name))
 
 
 async def cancel_request(request_id: str) -> None:
     """Abort a request still running on the API server (a launch being torn down)."""
-    await _call("cancel a request", _sdk().api_cancel, request_id, silent=True)
+    await _call("cancel a request", "api_cancel", request_id=request_id)
 
 
 async def follow_job(cluster_name: str, job_id: int, output: TextIO) -> None:
     """Write the job's log (setup and run) to `output` as it comes, until the job ends."""
-    await asyncio.to_thread(_sdk().tail_logs, cluster_name, job_id, follow=True, output_stream=output)
+    await _call(f"follow job {job_id} on {cluster_name}", "tail_logs", output=output, cluster=cluster_name,
+                job_id=job_id)
 
 
 async def ssh_target(cluster_name: str) -> SSHTarget:
     """How to reach the cluster's head node: the entry `sky status <cluster>` writes to
     ~/.sky/generated/ssh/<cluster>, including its ProxyCommand and the environment it sets (SetEnv)."""
-    command = [sys.executable, "-m", "sky.client.cli.command", "status", cluster_name]
+    command = [str(await asyncio.to_thread(sky_python)), "-m", "sky.client.cli.command", "status", cluster_name]
     try:
         result = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
-        raise BackendUnavailableError(f"`sky status {cluster_name}` took over 120s: run `sky api status`") from None
+        raise BackendUnavailableError(f"`sky status {cluster_name}` took over 120s: run `{sky_cli()} api "
+                                      "status`") from None
     path = Path.home() / ".sky" / "generated" / "ssh" / cluster_name
     if result.returncode != 0 or not path.exists():
         raise BackendUnavailableError(f"SkyPilot recorded no SSH entry for {cluster_name} (`sky status` exited "
                                       f"{result.returncode}: {result.stderr.strip()[-500:]}): is it UP? "
-                                      f"`sky status {cluster_name}`")
+                                      f"`{sky_cli()} status {cluster_name}`")
     return parse_ssh_config(path.read_text(), cluster_name)
 
 
@@ -208,33 +269,13 @@ def parse_ssh_config(text: str, host: str) -> SSHTarget:
 
 async def down(cluster_name: str) -> None:
     """Tear the cluster down (its Slurm job, VM or pod goes away); a cluster that does not exist is fine."""
-    from sky import exceptions
-
     try:
-        await _call(f"tear down {cluster_name}", _sdk().down, cluster_name)
-    except exceptions.ClusterDoesNotExist:
-        pass
+        await _call(f"tear down {cluster_name}", "down", cluster=cluster_name)
+    except SkyError as exc:
+        if exc.kind != "no_cluster":
+            raise
 
 
 async def status() -> list[ClusterInfo]:
     """The user's clusters, for `art-sky status`."""
-    records = await _call("list clusters", _sdk().status, None)
-    now = time.time()
-    return [ClusterInfo(
-        name=r["name"], status=r["status"].value,
-        infra=f"{r.get('cloud') or '-'}{'/' + r['region'] if r.get('region') else ''}",
-        resources=r.get("resources_str") or "-", accelerators=r.get("accelerators") or None,
-        uptime_s=now - r["launched_at"] if r.get("launched_at") else None,
-        hourly_cost=_hourly_cost(r)) for r in records]
-
-
-def _hourly_cost(record) -> float | None:
-    return hourly_cost(record.get("handle"))
-
-
-def hourly_cost(handle) -> float | None:
-    """What the cluster costs an hour, or None where SkyPilot knows no price."""
-    try:
-        return handle.launched_resources.get_cost(3600) * handle.launched_nodes
-    except Exception:  # SkyPilot has no price for this infra or handle
-        return None
+    return [ClusterInfo(**record) for record in await _call("list clusters", "status", names=None)]

@@ -154,21 +154,20 @@ def _set_resources(config: dict[str, Any], gpu: str | list[str] | None, infra: s
     return resources
 
 
-def validate_task(config: dict[str, Any]) -> Any:
-    """Check the config with SkyPilot's task schema and load it as a `sky.Task` (returned)."""
-    import sky
-    from sky.utils import common_utils, schemas
+def validate_task(config: dict[str, Any]) -> dict[str, Any]:
+    """Check the config with SkyPilot's task schema (in SkyPilot's environment); returns it, the task to launch."""
+    from .sky import SkyError, validate
 
     try:
-        common_utils.validate_schema(copy.deepcopy(config), schemas.get_task_schema(), "invalid task: ")
-        return sky.Task.from_yaml_config(copy.deepcopy(config))
-    except ValueError as exc:  # SkyPilot raises ValueError subclasses for schema and field errors
+        validate(config)
+    except SkyError as exc:  # SkyPilot raises ValueError subclasses for schema and field errors
         message = str(exc)
         for secret in (config.get("secrets") or {}).values():
             if secret:
                 message = message.replace(str(secret), "***")
         raise ConfigError(f"SkyPilot refuses the task: {message}. Fix the template, resources or "
                           f"overrides (art-sky {art_sky.__version__})") from None
+    return config
 
 
 def _with_count(gpu: str) -> str:

@@ -1,0 +1,64 @@
+"""SkyPilot's own environment: a venv art-sky makes (once) and drives, so SkyPilot's pins stay out of the user's.
+
+SkyPilot 0.14.1 requires click < 8.2, wandb and huggingface-hub click >= 8.2: in one environment they are a broken
+install (`pip check`). So art-sky never imports SkyPilot: it runs sky_driver.py and SkyPilot's CLI with the
+interpreter of this venv (ART_SKY_SKYPILOT_PYTHON names another one that has SkyPilot), which talk to SkyPilot's API
+server as SkyPilot's own client does. `python -m art_sky.provisioners.sky_env` makes it ahead of time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from art_sky.errors import ConfigError
+from art_sky.settings import Settings
+
+log = logging.getLogger("art_sky")
+
+SKYPILOT = "skypilot[slurm]==0.14.1"  # the release art-sky is tested with (its Slurm infra runs the tests)
+INSTALLED = "installed.txt"  # what the venv holds: a change of SKYPILOT makes a new one
+
+
+def sky_python(settings: Settings | None = None) -> Path:
+    """The interpreter that runs SkyPilot: ART_SKY_SKYPILOT_PYTHON, or the venv under the cache dir (made now if
+    missing: about a minute, once)."""
+    settings = settings or Settings()
+    if settings.skypilot_python is not None:
+        return settings.skypilot_python
+    venv = settings.cache_dir / "skypilot"
+    python = venv / "bin" / "python"
+    marker = venv / INSTALLED
+    if marker.is_file() and marker.read_text().strip() == SKYPILOT:
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / "skypilot.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one install at a time; the others then find it made
+        if not (marker.is_file() and marker.read_text().strip() == SKYPILOT):
+            _install(venv)
+            marker.write_text(SKYPILOT + "\n")
+    return python
+
+
+def sky_cli(settings: Settings | None = None) -> str:
+    """How to run SkyPilot's CLI (`sky`) from a shell, for the messages that say what to run."""
+    return str(sky_python(settings).parent / "sky")
+
+
+def _install(venv: Path) -> None:
+    log.warning("installing SkyPilot (%s) into its own environment %s: once, about a minute", SKYPILOT, venv)
+    for command in ([sys.executable, "-m", "venv", "--clear", str(venv)],
+                    [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", SKYPILOT]):
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ConfigError(f"making SkyPilot's environment {venv} failed (`{' '.join(command)}` exited "
+                              f"{result.returncode}): {result.stderr.strip()[-1500:]}\nFix that (network, disk, "
+                              "Python's venv module), or point ART_SKY_SKYPILOT_PYTHON at a Python that has "
+                              f"{SKYPILOT}")
+
+
+if __name__ == "__main__":
+    print(sky_python())
