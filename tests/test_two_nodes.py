@@ -45,9 +45,13 @@ class SkyNode:
         self.process = subprocess.Popen(["bash", "-c", run], env=env, start_new_session=True,
                                         stdout=subprocess.DEVNULL, stderr=(self.home / "run.err").open("w"))
         self.layout = ServerLayout.under(str(self.home / "art-sky"))
-        self.server = lifecycle.wait_ready(LocalRunner(), self.layout, timeout=240,
-                                           reach=lambda port: f"http://127.0.0.1:{port}", stop_on_timeout=True,
-                                           waits_for_start=True)  # a job still starting, as on SkyPilot
+        try:
+            self.server = lifecycle.wait_ready(LocalRunner(), self.layout, timeout=240,
+                                               reach=lambda port: f"http://127.0.0.1:{port}", stop_on_timeout=True,
+                                               waits_for_start=True)  # a job still starting, as on SkyPilot
+        except BaseException:
+            self.stop()  # nothing of a node that did not come up outlives the test
+            raise
         self.node = Node(self.layout, self.server)  # what the fleet tests' helpers take
         self.url = self.node.url
 
