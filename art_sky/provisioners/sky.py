@@ -69,9 +69,9 @@ async def _call(what: str, op: str, output: TextIO | None = None, on_request: Ca
     """Run one SkyPilot request (sky_driver.py's `op`) in SkyPilot's environment and return its result, relaying
     its log to `output` (default stdout) and translating SkyPilot's errors; `on_request` gets its id (to cancel)."""
     python = await asyncio.to_thread(sky_python)
-    process = await asyncio.create_subprocess_exec(
-        str(python), "-P", sky_driver.__file__, op, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT, limit=1 << 24)
+    process = await asyncio.create_subprocess_exec(  # -u: the driver passes SkyPilot's log lines on as they come
+        str(python), "-u", "-P", sky_driver.__file__, op, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, limit=1 << 24)
     process.stdin.write(json.dumps(args).encode())
     process.stdin.close()
     reply, log = None, []
@@ -85,7 +85,9 @@ async def _call(what: str, op: str, output: TextIO | None = None, on_request: Ca
                 reply = message if "request_id" not in message else reply
             else:
                 log.append(line)
-                (output or sys.stdout).write(line)
+                stream = output or sys.stdout
+                stream.write(line)
+                stream.flush()  # a job's output streams as it runs (`art-sky ci run`), not when it ends
         await process.wait()
     except asyncio.CancelledError:
         process.kill()
