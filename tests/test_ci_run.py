@@ -302,7 +302,7 @@ def wait_for_idle_cpus(count: int, timeout: float = 300) -> None:
 def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix, project):
     wait_for_idle_cpus(2)
     jobs = {code: Job([*sky_args(f"{clusters_prefix}-{code}"), "--timeout", "6m", "--",
-                       f"echo first-{code}; sleep 10; echo second-{code}; exit {code}"], project) for code in (0, 5)}
+                       f"echo first-{code}; sleep 25; echo second-{code}; exit {code}"], project) for code in (0, 5)}
     try:
         for code, job in jobs.items():
             assert job.finish() == code, job.text
@@ -311,7 +311,8 @@ def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix
             job.kill()
     for code, job in jobs.items():
         first, second = job.wait_for(f"first-{code}"), job.wait_for(f"second-{code}")
-        # streamed as it ran, not at the end (SkyPilot's log tailing polls: lines arrive a few seconds late)
+        # streamed as it ran, not at the end (SkyPilot's log tailing polls, and starts once SkyPilot's own
+        # interpreter has: lines arrive some seconds late, so the job runs long enough to tell the two apart)
         assert second - first > 4 and job.wait_for("torn down") - first > 4
         assert f"exit code    {code}" in job.text and "accelerator  none (1 CPUs)" in job.text
         assert re.search(r"setup (\d+m)?\d+s, run (\d+m)?\d+s\)", job.text) and "$0.00 (estimated)" in job.text
