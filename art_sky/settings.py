@@ -25,7 +25,8 @@ class Settings(BaseSettings):
 
     cache_dir: Path = Field(Path.home() / ".cache" / "art-sky", description="built models (the tiny model) live here")
     api_key: SecretStr | None = Field(None, description="the cluster server's API key; generated when unset")
-    server_start_timeout: float = Field(600.0, description="seconds to wait for a cluster server to become healthy")
+    server_start_timeout: float = Field(600.0, description="seconds to wait for a cluster server to become healthy "
+                                                           "(and a worker node's replica for its head to answer)")
     request_timeout: float = Field(600.0, description="seconds for one HTTP request to the cluster server")
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0, description="the server refuses larger training "
                                    "request bodies (train, SFT: 413)")

@@ -148,7 +148,7 @@ def _serve(settings: Settings, hosts: list[str], port: int, art_path: Path, layo
         while not server.started and not server.should_exit:
             time.sleep(0.05)
         try:
-            membership.join()
+            membership.join_once_up(settings.server_start_timeout)
         except JoinError as exc:
             refused.append(str(exc))
             server.should_exit = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -157,6 +158,10 @@ class JoinError(ArtSkyError):
     """The head refused this replica, or cannot be reached: the message says what to fix."""
 
 
+class HeadUnreachable(JoinError):
+    """The head does not answer (yet): a new cluster starts every node's script at once."""
+
+
 class Membership:
     """This node in the head's fleet, and its share of the trainer's ranks while the head's trainer has one."""
 
@@ -172,8 +177,9 @@ class Membership:
         try:
             response = self.client.post("/fleet/join", json=self.request.model_dump(mode="json"))
         except httpx.HTTPError as exc:
-            raise JoinError(f"cannot reach the head at {self.head_url} ({exc!r}): check --join's URL, and that the "
-                            "head's server listens on the cluster's private network (its --host)") from exc
+            raise HeadUnreachable(f"cannot reach the head at {self.head_url} ({exc!r}): check --join's URL, and "
+                                  "that the head's server listens on the cluster's private network (its --host)"
+                                  ) from exc
         if response.status_code == 401:
             raise JoinError(f"the head at {self.head_url} refused this node's API key: start it with the head's "
                             "ART_SKY_API_KEY")
@@ -187,6 +193,19 @@ class Membership:
         if trainer is not None and self.ranks is None:
             self.ranks = WorkerRanks(trainer)
         log.info("joined the fleet of %s as %s", self.head_url, self.request.url)
+
+    def join_once_up(self, timeout: float) -> None:
+        """`join`, retried while the head does not answer, for up to `timeout` s: SkyPilot starts every node at
+        once, and the head loads before it listens. A refusal is final at once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.join()
+            except HeadUnreachable as exc:
+                if time.monotonic() > deadline or self._stopped.is_set():
+                    raise HeadUnreachable(f"{exc}; tried for {timeout:.0f} s (ART_SKY_SERVER_START_TIMEOUT)") from exc
+                log.info("the head at %s does not answer yet: trying again", self.head_url)
+                self._stopped.wait(1.0)
 
     def stay(self) -> None:
         """(A thread, until `close`.) Join again whenever the head's fleet does not list this replica."""

@@ -41,8 +41,9 @@ class Node:
 
 
 def start_node(root: Path, name: str, *, join: str | None = None, core: int | None = None,
-               env: dict[str, str] | None = None, key: str = API_KEY) -> Node:
-    """A head (or, with `join`, a replica of the head at that URL) under `root/name`, ready to answer /health."""
+               env: dict[str, str] | None = None, key: str = API_KEY, port: int | None = None) -> Node:
+    """A head (or, with `join`, a replica of the head at that URL) under `root/name` (on `port`), ready to answer
+    /health."""
     layout = ServerLayout(run_dir=str(root / name / "run"), art_path=str(root / name / "art"))
     python = sys.executable
     if core is not None:
@@ -51,7 +52,8 @@ def start_node(root: Path, name: str, *, join: str | None = None, core: int | No
         os.chmod(python, 0o755)
     runner = LocalRunner()
     lifecycle.start(runner, layout, python=python, env={"ART_SKY_API_KEY": key} | (env or {}),
-                    exit_with=os.getpid(), args=("--join", join) if join else ())
+                    exit_with=os.getpid(),
+                    args=(("--join", join) if join else ()) + (("--port", str(port)) if port else ()))
     server = lifecycle.wait_ready(runner, layout, timeout=180, reach=lambda port: f"http://127.0.0.1:{port}",
                                   stop_on_timeout=True)
     return Node(layout, server)
@@ -73,3 +75,18 @@ def wait_fleet(head: Node, predicate, what: str, timeout: float = 180) -> list[d
         if time.monotonic() > deadline:
             raise AssertionError(f"the fleet did not reach: {what} within {timeout}s; it is {replicas}")
         time.sleep(0.2)
+
+
+async def complete(http: httpx.AsyncClient, text: str, **extra) -> httpx.Response:
+    """One chat completion of model "tiny" through a node's /v1."""
+    return await http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8} | extra)
+
+
+def trajectory(choice: dict, reward: float) -> dict:
+    """A trainable trajectory (wire form) from a sampled choice with token-id logprobs, after the prompt "hi"."""
+    ids = [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]]
+    return {"items": [{"role": "user", "content": "hi"},
+                      {"kind": "choice", "content": choice["message"]["content"], "token_ids": ids,
+                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
+            "reward": reward}

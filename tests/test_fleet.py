@@ -9,12 +9,13 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from fleet_nodes import API_KEY, Node, fleet, start_node, wait_fleet
+from fleet_nodes import API_KEY, Node, complete, fleet, start_node, trajectory, wait_fleet
 from typer.testing import CliRunner
 
 from art_sky import clusters
@@ -46,11 +47,6 @@ def nodes(tmp_path_factory) -> tuple[Node, Node]:
 
 def client(node: Node) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=node.url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120)
-
-
-async def complete(http: httpx.AsyncClient, text: str, **extra) -> httpx.Response:
-    return await http.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8} | extra)
 
 
 def served(head: Node) -> list[int]:
@@ -152,6 +148,34 @@ async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
     assert len(fleet(head)) == 2
 
 
+def test_a_replica_started_before_its_head_joins_once_the_head_answers(tmp_path):
+    """SkyPilot starts every node's script at once: a replica whose head does not answer yet keeps trying, for
+    ART_SKY_SERVER_START_TIMEOUT, then exits saying so."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    head_url = f"http://127.0.0.1:{port}"
+    early = start_node(tmp_path, "early", join=head_url)
+    lonely = start_node(tmp_path, "lonely", join=head_url, env={"ART_SKY_SERVER_START_TIMEOUT": "5"})
+    head = None
+    try:
+        log = Path(tmp_path / "lonely" / "run" / "server.log")
+        deadline = time.monotonic() + 60
+        while lifecycle.status(LocalRunner(), lonely.layout).state != "stopped":
+            assert time.monotonic() < deadline, "a replica whose head never answers did not give up"
+            time.sleep(0.2)
+        assert f"could not join the fleet: cannot reach the head at {head_url}" in log.read_text()
+        assert "tried for 5 s (ART_SKY_SERVER_START_TIMEOUT)" in log.read_text()
+        assert lifecycle.status(LocalRunner(), early.layout).state == "listening"  # still trying
+        head = start_node(tmp_path, "head", port=port)
+        assert [r["url"] for r in wait_fleet(head, lambda f: len(f) == 2, "the early replica joined")] == [
+            "local", early.url]
+    finally:
+        for node in (head, early):
+            if node is not None:
+                node.stop()
+
+
 async def test_a_replica_that_stops_answering_leaves_and_joins_again_once_it_answers(nodes):
     head, replica = nodes
     async with client(head) as http:
@@ -184,11 +208,3 @@ async def test_a_replica_killed_under_load_loses_no_completion_and_leaves(nodes)
     for text in streamed:  # whole, or ended by an error event that says what happened
         assert text.endswith("data: [DONE]\n\n") or "failed after it had started streaming" in text, text[-500:]
     assert [r["url"] for r in wait_fleet(head, lambda f: len(f) == 1, "the killed replica gone")] == ["local"]
-
-
-def trajectory(choice: dict, reward: float) -> dict:
-    ids = [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]]
-    return {"items": [{"role": "user", "content": "hi"},
-                      {"kind": "choice", "content": choice["message"]["content"], "token_ids": ids,
-                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
-            "reward": reward}
