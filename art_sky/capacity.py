@@ -112,10 +112,7 @@ def check_before_renting(gpu: str | list[str] | None, nodes: int, trainer_gpus: 
     the server checks again with the real numbers when the model registers."""
     if nodes < 1:
         raise ConfigError(f"num_nodes={nodes}: a cluster has at least one node")
-    if gpu is None:
-        if nodes > 1:
-            raise ConfigError(f"num_nodes={nodes} without GPUs: a multi-node cluster shards training over GPUs; "
-                              "ask for gpu='H100:8' (or another accelerator) or num_nodes=1")
+    if gpu is None:  # CPU nodes (several: gloo ranks, ART_SKY_TRAINER_CPU_RANKS each): nothing to weigh up front
         return
     for choice in [gpu] if isinstance(gpu, str) else gpu:
         name, count, memory = accelerator(choice)

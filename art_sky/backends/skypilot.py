@@ -95,7 +95,8 @@ class SkyPilotBackend(SSHBackend):
         cluster/node/placement.py) or a list tried in order; None with `resources={"cpus": ...}` runs the portable
         engine. `num_nodes`: nodes of that many GPUs each (SkyPilot's multi-node launch): the server on the head,
         an engine replica on every node, the trainer's ranks over every node's trainer GPUs (ART_SKY_TRAINER_GPUS
-        per node). `base_model`: the model you will train, checked against the GPUs before anything is rented.
+        per node; nodes without GPUs: ART_SKY_TRAINER_CPU_RANKS gloo ranks each). `base_model`: the model you will
+        train, checked against the GPUs before anything is rented.
         `infra`: SkyPilot's selector (aws, gcp/us-central1, k8s/<context>, slurm/<cluster>).
         `spot`, `autostop_minutes` (None keeps it up), `resources` (more SkyPilot resource fields).
         `env_path`: a .env file whose variables reach the server as SkyPilot secrets. `art_sky_version`: install
