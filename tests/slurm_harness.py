@@ -1,8 +1,12 @@
-"""A real single-node Slurm on localhost, with SkyPilot's Slurm infra pointed at it, for launching real clusters.
+"""A real Slurm on this machine, with SkyPilot's Slurm infra pointed at it, for launching real clusters: the node
+`host0` (partition `debug`, the default) and two more nodes, each a slurmd in a network namespace of its own
+with its own address on a bridge (partition `pair`, for `num_nodes=2`: Debian's slurmd cannot run twice in one
+namespace). SkyPilot gives a job's nodes their NodeAddr as SKYPILOT_NODE_IPS, so the two nodes reach each other as
+two machines would.
 
 `tests/setup/30-slurm-skypilot.sh` installs the packages; `start()` starts what is not running (sshd on
-127.0.0.1:22 key-only, munged, slurmctld, slurmd) and writes SkyPilot's configuration. Idempotent: a second
-call, or a second pytest run, finds everything up. The facts behind each step are in
+127.0.0.1:22 key-only, munged, the bridge and namespaces, slurmctld, the slurmds) and writes SkyPilot's
+configuration. Idempotent: a second call, or a second pytest run, finds everything up. The facts behind each step are in
 shared/notes/skypilot-on-local-slurm.md. SkyPilot itself edits /root/.ssh and /root/.bashrc: expected on a test box.
 """
 
@@ -23,11 +27,14 @@ from art_sky.provisioners.sky_env import sky_cli
 
 ALIAS = "localcluster"  # the Host alias in ~/.slurm/config, so SkyPilot's region
 INFRA = f"slurm/{ALIAS}"
+PAIR_INFRA = f"slurm/{ALIAS}/pair"  # the two namespaced nodes: SkyPilot's zone is the Slurm partition
+BRIDGE, BRIDGE_ADDR = "artsky0", "10.77.0.1"  # the "private network": slurmctld listens here for the namespaces
+PAIR = {"pair1": "10.77.0.2", "pair2": "10.77.0.3"}  # node name -> its address, in network namespace artsky-<name>
 STATE = Path("/var/lib/art-sky-slurm")  # the harness's own files: key, configs, prolog, uv, python3.10 link
 KEY = STATE / "id_ed25519"
 PYTHON310 = Path("/root/.pyenv/versions/3.10.13/bin/python3.10")  # SkyPilot's runtime venv wants 3.10
 PACKAGES = ["/usr/sbin/sshd", "/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/bin/sinfo",
-            "/usr/bin/rsync"]
+            "/usr/bin/rsync", "/usr/sbin/ip", "/usr/sbin/iptables"]
 
 
 def missing() -> str | None:
@@ -51,6 +58,7 @@ def start() -> None:
     _sshd()
     _munge()
     _prolog()
+    _network()
     _slurm()
     _sky_config()
 
@@ -136,20 +144,52 @@ echo "export SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"
     prolog.chmod(0o755)
 
 
+def _network() -> None:
+    """The bridge, and for each pair node a network namespace joined to it by a veth pair (its end named eth0),
+    with a default route through the host, which masquerades it: SkyPilot installs its runtime on every node from
+    PyPI, as a cloud node behind NAT would. /etc/hosts names each node's address, as a cluster's DNS would."""
+    if not Path(f"/sys/class/net/{BRIDGE}").exists():
+        _run("ip", "link", "add", BRIDGE, "type", "bridge")
+        _run("ip", "addr", "add", f"{BRIDGE_ADDR}/24", "dev", BRIDGE)
+    _run("ip", "link", "set", BRIDGE, "up")
+    Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+    nat = ["POSTROUTING", "-s", f"{BRIDGE_ADDR}/24", "!", "-o", BRIDGE, "-j", "MASQUERADE"]
+    if _run("iptables", "-t", "nat", "-C", *nat, check=False).returncode != 0:
+        _run("iptables", "-t", "nat", "-A", *nat)
+    hosts = Path("/etc/hosts")
+    missing = [f"{addr} {node}" for node, addr in PAIR.items() if f"{addr} {node}" not in hosts.read_text()]
+    if missing:
+        with hosts.open("a") as f:
+            f.write("".join(f"{line}  # art-sky test harness\n" for line in missing))
+    namespaces = _run("ip", "netns", "list").stdout.split()
+    for node, addr in PAIR.items():
+        ns = f"artsky-{node}"
+        if ns in namespaces:
+            continue
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", ns, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "link", "set", ns, "master", BRIDGE, "up")
+        for command in (["addr", "add", f"{addr}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
+                        ["link", "set", "lo", "up"], ["route", "add", "default", "via", BRIDGE_ADDR]):
+            _run("ip", "netns", "exec", ns, "ip", *command)
+
+
 def _slurm_conf() -> str:
     cpus = os.cpu_count() or 1
     memory_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.8)
+    pair_nodes = "\n".join(f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
+                           for node, addr in PAIR.items())
     return f"""ClusterName=artsky
-SlurmctldHost=localhost
+SlurmctldHost=localhost({BRIDGE_ADDR})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation={STATE}/slurmctld
-SlurmdSpoolDir={STATE}/slurmd
+SlurmdSpoolDir={STATE}/slurmd-%n
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile={STATE}/slurmctld.log
-SlurmdLogFile={STATE}/slurmd.log
+SlurmdLogFile={STATE}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 TaskProlog={STATE}/task_prolog.sh
@@ -159,37 +199,60 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 ReturnToService=2
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+NodeName=host0 NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+{pair_nodes}
+PartitionName=debug Nodes=host0 Default=YES MaxTime=INFINITE State=UP
+PartitionName=pair Nodes={",".join(PAIR)} MaxTime=INFINITE State=UP
 """
 
 
-def _node_state() -> str:
-    result = _run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=10)
+NODES = ["host0", *PAIR]
+
+
+def _node_state(node: str) -> str:
+    result = _run("sinfo", "-h", "-N", "-n", node, "-o", "%T", check=False, timeout=10)
     return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def _slurmd_running(node: str) -> bool:
+    try:
+        os.kill(int(Path(f"/run/slurmd-{node}.pid").read_text().strip()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _slurm() -> None:
     conf = Path("/etc/slurm/slurm.conf")
     wanted = _slurm_conf()
-    changed = not conf.exists() or conf.read_text() != wanted
-    if changed:
+    if not conf.exists() or conf.read_text() != wanted:
+        # New nodes or a new controller address need the daemons restarted, not reconfigured.
+        for name in ("slurmctld", "slurmd"):
+            _run("pkill", "-x", name, check=False)
+        _wait("the old Slurm daemons to stop",
+              lambda: _run("pgrep", "-x", "slurmctld|slurmd", check=False).returncode != 0)
         conf.parent.mkdir(parents=True, exist_ok=True)
         conf.write_text(wanted)
-    for d in ("slurmctld", "slurmd"):
-        (STATE / d).mkdir(exist_ok=True)
-    running = {name: _run("pgrep", "-x", name, check=False).returncode == 0 for name in ("slurmctld", "slurmd")}
-    if changed and any(running.values()):
-        _run("scontrol", "reconfigure", check=False)
-    if not running["slurmctld"]:
+    (STATE / "slurmctld").mkdir(exist_ok=True)
+    if _run("pgrep", "-x", "slurmctld", check=False).returncode != 0:
         _run("/usr/sbin/slurmctld")
         _wait("slurmctld", lambda: _run("scontrol", "ping", check=False, timeout=10).returncode == 0)
-    if not running["slurmd"]:
-        _run("/usr/sbin/slurmd", "-N", "localhost")
-    _wait("the Slurm node", lambda: _node_state() != "" and _node_state() not in ("unknown", "unknown*"))
-    if any(s in _node_state() for s in ("down", "drain")):
-        _run("scontrol", "update", "nodename=localhost", "state=resume", check=False)
-    _wait("an idle or allocated Slurm node", lambda: _node_state().rstrip("*") in ("idle", "mixed", "allocated"))
+    for node in NODES:
+        (STATE / f"slurmd-{node}").mkdir(exist_ok=True)
+        if not _slurmd_running(node):
+            if node not in PAIR:
+                _run("/usr/sbin/slurmd", "-N", node)
+                continue
+            # Its own network namespace (nsenter, not `ip netns exec`, which remounts /sys and leaves slurmd no
+            # cgroup filesystem) and its own hostname: SkyPilot finds a node's IP by resolving its hostname.
+            _run("nsenter", f"--net=/run/netns/artsky-{node}", "unshare", "--uts", "sh", "-c",
+                 f"hostname {node} && exec /usr/sbin/slurmd -N {node}")
+    for node in NODES:
+        _wait(f"the Slurm node {node}", lambda: _node_state(node) not in ("", "unknown", "unknown*"))
+        if any(s in _node_state(node) for s in ("down", "drain")):
+            _run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+        _wait(f"the Slurm node {node} idle or allocated",
+              lambda: _node_state(node).rstrip("*") in ("idle", "mixed", "allocated"))
 
 
 def _sky_config() -> None:
@@ -203,6 +266,12 @@ def _sky_config() -> None:
     wanted = "slurm:\n  provision_timeout: 30\n"
     if not config.exists() or config.read_text() != wanted:
         config.write_text(wanted)
+
+
+def node_of(pid: int) -> str | None:
+    """The pair node whose network namespace process `pid` runs in; None for the host's (and `host0`'s)."""
+    net = os.stat(f"/proc/{pid}/ns/net").st_ino
+    return next((node for node in PAIR if os.stat(f"/run/netns/artsky-{node}").st_ino == net), None)
 
 
 def slurm_jobs(name_prefix: str) -> list[str]:

@@ -1,6 +1,8 @@
-"""Two nodes on this machine, started as SkyPilot starts a `num_nodes=2` cluster: the shipped task's own `run:`
-script (templates/cluster.yaml) on each node with SkyPilot's variables (SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS,
-SKYPILOT_NUM_NODES), each node its own home. The head serves and hosts the trainer's rendezvous; the other node
+"""Two nodes on this machine. First through SkyPilot itself: `initialize_cluster(num_nodes=2)` on the local Slurm's
+two nodes, each a slurmd in a network namespace of its own (tests/slurm_harness.py). Then, quicker, the shipped
+task's own `run:` script (templates/cluster.yaml) on each node with SkyPilot's variables (SKYPILOT_NODE_RANK,
+SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES), the nodes sharing one home as on SkyPilot's Slurm (its cluster home is on
+NFS). The head serves and hosts the trainer's rendezvous; the other node
 joins it: a replica in the fleet and its share of the trainer's ranks. A step trains on ranks of both nodes, both
 replicas serve it, and losing the worker node loses no completion that had not started."""
 
@@ -18,8 +20,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from fleet_nodes import API_KEY, Node, wait_fleet
-from test_fleet import complete, trajectory
+from fleet_nodes import API_KEY, Node, complete, trajectory, wait_fleet
 
 from art_sky.layout import ServerLayout
 from art_sky.remote import lifecycle
@@ -34,8 +35,8 @@ class SkyNode:
     """One node of the cluster: the template's run script as SkyPilot runs it there."""
 
     def __init__(self, root: Path, rank: int, head_port: int):
-        self.home = root / f"node{rank}"
-        self.home.mkdir()
+        self.home = root / "home"
+        self.home.mkdir(exist_ok=True)
         env = os.environ | {
             "HOME": str(self.home), "ART_SKY_PYTHON": sys.executable, "ART_SKY_HEAD_PORT": str(head_port),
             "ART_SKY_API_KEY": API_KEY, "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": str(rank),
@@ -43,8 +44,8 @@ class SkyNode:
             "ART_SKY_TRAIN_MICROBATCH_TOKENS": "64"}
         run = yaml.safe_load(TEMPLATE.read_text())["run"]
         self.process = subprocess.Popen(["bash", "-c", run], env=env, start_new_session=True,
-                                        stdout=subprocess.DEVNULL, stderr=(self.home / "run.err").open("w"))
-        self.layout = ServerLayout.under(str(self.home / "art-sky"))
+                                        stdout=subprocess.DEVNULL, stderr=(root / f"run{rank}.err").open("w"))
+        self.layout = ServerLayout.under(str(self.home / "art-sky" / (f"node{rank}" if rank else "")))
         try:
             self.server = lifecycle.wait_ready(LocalRunner(), self.layout, timeout=240,
                                                reach=lambda port: f"http://127.0.0.1:{port}", stop_on_timeout=True,
@@ -75,6 +76,101 @@ class SkyNode:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+
+
+async def wait_fleet_of(backend, predicate, what: str, timeout: float = 180) -> list:
+    """The fleet as the backend's /health shows it, once `predicate` holds for it."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate(fleet := (await backend.health()).fleet):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s; the fleet is {fleet}")
+        await asyncio.sleep(0.5)
+    return fleet
+
+
+def cluster_processes(module: str, flag: str = "") -> dict[str, list[psutil.Process]]:
+    """The processes on the two Slurm nodes that run `module` (with `flag`), by node."""
+    import slurm_harness
+
+    found: dict[str, list[psutil.Process]] = {}
+    for process in psutil.process_iter():
+        try:
+            command = process.cmdline()
+            runs = module in command and "torch.distributed.run" not in command  # torchrun's names a rank's too
+            if runs and (not flag or flag in command) and (node := slurm_harness.node_of(process.pid)):
+                found.setdefault(node, []).append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+async def test_initialize_cluster_with_two_nodes_on_slurm(sky_slurm, tmp_path, monkeypatch):
+    """SkyPilot's own multi-node launch (its node IPs and rank variables): the server on the head node, the other
+    node joined to it; a step's ranks span both nodes, both replicas serve it, and the worker's replica killed
+    under load loses no completion that had not started."""
+    import secrets
+
+    import slurm_harness
+
+    import art_sky as art
+    from art_sky import SkyPilotBackend
+
+    name = f"art-sky-test-{secrets.token_hex(3)}-nodes"
+    monkeypatch.setenv("ART_SKY_REMOTE_PYTHON", sys.executable)  # the job runs this interpreter: nothing to install
+    monkeypatch.setenv("ART_SKY_SERVER_START_TIMEOUT", "300")
+    monkeypatch.setenv("ART_SKY_SSH_CONNECT_TIMEOUT", "90")  # each SSH connection is an `srun ... sshd -i`
+    monkeypatch.setenv("ART_SKY_HOME", str(tmp_path / "art-sky-home"))
+    server_env = tmp_path / "server.env"
+    server_env.write_text("ART_SKY_TRAINER_CPU_RANKS=1\nART_SKY_TRAIN_MICROBATCH_TOKENS=64\n")  # a rank per node
+    backend = None
+    try:
+        backend = await asyncio.wait_for(SkyPilotBackend.initialize_cluster(
+            cluster_name=name, gpu=None, num_nodes=2, infra=slurm_harness.PAIR_INFRA,
+            resources={"cpus": 1, "memory": 1}, autostop_minutes=None, api_key=API_KEY, env_path=server_env), 900)
+        health = await backend.health()  # `up` returned once both nodes had joined
+        assert (health.trainer, health.trainer_ranks) == ("sharded", 2)
+        assert [r.url for r in health.fleet][0] == "local" and health.fleet[1].url.startswith("http://10.77.0."), \
+            health.fleet  # the worker joined at its own address on the "private network"
+        (head_node,), (worker_node,) = cluster_processes("art_sky.cluster", "--port"), cluster_processes(
+            "art_sky.cluster", "--join")
+        assert {head_node, worker_node} == set(slurm_harness.PAIR)
+
+        model = art.TrainableModel(name="tiny", project="nodes", base_model="art-sky/tiny",
+                                   config=art.ModelConfig(max_seq_length=512))
+        await model.register(backend)
+        await wait_fleet_of(backend, lambda f: [r.steps for r in f] == [{"tiny": 0}] * 2, "both replicas at step 0")
+        client = model.openai_client().with_options(max_retries=0)  # a lost completion must show, not be retried
+        prompt = [{"role": "user", "content": "hi"}]
+        sampled = await client.chat.completions.create(model=model.get_inference_name(), messages=prompt, n=4,
+                                                       max_tokens=12, temperature=1.0, seed=3)
+        group = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*prompt, c], reward=float(i % 2))
+                                     for i, c in enumerate(sampled.choices)])
+        metrics = await asyncio.wait_for(model.train([group], config=art.TrainConfig(learning_rate=1e-3)), 600)
+        assert metrics["step"] == 1
+        ranks = cluster_processes("art_sky.cluster.training.sharded")
+        assert {node: len(r) for node, r in ranks.items()} == {head_node: 1, worker_node: 1}  # the step's two ranks
+        await wait_fleet_of(backend, lambda f: [r.steps for r in f] == [{"tiny": 1}] * 2, "both replicas at step 1")
+        answers = await asyncio.gather(*(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"after the step {i}"}], max_tokens=4)
+            for i in range(12)))
+        assert {a.model for a in answers} == {"tiny@1"}
+
+        load = [asyncio.ensure_future(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"load {i}"}], max_tokens=24)) for i in range(24)]
+        await wait_fleet_of(backend, lambda f: len(f) == 2 and f[1].outstanding > 0,
+                            "completions in flight on the worker node", 60)
+        (replica,) = cluster_processes("art_sky.cluster", "--join")[worker_node]
+        replica.kill()  # the node's server is lost: nothing of it says goodbye
+        done = await asyncio.gather(*load, return_exceptions=True)
+        assert [a for a in done if isinstance(a, BaseException)] == []
+        assert [r.url for r in await wait_fleet_of(backend, lambda f: len(f) == 1, "the lost replica gone")] == [
+            "local"]
+    finally:
+        if backend is not None:
+            await backend.close()
+        await asyncio.to_thread(slurm_harness.down_clusters, name)
+    assert not slurm_harness.slurm_jobs(name)
 
 
 def free_port() -> int:
