@@ -72,15 +72,16 @@ class Layout:
 
 def layout(gpus_per_node: int, memory_bytes: int, nodes: int = 1, trainer_gpus: int = 1) -> Layout:
     """The layout the server chooses (cluster/node/placement.py): one GPU shared, else the last `trainer_gpus` of
-    each node train and the others serve. More trainer GPUs than the node has is refused here, before renting."""
+    each node train and the others serve. A trainer with every GPU of a node is refused: on the laptop before
+    renting, on the server when it splits its node's GPUs."""
     if nodes < 1:
         raise ConfigError(f"num_nodes={nodes}: a cluster has at least one node")
     if gpus_per_node <= 1:
         return Layout(memory_bytes, nodes, engine_gpus=0, trainer_gpus=1)
     if trainer_gpus >= gpus_per_node:
-        raise ConfigError(f"ART_SKY_TRAINER_GPUS={trainer_gpus} trainer ranks per node, but a node has "
-                          f"{gpus_per_node} GPUs and vLLM needs at least one: give the trainer at most "
-                          f"{gpus_per_node - 1}, or ask for more GPUs per node")
+        raise ConfigError(f"ART_SKY_TRAINER_GPUS={trainer_gpus} leaves none of a node's {gpus_per_node} GPUs for "
+                          f"vLLM: give the trainer at most {gpus_per_node - 1}, ask for more GPUs per node, or set "
+                          "ART_SKY_GPU_LAYOUT=shared")
     return Layout(memory_bytes, nodes, engine_gpus=gpus_per_node - trainer_gpus, trainer_gpus=trainer_gpus)
 
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAPTOP = ("art_sky.backends", "art_sky.remote", "art_sky.cli", "art_sky.ci", "art_sky.clusters",
           "art_sky.provisioners", "art_sky.demo", "paramiko", "sky")
 SHARED = ("art_sky.wire", "art_sky.errors", "art_sky.settings", "art_sky.layout", "art_sky.files", "art_sky.disk_full",
-          "art_sky.checkpoints", "art_sky.store")
+          "art_sky.checkpoints", "art_sky.store", "art_sky.capacity")
 # (importer prefix, what it must not import): the data path's layers, one way
 RULES = [
     ("art_sky.cluster", LAPTOP + ("art_sky.client",)),

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from art_sky.capacity import BF16_BYTES  # vLLM serves the weights in bf16, whatever the trainer holds
+from art_sky.capacity import BF16_BYTES, layout  # BF16_BYTES: vLLM serves bf16 weights, whatever the trainer holds
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
@@ -146,12 +146,9 @@ def choose(gpus: Gpus, settings: Settings, vllm: bool) -> Placement:
     if not dedicated:  # one GPU for both jobs: CUDA's device 0; any others stay idle
         return Placement("shared", engine_gpus=gpus.ids[:1], trainer_gpus=gpus.ids[:1], idle_gpus=gpus.ids[1:],
                          **common)
-    trainer = settings.trainer_gpus
-    if trainer >= count:
-        raise ConfigError(f"ART_SKY_TRAINER_GPUS={trainer} leaves none of this node's {count} GPUs for vLLM: give "
-                          f"the trainer at most {count - 1}, or set ART_SKY_GPU_LAYOUT=shared")
-    return Placement("dedicated", engine_gpus=gpus.ids[:count - trainer], trainer_gpus=gpus.ids[count - trainer:],
-                     data_parallel=count - trainer, **common)
+    engine = layout(count, gpus.memory_bytes or 0, trainer_gpus=settings.trainer_gpus).engine_gpus
+    return Placement("dedicated", engine_gpus=gpus.ids[:engine], trainer_gpus=gpus.ids[engine:],
+                     data_parallel=engine, **common)
 
 
 def place(settings: Settings, vllm: bool, environ: MutableMapping[str, str] = os.environ) -> Placement:
