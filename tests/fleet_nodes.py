@@ -81,12 +81,3 @@ async def complete(http: httpx.AsyncClient, text: str, **extra) -> httpx.Respons
     """One chat completion of model "tiny" through a node's /v1."""
     return await http.post("/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8} | extra)
-
-
-def trajectory(choice: dict, reward: float) -> dict:
-    """A trainable trajectory (wire form) from a sampled choice with token-id logprobs, after the prompt "hi"."""
-    ids = [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]]
-    return {"items": [{"role": "user", "content": "hi"},
-                      {"kind": "choice", "content": choice["message"]["content"], "token_ids": ids,
-                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
-            "reward": reward}

@@ -1,4 +1,5 @@
-"""One rollout-and-train round through any backend: what every "then a rollout and a training step" test does."""
+"""One rollout-and-train round through any backend: what every "then a rollout and a training step" test does, and
+the wire form of a sampled choice for tests that speak HTTP to a server."""
 
 from __future__ import annotations
 
@@ -24,3 +25,12 @@ async def rollout_and_train(backend: art_sky.Backend, *, project: str, limit: fl
     metrics = await asyncio.wait_for(model.train([art_sky.TrajectoryGroup(trajectories)]), limit)
     assert metrics["step"] == step + 1
     return model
+
+
+def trajectory(choice: dict, reward: float) -> dict:
+    """A trainable trajectory (wire form) from a sampled choice with token-id logprobs, after the prompt "hi"."""
+    ids = [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]]
+    return {"items": [{"role": "user", "content": "hi"},
+                      {"kind": "choice", "content": choice["message"]["content"], "token_ids": ids,
+                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
+            "reward": reward}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-import openai
 import pytest
+from langchain_structured import check_structured_output
 from openai import AsyncOpenAI
 
 import art_sky as art
@@ -143,29 +143,9 @@ async def train_group(model) -> list[art.Trajectory]:
 
 
 async def test_langchain_structured_output_on_the_portable_engine(model):
-    """LangChain's with_structured_output, both methods (response_format json_schema; a named tool with
-    parallel_tool_calls=false): the reply is constrained, so even the untrained tiny model returns a parsed object."""
-    from typing import Literal
-
-    from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel
-
-    class Answer(BaseModel):
-        ok: bool
-        word: Literal["sea", "sky"]
-
-    for method in ("json_schema", "function_calling"):
-        for seed in (1, 2, 3):  # the random-weight model may pad the JSON with whitespace past max_tokens
-            llm = ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
-                             max_tokens=300, seed=seed)
-            try:
-                parsed = await llm.with_structured_output(Answer, method=method, strict=True).ainvoke("Sea or sky?")
-            except openai.LengthFinishReasonError:
-                continue
-            assert isinstance(parsed, Answer), method
-            break
-        else:
-            pytest.fail(f"{method}: every seed's reply ran past max_tokens")
+    """LangChain's with_structured_output, both methods: the reply is constrained, so even the untrained tiny model
+    returns a parsed object."""
+    await check_structured_output(model)
 
 
 async def test_ruler_with_the_clusters_own_endpoint_as_judge(model):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet_nodes import API_KEY, Node, complete, fleet, start_node, trajectory, wait_fleet
+from fleet_nodes import API_KEY, Node, complete, fleet, start_node, wait_fleet
+from loop import trajectory
 from typer.testing import CliRunner
 
 from art_sky import clusters

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from conftest import API_KEY, train_lines
+from loop import trajectory
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
 
@@ -14,14 +15,6 @@ async def completion(server, **overrides):
     response = await server.post("/v1/chat/completions", json=CHAT | overrides)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def trajectory(choice: dict, reward: float) -> dict:
-    ids = [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]]
-    return {"items": [{"role": "user", "content": "hi"},
-                      {"kind": "choice", "content": choice["message"]["content"], "token_ids": ids,
-                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
-            "reward": reward}
 
 
 async def sampled_group(server, n=4):

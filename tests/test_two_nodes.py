@@ -20,7 +20,8 @@ import httpx
 import psutil
 import pytest
 import yaml
-from fleet_nodes import API_KEY, Node, complete, trajectory, wait_fleet
+from fleet_nodes import API_KEY, Node, complete, wait_fleet
+from loop import trajectory
 
 from art_sky.layout import ServerLayout
 from art_sky.remote import lifecycle

@@ -13,9 +13,9 @@ import socket
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import torch
+from langchain_structured import check_structured_output
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from transformers import AutoTokenizer
 from vllm_cpu import VLLM_PYTHON, vllm_backend
@@ -241,28 +241,7 @@ async def test_vllm_serves_the_previous_step_while_the_trainer_trains(served):
 async def test_langchain_structured_output_on_vllm(served):
     """LangChain's with_structured_output on vLLM, both methods, as on the portable engine (tests/test_any_client.py):
     the same parameters constrain the reply on both engines."""
-    from typing import Literal
-
-    from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel
-
-    class Answer(BaseModel):
-        ok: bool
-        word: Literal["sea", "sky"]
-
-    _, model = served
-    for method in ("json_schema", "function_calling"):
-        for seed in (1, 2, 3):  # the random-weight model may pad the JSON with whitespace past max_tokens
-            llm = ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
-                             max_tokens=300, seed=seed)
-            try:
-                parsed = await llm.with_structured_output(Answer, method=method, strict=True).ainvoke("Sea or sky?")
-            except openai.LengthFinishReasonError:
-                continue
-            assert isinstance(parsed, Answer), method
-            break
-        else:
-            pytest.fail(f"{method}: every seed's reply ran past max_tokens")
+    await check_structured_output(served[1])
 
 
 async def test_vllm_stops_with_the_server(served):
