@@ -29,6 +29,7 @@ ALIAS = "localcluster"  # the Host alias in ~/.slurm/config, so SkyPilot's regio
 INFRA = f"slurm/{ALIAS}"
 PAIR_INFRA = f"slurm/{ALIAS}/pair"  # the two namespaced nodes: SkyPilot's zone is the Slurm partition
 BRIDGE, BRIDGE_ADDR = "artsky0", "10.77.0.1"  # the "private network": slurmctld listens here for the namespaces
+HOST_NODE = "host0"  # the host's own node; named "localhost" beside others, slurmctld dies ("Duplicated NodeHostName")
 PAIR = {"pair1": "10.77.0.2", "pair2": "10.77.0.3"}  # node name -> its address, in network namespace artsky-<name>
 STATE = Path("/var/lib/art-sky-slurm")  # the harness's own files: key, configs, prolog, uv, python3.10 link
 KEY = STATE / "id_ed25519"
@@ -147,7 +148,8 @@ echo "export SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"
 def _network() -> None:
     """The bridge, and for each pair node a network namespace joined to it by a veth pair (its end named eth0),
     with a default route through the host, which masquerades it: SkyPilot installs its runtime on every node from
-    PyPI, as a cloud node behind NAT would. /etc/hosts names each node's address, as a cluster's DNS would."""
+    PyPI, as a cloud node behind NAT would. /etc/hosts names each node's address (host0's too), as a cluster's DNS
+    would: SkyPilot resolves the job's node names."""
     if not Path(f"/sys/class/net/{BRIDGE}").exists():
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
         _run("ip", "addr", "add", f"{BRIDGE_ADDR}/24", "dev", BRIDGE)
@@ -157,7 +159,8 @@ def _network() -> None:
     if _run("iptables", "-t", "nat", "-C", *nat, check=False).returncode != 0:
         _run("iptables", "-t", "nat", "-A", *nat)
     hosts = Path("/etc/hosts")
-    missing = [f"{addr} {node}" for node, addr in PAIR.items() if f"{addr} {node}" not in hosts.read_text()]
+    names = {HOST_NODE: "127.0.0.1"} | PAIR
+    missing = [f"{addr} {node}" for node, addr in names.items() if f"{addr} {node}" not in hosts.read_text()]
     if missing:
         with hosts.open("a") as f:
             f.write("".join(f"{line}  # art-sky test harness\n" for line in missing))
@@ -199,14 +202,14 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 ReturnToService=2
-NodeName=host0 NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+NodeName={HOST_NODE} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
 {pair_nodes}
-PartitionName=debug Nodes=host0 Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={HOST_NODE} Default=YES MaxTime=INFINITE State=UP
 PartitionName=pair Nodes={",".join(PAIR)} MaxTime=INFINITE State=UP
 """
 
 
-NODES = ["host0", *PAIR]
+NODES = [HOST_NODE, *PAIR]
 
 
 def _node_state(node: str) -> str:
