@@ -54,3 +54,14 @@ def sky_slurm():
     slurm_harness.enable_sky()
     yield slurm_harness.INFRA
     subprocess.run([sky_cli(), "api", "stop"], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def sky_slurm_pair(sky_slurm):
+    """The local Slurm's two namespaced nodes as SkyPilot's infra (`slurm/<alias>/pair`); skips, saying why, where
+    this machine cannot make network namespaces."""
+    import slurm_harness
+
+    if slurm_harness.no_pair:
+        pytest.skip(slurm_harness.no_pair)
+    return slurm_harness.PAIR_INFRA

@@ -52,15 +52,24 @@ def missing() -> str | None:
     return None
 
 
+no_pair: str | None = None  # after start(): why the pair nodes could not be made here, or None
+
+
 def start() -> None:
-    """Bring up sshd, munge, Slurm and SkyPilot's configuration; raise RuntimeError saying what failed."""
+    """Bring up sshd, munge, Slurm and SkyPilot's configuration; raise RuntimeError saying what failed. Where the
+    pair nodes cannot be made (no network namespaces here), `no_pair` says why and the host's node runs alone."""
+    global no_pair
     STATE.mkdir(parents=True, exist_ok=True)
     _key()
     _sshd()
     _munge()
     _prolog()
-    _network()
-    _slurm()
+    try:
+        _network()
+        no_pair = None
+    except (subprocess.CalledProcessError, OSError) as exc:
+        no_pair = f"no network namespaces for the pair nodes here: {exc} {getattr(exc, 'stderr', '') or ''}".strip()
+    _slurm(pair=no_pair is None)
     _sky_config()
 
 
@@ -177,13 +186,14 @@ def _network() -> None:
             _run("ip", "netns", "exec", ns, "ip", *command)
 
 
-def _slurm_conf() -> str:
+def _slurm_conf(pair: bool) -> str:
     cpus = os.cpu_count() or 1
     memory_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.8)
-    pair_nodes = "\n".join(f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
-                           for node, addr in PAIR.items())
+    pair_nodes = "\n".join([f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
+                            for node, addr in PAIR.items()] + [f"PartitionName=pair Nodes={','.join(PAIR)} "
+                                                               "MaxTime=INFINITE State=UP"] if pair else [])
     return f"""ClusterName=artsky
-SlurmctldHost=localhost({BRIDGE_ADDR})
+SlurmctldHost=localhost{f"({BRIDGE_ADDR})" if pair else ""}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -203,9 +213,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 ReturnToService=2
 NodeName={HOST_NODE} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
-{pair_nodes}
 PartitionName=debug Nodes={HOST_NODE} Default=YES MaxTime=INFINITE State=UP
-PartitionName=pair Nodes={",".join(PAIR)} MaxTime=INFINITE State=UP
+{pair_nodes}
 """
 
 
@@ -225,9 +234,10 @@ def _slurmd_running(node: str) -> bool:
         return False
 
 
-def _slurm() -> None:
+def _slurm(pair: bool) -> None:
     conf = Path("/etc/slurm/slurm.conf")
-    wanted = _slurm_conf()
+    wanted = _slurm_conf(pair)
+    nodes = NODES if pair else [HOST_NODE]
     if not conf.exists() or conf.read_text() != wanted:
         # New nodes or a new controller address need the daemons restarted, not reconfigured.
         for name in ("slurmctld", "slurmd"):
@@ -240,7 +250,7 @@ def _slurm() -> None:
     if _run("pgrep", "-x", "slurmctld", check=False).returncode != 0:
         _run("/usr/sbin/slurmctld")
         _wait("slurmctld", lambda: _run("scontrol", "ping", check=False, timeout=10).returncode == 0)
-    for node in NODES:
+    for node in nodes:
         (STATE / f"slurmd-{node}").mkdir(exist_ok=True)
         if not _slurmd_running(node):
             if node not in PAIR:
@@ -250,7 +260,7 @@ def _slurm() -> None:
             # cgroup filesystem) and its own hostname: SkyPilot finds a node's IP by resolving its hostname.
             _run("nsenter", f"--net=/run/netns/artsky-{node}", "unshare", "--uts", "sh", "-c",
                  f"hostname {node} && exec /usr/sbin/slurmd -N {node}")
-    for node in NODES:
+    for node in nodes:
         _wait(f"the Slurm node {node}", lambda: _node_state(node) not in ("", "unknown", "unknown*"))
         if any(s in _node_state(node) for s in ("down", "drain")):
             _run("scontrol", "update", f"nodename={node}", "state=resume", check=False)

@@ -106,7 +106,7 @@ def cluster_processes(module: str, flag: str = "") -> dict[str, list[psutil.Proc
 
 
 @pytest.mark.slow
-async def test_initialize_cluster_with_two_nodes_on_slurm(sky_slurm, tmp_path, monkeypatch):
+async def test_initialize_cluster_with_two_nodes_on_slurm(sky_slurm_pair, tmp_path, monkeypatch):
     """SkyPilot's own multi-node launch (its node IPs and rank variables): the server on the head node, the other
     node joined to it; a step's ranks span both nodes, both replicas serve it, and the worker's replica killed
     under load loses no completion that had not started."""
@@ -127,7 +127,7 @@ async def test_initialize_cluster_with_two_nodes_on_slurm(sky_slurm, tmp_path, m
     backend = None
     try:
         backend = await asyncio.wait_for(SkyPilotBackend.initialize_cluster(
-            cluster_name=name, gpu=None, num_nodes=2, infra=slurm_harness.PAIR_INFRA,
+            cluster_name=name, gpu=None, num_nodes=2, infra=sky_slurm_pair,
             resources={"cpus": 1, "memory": 1}, autostop_minutes=None, api_key=API_KEY, env_path=server_env), 900)
         health = await backend.health()  # `up` returned once both nodes had joined
         assert (health.trainer, health.trainer_ranks) == ("sharded", 2)
