@@ -64,6 +64,7 @@ def start() -> None:
     _sshd()
     _munge()
     _prolog()
+    _hosts()
     try:
         _network()
         no_pair = None
@@ -154,11 +155,20 @@ echo "export SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"
     prolog.chmod(0o755)
 
 
+def _hosts() -> None:
+    """/etc/hosts names every node's address, as a cluster's DNS would: SkyPilot resolves the job's node names."""
+    hosts = Path("/etc/hosts")
+    names = {HOST_NODE: "127.0.0.1"} | PAIR
+    missing = [f"{addr} {node}" for node, addr in names.items() if f"{addr} {node}" not in hosts.read_text()]
+    if missing:
+        with hosts.open("a") as f:
+            f.write("".join(f"{line}  # art-sky test harness\n" for line in missing))
+
+
 def _network() -> None:
     """The bridge, and for each pair node a network namespace joined to it by a veth pair (its end named eth0),
     with a default route through the host, which masquerades it: SkyPilot installs its runtime on every node from
-    PyPI, as a cloud node behind NAT would. /etc/hosts names each node's address (host0's too), as a cluster's DNS
-    would: SkyPilot resolves the job's node names."""
+    PyPI, as a cloud node behind NAT would."""
     if not Path(f"/sys/class/net/{BRIDGE}").exists():
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
         _run("ip", "addr", "add", f"{BRIDGE_ADDR}/24", "dev", BRIDGE)
@@ -167,12 +177,6 @@ def _network() -> None:
     nat = ["POSTROUTING", "-s", f"{BRIDGE_ADDR}/24", "!", "-o", BRIDGE, "-j", "MASQUERADE"]
     if _run("iptables", "-t", "nat", "-C", *nat, check=False).returncode != 0:
         _run("iptables", "-t", "nat", "-A", *nat)
-    hosts = Path("/etc/hosts")
-    names = {HOST_NODE: "127.0.0.1"} | PAIR
-    missing = [f"{addr} {node}" for node, addr in names.items() if f"{addr} {node}" not in hosts.read_text()]
-    if missing:
-        with hosts.open("a") as f:
-            f.write("".join(f"{line}  # art-sky test harness\n" for line in missing))
     namespaces = _run("ip", "netns", "list").stdout.split()
     for node, addr in PAIR.items():
         ns = f"artsky-{node}"
