@@ -193,9 +193,10 @@ def _network() -> None:
 def _slurm_conf(pair: bool) -> str:
     cpus = os.cpu_count() or 1
     memory_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.8)
-    pair_nodes = "\n".join([f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
-                            for node, addr in PAIR.items()] + [f"PartitionName=pair Nodes={','.join(PAIR)} "
-                                                               "MaxTime=INFINITE State=UP"] if pair else [])
+    pair_lines = [f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
+                  for node, addr in PAIR.items()]
+    pair_lines.append(f"PartitionName=pair Nodes={','.join(PAIR)} MaxTime=INFINITE State=UP")
+    pair_nodes = "\n".join(pair_lines) if pair else ""
     return f"""ClusterName=artsky
 SlurmctldHost=localhost{f"({BRIDGE_ADDR})" if pair else ""}
 SlurmUser=root
