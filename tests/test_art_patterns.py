@@ -65,14 +65,19 @@ async def test_echo_environment_pattern_trains_two_steps(backend):
     model = art.TrainableModel(name="echo", project="patterns", base_model="art-sky/tiny")
     await model.register(backend)
     env = EchoEnvironment()
+    taught = []
     for _ in range(2):
         groups = await art.gather_trajectory_groups(
             [art.TrajectoryGroup(echo_rollout(model, env) for _ in range(4)) for _ in range(2)])
         metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-4, beta=0.1))
-        assert metrics["trained_tokens"] > 0  # lengths differ, so the groups teach something
+        # a group whose replies are all as long has no advantage to teach (GRPO skips it, as ART does)
+        varied = any(len({t.reward for t in group.trajectories}) > 1 for group in groups)
+        assert (metrics["trained_tokens"] > 0) == varied, (metrics, [[t.reward for t in g] for g in groups])
         assert metrics["kl"] >= 0.0
+        taught.append(varied)
         await model.log(groups, split="train")
     assert await model.get_step() == 2
+    assert any(taught), "a random model's replies differ in length at least once in 16"
 
 
 async def test_rollout_exceptions_within_budget_are_kept_apart(backend):

@@ -33,17 +33,20 @@ def digit_share(text: str) -> float:
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
-async def rollout(model: art_sky.TrainableModel) -> art_sky.Trajectory:
+async def rollout(model: art_sky.TrainableModel, rank: int = 0) -> art_sky.Trajectory:
+    """Digits score, and each rollout of a group a quarter more than the last: no group is ever all ties (which
+    would train nothing), whatever a random model samples."""
     messages = [{"role": "user", "content": "Give me a number."}]
     completion = await model.openai_client().chat.completions.create(
         model=model.get_inference_name(), messages=messages, max_tokens=12, temperature=1.0)
     choice = completion.choices[0]
-    return art_sky.Trajectory(messages_and_choices=[*messages, choice], reward=digit_share(choice.message.content))
+    reward = (rank + digit_share(choice.message.content)) / 4
+    return art_sky.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
 
 
 async def gather(model: art_sky.TrainableModel) -> list[art_sky.TrajectoryGroup]:
     return await art_sky.gather_trajectory_groups(
-        (art_sky.TrajectoryGroup(rollout(model) for _ in range(4)) for _ in range(3)), pbar_desc=None)
+        (art_sky.TrajectoryGroup(rollout(model, rank) for rank in range(4)) for _ in range(3)), pbar_desc=None)
 
 
 @pytest.fixture(scope="module")
