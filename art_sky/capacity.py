@@ -7,18 +7,26 @@ trainer GPU, at most TRAINER_SHARE of its memory (the rest: the layer being gath
 AdamW state, CUDA's own). vLLM holds a full copy per replica, split over at most one node's inference GPUs (tensor
 parallel never crosses nodes), at most ENGINE_SHARE of their memory (the rest: the KV cache). On one GPU both jobs
 share it (vLLM sleeps or shares Unsloth's weights while a step trains): the trainer's rule.
+
+When the model registers, the server knows its shape too: a micro-batch as long as the model's max_seq_length must
+keep its activations beside the weights' shard in ACTIVATION_SHARE of a trainer GPU, with activation checkpointing
+(ART_SKY_ACTIVATION_CHECKPOINTING) unless it is off; `activation_bytes` is also what the trainer weighs against the
+device's free memory to decide, micro-batch by micro-batch, whether to checkpoint (cluster/training/activations.py).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from art_sky.errors import ConfigError
 
 BF16_BYTES = 2
 TRAINER_SHARE = 0.6
 ENGINE_SHARE = 0.9
+ACTIVATION_SHARE = 0.9  # of a trainer GPU: the weights' shard and a micro-batch's activations (the rest: the LoRA
+# and its AdamW state, the LM head's slices, CUDA's own)
 
 # GiB of memory per accelerator, as SkyPilot names them (the common training GPUs).
 GPU_MEMORY_GIB = {
@@ -68,6 +76,49 @@ class Layout:
         if self.shared:
             return trainer
         return min(trainer, ENGINE_SHARE * self.gpu_memory_bytes * self.engine_gpus / BF16_BYTES)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a micro-batch's activations depend on: a decoder's layers and widths."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_width: int
+
+    @classmethod
+    def of(cls, config: Any) -> Shape:
+        """From a transformers model config."""
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, hidden, getattr(config, "intermediate_size", None) or 4 * hidden,
+                   kv_heads * head_dim)
+
+
+def activation_bytes(shape: Shape, tokens: int, checkpointing: bool) -> float:
+    """What a micro-batch of `tokens` keeps for its backward pass (bf16, LoRA on every projection): 2 x (10 hidden +
+    2 kv + 5 intermediate) bytes a token in each layer, which fits the peak memory measured on an H200 at Qwen2.5's
+    0.5B and 7B shapes (7.4 MB a token at 7B); with checkpointing, each layer's input and one layer's worth."""
+    layer = 2 * (10 * shape.hidden + 2 * shape.kv_width + 5 * shape.intermediate) * tokens
+    if checkpointing:
+        return shape.layers * BF16_BYTES * shape.hidden * tokens + layer
+    return shape.layers * layer
+
+
+def activation_problem(shape: Shape, parameters: float, ranks: int, gpu_memory_bytes: int, tokens: int,
+                       checkpointing: bool) -> str | None:
+    """Why a micro-batch of `tokens` cannot train beside the weights' shard on trainer GPUs of `gpu_memory_bytes`,
+    with the arithmetic; None when it fits."""
+    weights = parameters * BF16_BYTES / ranks
+    needed = activation_bytes(shape, tokens, checkpointing)
+    if weights + needed <= ACTIVATION_SHARE * gpu_memory_bytes:
+        return None
+    how = "with activation checkpointing" if checkpointing else "(ART_SKY_ACTIVATION_CHECKPOINTING=off)"
+    return (f"a micro-batch of {tokens} tokens keeps {needed / 2**30:.1f} GiB of activations {how} beside "
+            f"{weights / 2**30:.1f} GiB of bf16 weights per trainer GPU, more than {ACTIVATION_SHARE:.0%} of a "
+            f"{gpu_memory_bytes / 2**30:.0f} GiB GPU")
 
 
 def layout(gpus_per_node: int, memory_bytes: int, nodes: int = 1, trainer_gpus: int = 1) -> Layout:

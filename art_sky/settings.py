@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from dotenv import dotenv_values
 from pydantic import AliasChoices, Field, PrivateAttr, SecretStr
@@ -37,6 +38,10 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
     max_batch_rows: int = Field(64, description="completions the portable engine samples together in one batch")
     train_microbatch_tokens: int = Field(4096, description="tokens per forward/backward pass; larger batches accumulate")
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        "auto", description="recompute each layer's activations in the backward pass (less memory, about a third "
+        "more compute): auto (only for a micro-batch that would not fit the GPU's free memory otherwise; never on "
+        "a CPU) | on | off. The Unsloth trainer always uses its own")
     home: Path = Field(Path.home() / ".art-sky", description="art-sky's own state: cluster records, SSH host keys")
     ssh_connect_timeout: float = Field(20.0, description="seconds to open an SSH connection (TCP, handshake, login)")
     remote_install_timeout: float = Field(1800.0, description="seconds for the remote venv and pip install step")

@@ -26,6 +26,7 @@ from art_sky.store import CheckpointStore
 from art_sky.wire import ModelConfig, ModelInfo, RegisterRequest
 
 from .tiny_model import TINY_MODEL_NAME, tiny_model_path
+from .training.packing import use_packed_attention
 from .training import weights as lora
 from .training.weights import ADAPTER, make_optimizer
 
@@ -61,6 +62,7 @@ def load_base(base_model: str, settings: Settings) -> tuple[Any, Any]:
         ) from exc
     if tokenizer.chat_template is None:
         raise ConfigError(f"base model {base_model!r} has no chat template; art-sky trains chat models")
+    use_packed_attention(model)
     return model, tokenizer
 
 

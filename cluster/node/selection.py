@@ -111,4 +111,4 @@ def select_trainer(settings: Settings, placement: Placement | None = None,
         from ..training.unsloth_trainer import UnslothTrainer
 
         return UnslothTrainer(settings.train_microbatch_tokens, standby=standby)
-    return PeftTrainer(settings.train_microbatch_tokens)
+    return PeftTrainer(settings.train_microbatch_tokens, settings.activation_checkpointing)

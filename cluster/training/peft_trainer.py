@@ -1,7 +1,10 @@
 """The portable GRPO trainer: PEFT LoRA on any device, gradient accumulation over micro-batches.
 
 One `train()` call is one optimizer step over every trained token of the batch (mean over trained tokens), however
-many micro-batches it takes to fit in memory.
+many micro-batches it takes to fit in memory. A micro-batch is packed (no padding, cluster/training/packing.py), the
+LM head scores only its trained tokens without float32 logits (cluster/training/lm_head.py), and its activations are
+recomputed in the backward pass only when they would not fit otherwise (ART_SKY_ACTIVATION_CHECKPOINTING). The
+sharded ranks (cluster/training/sharded.py) and the Unsloth trainer run this same step.
 """
 
 from __future__ import annotations
@@ -12,14 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest, TrainConfig
 
 from ..model_state import LocalWeights, ModelState, TrainedWeights, device, ensure_optimizer, load_peft
+from ..node.placement import base_parameters
+from . import packing
+from .activations import activations_fit, refuse_unfit, set_checkpointing
 from .grpo import grpo_loss_sums
+from .lm_head import full_logprobs, fused_head, head_weight, hidden_states, token_logprobs
 from .sequences import Sequence
 from .weights import trainable
 
@@ -44,15 +50,25 @@ class PeftTrainer:
     ranks = 1
     rendezvous = None  # one process: no other node's ranks meet it (ShardedTrainer's says where they do)
 
-    def __init__(self, microbatch_tokens: int):
+    def __init__(self, microbatch_tokens: int, activation_checkpointing: str = "auto"):
         self.microbatch_tokens = microbatch_tokens
+        self.activation_checkpointing = activation_checkpointing
 
     def close(self) -> None:
         """Nothing runs beside the server."""
 
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
-        """The model this trainer trains, (peft model, tokenizer): transformers plus a PEFT LoRA."""
-        return load_peft(request, settings, checkpoint)
+        """The model this trainer trains, (peft model, tokenizer): transformers plus a PEFT LoRA; refused when its
+        longest sequence cannot train on this GPU."""
+        model, tokenizer = load_peft(request, settings, checkpoint)
+        self.refuse_unfit(request, model)
+        return model, tokenizer
+
+    def refuse_unfit(self, request: RegisterRequest, model: Any) -> None:
+        if device().type == "cuda":
+            total = torch.cuda.get_device_properties(device()).total_memory
+            refuse_unfit(request, model, base_parameters(model), 1, total, self.microbatch_tokens,
+                         self.activation_checkpointing)
 
     def load_weights(self, state: ModelState, step_dir: Path | None) -> TrainedWeights:
         """The model's LoRA and AdamW, trained in this process."""
@@ -62,8 +78,8 @@ class PeftTrainer:
               progress: Progress = lambda done, total: None) -> dict[str, float]:
         """Blocking: run it off the event loop, under the server's model lock."""
         policy = Policy(state.model, ensure_optimizer(state), pad_id(state.tokenizer))
-        return self.grpo_step(policy, self.microbatches(sequences), sum(s.trained_tokens for s in sequences),
-                              len(sequences), config, progress)
+        return self.grpo_step(policy, self.microbatches(sequences, self.packs(state.model)),
+                              sum(s.trained_tokens for s in sequences), len(sequences), config, progress)
 
     def grpo_step(self, policy: Policy, batches: list[list[Sequence]], total_tokens: int, rows: int,
                   config: TrainConfig, progress: Progress = lambda done, total: None) -> dict[str, float]:
@@ -101,23 +117,30 @@ class PeftTrainer:
             "sequences": float(rows),
         }
 
-    def microbatches(self, sequences: list[Sequence]) -> list[list[Sequence]]:
-        """Sequences sorted by length, packed so that (rows x longest) stays within the token budget."""
+    def microbatches(self, sequences: list[Sequence], packed: bool) -> list[list[Sequence]]:
+        """Sequences sorted by length, grouped so that a micro-batch's tokens stay within the budget: their sum when
+        `packed`, rows x longest when padded. A sequence longer than the budget is a micro-batch of its own."""
         batches: list[list[Sequence]] = []
         for seq in sorted(sequences, key=lambda s: len(s.token_ids)):
             current = batches[-1] if batches else None
-            if current and (len(current) + 1) * len(seq.token_ids) <= self.microbatch_tokens:
+            if current and _tokens([*current, seq], packed) <= self.microbatch_tokens:
                 current.append(seq)
             else:
                 batches.append([seq])
         return batches
+
+    def packs(self, model: Any) -> bool:
+        """Does this trainer pack `model`'s micro-batches (its attention reads packed rows)?"""
+        return packing.packs(model)
 
     def sft(self, state: ModelState, batches: list[list[Sequence]], learning_rates: list[float],
             max_grad_norm: float, progress: Progress = lambda done, total: None) -> list[dict[str, float]]:
         """ART's SFT: per batch, one optimizer step on the mean next-token loss of its trained tokens (the
         assistant turns), micro-batched like `train`. Returns each batch's metrics. Blocking, under the lock."""
         policy = Policy(state.model, ensure_optimizer(state), pad_id(state.tokenizer))
-        shares = [(self.microbatches(batch), sum(s.trained_tokens for s in batch), len(batch)) for batch in batches]
+        packed = self.packs(state.model)
+        shares = [(self.microbatches(batch, packed), sum(s.trained_tokens for s in batch), len(batch))
+                  for batch in batches]
         return self.sft_steps(policy, shares, learning_rates, max_grad_norm, progress)
 
     def sft_steps(self, policy: Policy, shares: list[tuple[list[list[Sequence]], int, int]],
@@ -134,8 +157,8 @@ class PeftTrainer:
                 loss_sum = torch.zeros((), device=device())
                 for index, batch in enumerate(micro, start=1):
                     policy.last(index == len(micro))
-                    new, trained, _, _, _ = self._logprobs(policy, batch)
-                    nll = -(new * trained).sum()
+                    new, _ = self._scores(policy, self._layout(policy, batch))
+                    nll = -(new * _trained(batch)).sum()
                     (nll / tokens).backward()
                     loss_sum += nll.detach()
                 grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(trainable(model), max_grad_norm)))
@@ -149,35 +172,49 @@ class PeftTrainer:
             model.eval()
         return results
 
-    def _logprobs(self, policy: Policy, batch: list[Sequence], entropy: bool = False):
-        """A micro-batch's new logprobs and trained mask from its first trained position on (shifted by one
-        token), its padded ids, that position, and (with `entropy`) the policy's entropy at each position.
+    def _layout(self, policy: Policy, batch: list[Sequence]) -> packing.Layout:
+        return packing.layout(batch, policy.pad_id, self.packs(policy.model), device())
 
-        Rows are right-padded and attention is causal, so no real token sees a pad and no attention mask is needed
-        (SDPA keeps its fast causal path); logits are computed only from the first position that predicts a
-        trained token (a shared prompt costs no LM head and no float32 logits)."""
-        ids = _padded([s.token_ids for s in batch], policy.pad_id)
-        start = max(min(next((i for i, t in enumerate(s.trained) if t), len(s.trained)) for s in batch) - 1, 0)
-        trained = _padded([s.trained for s in batch], False)[:, start + 1:]
-        logits = self._logits(policy.model, ids, start)
-        new = _token_logprobs(logits, ids[:, start:])
-        return new, trained, ids, start, (_entropies(logits) if entropy else None)
+    def _scores(self, policy: Policy, layout: packing.Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new logprob and the policy's entropy at each trained token of the micro-batch, [rows, longest - 1]
+        (shifted by one token; 0 where nothing is trained). The LM head scores only the trained tokens: fused
+        (no float32 logits) where it computes the model's logits, else the model's own logits at those positions."""
+        model = policy.model
+        self._checkpointing(model, layout.inputs["input_ids"].numel())
+        if fused_head(model, lambda m, ids: self._hidden(m, {"input_ids": ids, "use_cache": False})):
+            hidden = self._hidden(model, layout.inputs)
+            picked = hidden.reshape(-1, hidden.shape[-1])[layout.select]
+            logprobs, entropies = token_logprobs(picked, head_weight(model), layout.targets)
+        else:
+            logits = model(**layout.inputs).logits
+            logprobs, entropies = full_logprobs(logits.reshape(-1, logits.shape[-1])[layout.select], layout.targets)
+        return layout.per_row(logprobs), layout.per_row(entropies)
 
-    @staticmethod
-    def _logits(model: Any, ids: torch.Tensor, start: int) -> torch.Tensor:
-        """The model's logits at positions start.. of `ids`."""
-        return model(input_ids=ids, logits_to_keep=ids.shape[1] - start).logits
+    def _hidden(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """The model's final hidden states (after its last norm), [rows, tokens, hidden size]."""
+        with hidden_states(model):
+            return model(**inputs).logits
+
+    def _checkpointing(self, model: Any, tokens: int) -> None:
+        """Activation checkpointing for the next forward: as set, or with `auto` only where its activations would
+        not fit the device's free memory (cluster/training/activations.py)."""
+        setting = self.activation_checkpointing
+        on = setting == "on" or (setting == "auto" and model.training and
+                                 not activations_fit(model, tokens))
+        set_checkpointing(model, on)
 
     def _loss(self, policy: Policy, batch: list[Sequence], config: TrainConfig):
         """The micro-batch's loss sums and the summed entropy of the policy over its trained tokens."""
         dev = device()
-        new, trained, ids, start, entropies = self._logprobs(policy, batch, entropy=True)
-        old = _padded([s.old_logprobs for s in batch], float("nan"))[:, start + 1:]
+        layout = self._layout(policy, batch)
+        new, entropies = self._scores(policy, layout)
+        trained = _trained(batch)
+        old = _padded([s.old_logprobs for s in batch], float("nan"))[:, 1:]
         advantages = torch.tensor([[s.advantage] for s in batch], device=dev)
         ref = None
         if config.beta > 0 or config.kl_penalty_coef > 0:
             with torch.no_grad(), policy.model.disable_adapter():
-                ref = _token_logprobs(self._logits(policy.model, ids, start), ids[:, start:])
+                ref, _ = self._scores(policy, layout)
         parts = grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
                                epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
                                loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
@@ -199,25 +236,12 @@ def _padded(rows: list[list], fill) -> torch.Tensor:
     return torch.tensor([row + [fill] * (width - len(row)) for row in rows], device=device())
 
 
-def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log p(ids[t] | ids[<t]) for t >= 1, shape (batch, length - 1); `logits` are those of `ids`' positions."""
-    logits = logits[:, :-1].float()
-    targets = ids[:, 1:]
-    return -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                            reduction="none").view(targets.shape)
+def _trained(batch: list[Sequence]) -> torch.Tensor:
+    """Which positions predict a trained token, [rows, longest - 1]."""
+    return _padded([s.trained for s in batch], False)[:, 1:]
 
 
-_ENTROPY_CHUNK = 1 << 24  # logits elements per slice: the entropy's temporaries stay small beside the logits
-
-
-@torch.no_grad()
-def _entropies(logits: torch.Tensor) -> torch.Tensor:
-    """The entropy of the next-token distribution at each position but the last, shape (batch, length - 1): from the
-    logits the loss already computed, a slice of positions at a time, with no graph kept."""
-    logits = logits[:, :-1]
-    out = torch.empty(logits.shape[:2], device=logits.device)
-    step = max(1, _ENTROPY_CHUNK // max(1, logits.shape[0] * logits.shape[2]))
-    for begin in range(0, logits.shape[1], step):
-        logp = torch.log_softmax(logits[:, begin:begin + step].float(), dim=-1)
-        out[:, begin:begin + step] = -(logp.exp() * logp).sum(-1)
-    return out
+def _tokens(batch: list[Sequence], packed: bool) -> int:
+    """What a micro-batch holds in the model: its tokens, or with padding rows x longest."""
+    lengths = [len(s.token_ids) for s in batch]
+    return sum(lengths) if packed else len(lengths) * max(lengths)

@@ -33,6 +33,7 @@ from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 
 from ..model_state import ADAPTER, ModelState, load_peft, load_shape
 from ..node.placement import base_parameters
+from .activations import refuse_unfit
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
 from .sequences import Sequence
@@ -252,6 +253,10 @@ class ShardedTrainer:
             raise ConfigError(f"{request.base_model} does not fit this cluster: {problem}. Start a cluster with more "
                               "trainer GPUs (ART_SKY_TRAINER_GPUS, more nodes) or larger ones, or train a smaller "
                               "model")
+        if self.capacity:
+            refuse_unfit(request, model, base_parameters(model), self.capacity.trainer_ranks,
+                         self.capacity.gpu_memory_bytes, settings.train_microbatch_tokens,
+                         settings.activation_checkpointing)
         return model, tokenizer
 
     def load_weights(self, state: ModelState, step_dir: Path | None) -> RankWeights:

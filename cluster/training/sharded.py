@@ -38,6 +38,7 @@ from art_sky.settings import Settings
 
 from ..model_state import LORA_SEED, lora_config, resolve_base_model
 from . import weights
+from .packing import use_packed_attention
 from .peft_trainer import PeftTrainer, Policy, pad_id
 from .rank_commands import RankCommand, RankReply
 from .sequences import Sequence
@@ -64,7 +65,7 @@ class Ranks:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
-        self.trainer = PeftTrainer(settings.train_microbatch_tokens)
+        self.trainer = PeftTrainer(settings.train_microbatch_tokens, settings.activation_checkpointing)
         self.models: dict[str, Sharded] = {}
 
     @property
@@ -106,6 +107,7 @@ class Ranks:
         else:
             with torch.device("meta"):
                 base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
+        use_packed_attention(base)
         layers = set(getattr(base, "_no_split_modules", None) or ())
         config = lora_config(request.config) if saved is None else saved["config"]
         with torch.random.fork_rng(devices=[]):
@@ -141,7 +143,7 @@ class Ranks:
 
     def _train(self, sharded: Sharded, command: RankCommand, progress) -> dict[str, float]:
         sequences = [s.sequence() for s in command.sequences]
-        mine = self._share(sequences, sharded.policy.pad_id)
+        mine = self._share(sequences, sharded.policy)
         total = sum(s.trained_tokens for s in sequences)
         assert command.config is not None
         return self.trainer.grpo_step(sharded.policy, mine, total, len(sequences), command.config, progress)
@@ -150,12 +152,12 @@ class Ranks:
         shares = []
         for batch in command.batches:
             sequences = [s.sequence() for s in batch]
-            shares.append((self._share(sequences, sharded.policy.pad_id), sum(s.trained_tokens for s in sequences),
+            shares.append((self._share(sequences, sharded.policy), sum(s.trained_tokens for s in sequences),
                            len(sequences)))
         return self.trainer.sft_steps(sharded.policy, shares, command.learning_rates, command.max_grad_norm,
                                       progress)
 
-    def _share(self, sequences: list[Sequence], pad: int) -> list[list[Sequence]]:
+    def _share(self, sequences: list[Sequence], policy: Policy) -> list[list[Sequence]]:
         """This rank's micro-batches of the step: the sequences dealt out longest first to the rank with the fewest
         tokens (every rank computes the same deal), packed as one process packs them, then padded with idle
         micro-batches to the most any rank has (each backward pass is a collective every rank must join)."""
@@ -164,10 +166,11 @@ class Ranks:
             owner = loads.index(min(loads))
             owners[index] = owner
             loads[owner] += len(sequences[index].token_ids)
-        batches = [self.trainer.microbatches([s for i, s in enumerate(sequences) if owners[i] == rank])
+        packed = self.trainer.packs(policy.model)
+        batches = [self.trainer.microbatches([s for i, s in enumerate(sequences) if owners[i] == rank], packed)
                    for rank in range(self.world)]
         most = max(1, *(len(b) for b in batches))
-        idle = [Sequence([pad, pad], [False, False], [float("nan")] * 2)]  # no trained token: a zero loss
+        idle = [Sequence([policy.pad_id] * 2, [False, False], [float("nan")] * 2)]  # no trained token: a zero loss
         return batches[self.rank] + [idle] * (most - len(batches[self.rank]))
 
     def _save(self, sharded: Sharded, directory: Path) -> RankReply:

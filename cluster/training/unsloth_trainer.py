@@ -1,14 +1,20 @@
 """The CUDA trainer: Unsloth's FastLanguageModel (fused LoRA kernels, its gradient checkpointing) under the same
 GRPO step as the PEFT trainer.
 
-Only the model differs: the micro-batching, the loss (cluster/training/grpo.py) and the optimizer step are
-PeftTrainer's, inherited, so both trainers compute one loss. Checkpoints are the PEFT layout vLLM loads (save_pretrained
-of the PeftModel Unsloth returns). With `standby` (vLLM's GPU build on the same GPU) a model whose weights Unsloth can
+Only the model differs: the micro-batching, the loss (cluster/training/grpo.py), the fused LM head
+(cluster/training/lm_head.py: Unsloth hands back the hidden states under UNSLOTH_RETURN_HIDDEN_STATES, as ART uses it)
+and the optimizer step are PeftTrainer's, inherited, so both trainers compute one loss. Micro-batches stay padded rows
+here (Unsloth's attention does not read transformers' packed format, and its own `packed_seq_lengths` path has not
+run on a GPU of ours yet), and activation checkpointing is Unsloth's own, always on. Checkpoints are the PEFT
+layout vLLM loads (save_pretrained of the PeftModel Unsloth returns). With `standby` (vLLM's GPU build on the same GPU) a model whose weights Unsloth can
 share is loaded with vLLM inside (fast_inference), which the engine then serves from (cluster/node/gpu_sharing.py).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,7 @@ class UnslothTrainer(PeftTrainer):
     name = "unsloth"
 
     def __init__(self, microbatch_tokens: int, standby: bool = False):
-        super().__init__(microbatch_tokens)
+        super().__init__(microbatch_tokens, activation_checkpointing="on")
         self.standby = standby
 
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
@@ -60,4 +66,29 @@ class UnslothTrainer(PeftTrainer):
                 raise ConfigError(f"checkpoint {checkpoint} does not fit this model's LoRA (unexpected keys "
                                   f"{result.unexpected_keys[:3]}): register with the LoRA settings it was trained "
                                   "with")
+        self.refuse_unfit(request, model)
         return model, tokenizer
+
+    def packs(self, model: Any) -> bool:
+        return False
+
+    def _hidden(self, model: Any, inputs: dict[str, Any]) -> Any:
+        with _returning_hidden_states():
+            return model(**inputs).logits
+
+    def _checkpointing(self, model: Any, tokens: int) -> None:
+        """Unsloth's own checkpointing is on (use_gradient_checkpointing="unsloth")."""
+
+
+@contextmanager
+def _returning_hidden_states() -> Iterator[None]:
+    """Unsloth's causal LMs return their final hidden states as `logits` while UNSLOTH_RETURN_HIDDEN_STATES is 1."""
+    prior = os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES")
+    os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "1"
+    try:
+        yield
+    finally:
+        if prior is None:
+            os.environ.pop("UNSLOTH_RETURN_HIDDEN_STATES", None)
+        else:
+            os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = prior
