@@ -17,7 +17,8 @@ from pydantic import BaseModel
 MANIFEST = "manifest.json"
 HISTORY = "history.jsonl"
 TRAINING_STATE = "training_state"  # in a step: what an exact resume needs beyond the LoRA (vLLM loads the LoRA alone)
-OPTIMIZER_STATE = f"{TRAINING_STATE}/optimizer.pt"
+OPTIMIZER_STATE = f"{TRAINING_STATE}/optimizer.safetensors"
+OPTIMIZER_STATE_PICKLED = f"{TRAINING_STATE}/optimizer.pt"  # torch.save's, in checkpoints written before
 STEP_RECORD = f"{TRAINING_STATE}/step.json"
 PID_FILE = "server.pid"
 PORT_FILE = "port.json"

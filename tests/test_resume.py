@@ -212,7 +212,7 @@ async def test_resume_is_exact(s3_server, tmp_path, ranks):
         model = new_model()
         await model.register(fresh)
         assert await model.get_step() == first
-        assert (step_dir(tmp_path / "fresh", first) / "training_state" / "optimizer.pt").is_file()
+        assert (step_dir(tmp_path / "fresh", first) / "training_state" / "optimizer.safetensors").is_file()
         await train_fixed(model, range(first, total))
     finally:
         await fresh.close(force=True)

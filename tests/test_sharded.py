@@ -17,6 +17,7 @@ from art_sky.cluster.model_state import create_model_state
 from art_sky.cluster.training.peft_trainer import PeftTrainer
 from art_sky.cluster.training.rank_group import RankGroup, ShardedTrainer
 from art_sky.cluster.training.sequences import Sequence
+from art_sky.cluster.training.weights import read_optimizer
 from art_sky.errors import ArtSkyError
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest
@@ -66,7 +67,7 @@ def test_two_cpu_ranks_train_as_one_process(tmp_path):
     assert adapter.keys() == trained.keys()
     for name, tensor in adapter.items():
         assert torch.allclose(tensor, trained[name].detach(), atol=1e-4, rtol=0), name
-    optimizer = torch.load(tmp_path / "saved" / "training_state" / "optimizer.pt", weights_only=True)
+    optimizer = read_optimizer(tmp_path / "saved")
     assert set(optimizer["state"]) == {n for n, p in one.model.named_parameters() if p.requires_grad}
 
 

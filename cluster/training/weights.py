@@ -4,11 +4,18 @@ each sharded trainer rank (cluster/training/sharded.py), whose parameters are `D
 copy a rank's own shards.
 
 The optimizer's state is saved keyed by parameter name (torch.distributed.checkpoint's full state dict), not by
-position, so a checkpoint written by one process resumes on N ranks and the other way round.
+position, so a checkpoint written by one process resumes on N ranks and the other way round; as safetensors (its
+tensors) with its param groups in the file's metadata, like the adapter (`training_state/optimizer.pt`, torch.save's
+format of older checkpoints, is still read).
+
+A step's checkpoint is staged first (`stage`: the adapter as PEFT saves it and the optimizer's state, copied to host
+memory, the only part on the step's path) and written from that copy (cluster/checkpoint_writer.py).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +28,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from art_sky.layout import OPTIMIZER_STATE
+from art_sky.layout import OPTIMIZER_STATE, OPTIMIZER_STATE_PICKLED
 
 ADAPTER = "default"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's names, what vLLM loads
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def make_optimizer(model: Any) -> torch.optim.Optimizer:
@@ -74,15 +83,82 @@ def optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, A
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
 
+@dataclass
+class Staged:
+    """A step's adapter and optimizer state on the host, as PEFT and this module save them."""
+
+    adapter: dict[str, torch.Tensor]  # PEFT's keys (no adapter name)
+    config: Any  # the LoRA's PEFT config, as saved (inference mode)
+    optimizer: dict[str, Any]  # keyed by parameter name
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.adapter.values(), *(value for entries in self.optimizer["state"].values()
+                                            for value in entries.values() if isinstance(value, torch.Tensor))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def write_adapter(self, directory: Path) -> None:
+        """The adapter, in PEFT's layout (what vLLM and PEFT load)."""
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.adapter, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        self.config.save_pretrained(str(directory))
+
+    def write(self, directory: Path) -> None:
+        self.write_adapter(directory)
+        save_optimizer(self.optimizer, directory)
+
+    def release(self) -> None:
+        """Written: nothing to free but memory."""
+
+
+def stage(model: Any, optimizer: torch.optim.Optimizer) -> Staged:
+    """Copies on the host of the adapter (`PeftModel.save_pretrained`'s tensors and config) and the optimizer's
+    state: what a step's checkpoint holds. Not for ranks (whose parameters are shards)."""
+    from peft import get_peft_model_state_dict
+
+    config = copy.deepcopy(model.peft_config[ADAPTER])
+    config.inference_mode = True
+    adapter = {name: _host(value) for name, value in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+    return Staged(adapter, config, _to_host(optimizer_state(model, optimizer)))
+
+
 def save_optimizer(state: dict[str, Any], directory: Path) -> None:
+    """safetensors: each parameter's state tensors as `<name>/<key>` (a scalar step count included), the rest (its
+    param groups, any value that is not a tensor) as JSON in the metadata."""
+    from safetensors.torch import save_file
+
+    tensors, values = {}, {}
+    for name, entries in state["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}/{key}"] = _host(value).contiguous()
+            else:
+                values[f"{name}/{key}"] = value
     (directory / OPTIMIZER_STATE).parent.mkdir(exist_ok=True)
-    torch.save(_to_host(state), directory / OPTIMIZER_STATE)
+    save_file(tensors, directory / OPTIMIZER_STATE, metadata={
+        "param_groups": json.dumps(state["param_groups"]), "values": json.dumps(values)})
 
 
 def read_optimizer(step_dir: Path) -> dict[str, Any] | None:
     """The optimizer state saved with a step, or None (a step saved before art-sky kept it)."""
+    from safetensors import safe_open
+
     saved = step_dir / OPTIMIZER_STATE
-    return torch.load(saved, map_location="cpu", weights_only=True) if saved.is_file() else None
+    if not saved.is_file():
+        pickled = step_dir / OPTIMIZER_STATE_PICKLED
+        return torch.load(pickled, map_location="cpu", weights_only=True) if pickled.is_file() else None
+    state: dict[str, dict[str, Any]] = {}
+    with safe_open(str(saved), framework="pt") as handle:
+        metadata = handle.metadata()
+        for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            name, _, entry = key.rpartition("/")
+            state.setdefault(name, {})[entry] = handle.get_tensor(key)
+    for key, value in json.loads(metadata["values"]).items():
+        name, _, entry = key.rpartition("/")
+        state.setdefault(name, {})[entry] = value
+    return {"state": state, "param_groups": json.loads(metadata["param_groups"])}
 
 
 def load_optimizer(model: Any, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
