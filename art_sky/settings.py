@@ -86,6 +86,10 @@ class Settings(BaseSettings):
                           "or file:///path; unset keeps them on the cluster only")
     checkpoint_endpoint: str | None = Field(
         None, description="endpoint of an S3-compatible store (R2, MinIO, SeaweedFS); default AWS or AWS_ENDPOINT_URL")
+    checkpoint_background: bool = Field(
+        True, description="write each step's checkpoint to disk in the background: train() returns once the step is "
+        "copied to host memory and served, and the next step waits until it is on disk; false: before train() "
+        "returns")
     checkpoint_strict: bool = Field(
         False, description="a failed checkpoint upload fails training and flush_checkpoints() instead of warning")
     hourly_cost: float | None = Field(

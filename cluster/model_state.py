@@ -2,7 +2,8 @@
 checkpoints.
 
 A checkpoint holds everything the next step depends on: the LoRA (loadable by vLLM and PEFT on its own), the
-optimizer's state (AdamW's moments and step counts) and the step's record (cluster/steps.py commits them together).
+optimizer's state (AdamW's moments and step counts) and the step's record (cluster/steps.py commits them together;
+cluster/checkpoint_writer.py writes them, in the background once staged).
 There is no learning-rate scheduler (the rate comes with each train call, as in ART) and no random state to carry:
 each step seeds its generators from the step number (cluster/steps.py), so a resumed run draws what the straight run
 would have.
@@ -20,11 +21,11 @@ import torch
 
 from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, StepRecord, verify
 from art_sky.errors import CheckpointStoreError, ConfigError
-from art_sky.layout import STEP_RECORD
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import ModelConfig, ModelInfo, RegisterRequest
 
+from .checkpoint_writer import CheckpointWriter, Staged
 from .tiny_model import TINY_MODEL_NAME, tiny_model_path
 from .training.packing import use_packed_attention
 from .training import weights as lora
@@ -68,15 +69,15 @@ def load_base(base_model: str, settings: Settings) -> tuple[Any, Any]:
 
 class TrainedWeights(Protocol):
     """Where a model's trainable LoRA and its AdamW live: in this process (`LocalWeights`) or sharded over the
-    trainer's ranks (cluster/training/rank_group.py). A step (cluster/steps.py) snapshots them, trains, saves them
-    into the step's checkpoint, or puts the snapshot back."""
+    trainer's ranks (cluster/training/rank_group.py). A step (cluster/steps.py) snapshots them, trains, stages them
+    for the step's checkpoint, or puts the snapshot back."""
 
     def snapshot(self) -> Any: ...
 
     def restore(self, saved: Any) -> None: ...
 
-    def save(self, directory: Path) -> None:
-        """The adapter (PEFT's layout, which vLLM loads) and the optimizer's state, into `directory`."""
+    def stage(self) -> Staged:
+        """What the step's checkpoint holds (the adapter, the optimizer's state), captured now, written later."""
 
 
 @dataclass
@@ -91,10 +92,13 @@ class ModelState:
     requests: dict[str, int] = field(default_factory=dict)  # recent request ids -> the step each trained
     extra: dict = field(default_factory=dict)
     weights: TrainedWeights = None  # type: ignore[assignment]  # the trainer's; this process's LoRA by default
+    writer: CheckpointWriter = None  # type: ignore[assignment]  # writes before returning unless told otherwise
 
     def __post_init__(self) -> None:
         if self.weights is None:
             self.weights = LocalWeights(self)
+        if self.writer is None:
+            self.writer = CheckpointWriter(self.checkpoints, self.request.base_model, background=False)
 
     @property
     def name(self) -> str:
@@ -111,16 +115,25 @@ class ModelState:
                          step=self.step, restored_from=self.restored_from)
 
     def save_checkpoint(self, record: StepRecord, metrics: dict[str, float] | None = None) -> Path:
-        """Write step `record.step` whole (LoRA, optimizer state, record, manifest) or not at all; the model's step
-        is not changed here (cluster/steps.py commits)."""
-
-        def write(tmp: Path) -> None:
-            self.weights.save(tmp)
-            (tmp / STEP_RECORD).parent.mkdir(exist_ok=True)
-            (tmp / STEP_RECORD).write_text(record.model_dump_json(indent=1))
-
-        self.checkpoints.save(record.step, write, base_model=self.request.base_model, metrics=metrics)
+        """Write step `record.step` whole (LoRA, optimizer state, record, manifest) or not at all, before returning
+        (a registration's step 0); the model's step is not changed here."""
+        self.writer.write_now(record, self.weights.stage(), metrics)
         return self.checkpoints.step_dir(record.step)
+
+    def commit_checkpoint(self, record: StepRecord, metrics: dict[str, float] | None = None) -> None:
+        """A trained step's checkpoint: once the previous step is on disk, staged now and written in the background
+        (or now); raises when it cannot be (the step rolls back). The model's step is not changed here
+        (cluster/steps.py commits)."""
+        self.writer.flush()
+        self.writer.commit(record, self.weights.stage(), metrics)
+
+    def adapter_dir(self, step: int) -> Path:
+        """Where an engine loads step `step`'s adapter from (cluster/checkpoint_writer.py)."""
+        return self.writer.adapter_dir(step)
+
+    def record(self, step: int) -> StepRecord | None:
+        """The step's record, on disk or being written."""
+        return self.writer.record(step)
 
 
 class LocalWeights:
@@ -147,10 +160,11 @@ class LocalWeights:
     def restore(self, saved: lora.Snapshot) -> None:
         lora.restore(self.state.model, ensure_optimizer(self.state), saved)
 
+    def stage(self) -> lora.Staged:
+        return lora.stage(self.state.model, ensure_optimizer(self.state))
+
     def save(self, directory: Path) -> None:
-        model = self.state.model
-        model.save_pretrained(directory, selected_adapters=[ADAPTER])
-        lora.save_optimizer(lora.optimizer_state(model, ensure_optimizer(self.state)), directory)
+        self.stage().write(directory)
 
 
 def ensure_optimizer(state: ModelState) -> torch.optim.Optimizer:
@@ -233,6 +247,7 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
         model, tokenizer = load(request, settings, checkpoints.step_dir(step))
         origin = downloaded[1] if downloaded and downloaded[0] == step else checkpoints.step_dir(step)
         state = ModelState(request, model, tokenizer, checkpoints, step=step, restored_from=str(origin))
+        state.writer.background = settings.checkpoint_background
         state.weights = load_weights(state, checkpoints.step_dir(step))
         record = checkpoints.record(step)
         state.requests = dict(record.requests) if record else {}
@@ -242,6 +257,7 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
     else:
         model, tokenizer = load(request, settings, None)
         state = ModelState(request, model, tokenizer, checkpoints)
+        state.writer.background = settings.checkpoint_background
         state.weights = load_weights(state, None)
         state.save_checkpoint(StepRecord(step=0, kind="init", request_id=request.request_id))
     state.model.eval()

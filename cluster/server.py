@@ -99,8 +99,13 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     fleet = Fleet(engine, api_key)  # what /v1 and the steps see: this node's engine and the joined replicas
 
     def committed(state: ModelState) -> None:
-        if sync:
-            sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
+        if sync:  # uploads once on disk, while the next rollouts run
+            sync.submit(state.checkpoints, state.step, written=state.writer.written)
+
+    def write_checkpoints() -> None:
+        """Every model's newest step on disk (a failed write tried again; raises if it fails again)."""
+        for state in list(states.values()):
+            state.writer.flush()
 
     steps = Steps(fleet, gate, committed)
 
@@ -109,6 +114,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         try:
             yield
         finally:
+            for state in list(states.values()):  # the steps train() reported, on disk before the server stops
+                await asyncio.to_thread(state.writer.close)
             await fleet.aclose()  # connections made on this event loop
             await asyncio.to_thread(fleet.close)  # a child engine (vLLM) stops with the server
             await asyncio.to_thread(trainer.close)  # so do the trainer's ranks
@@ -258,11 +265,14 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
 
     @app.get("/art/models/{name}/checkpoints", dependencies=guarded)
     async def checkpoints(name: str) -> list[CheckpointInfo]:
-        return _checkpoint_infos(model(name).checkpoints)
+        state = model(name)
+        await asyncio.to_thread(state.writer.written, state.step)  # the newest step, once it is on disk
+        return _checkpoint_infos(state.checkpoints)
 
     @app.post("/art/models/{name}/checkpoints/delete", dependencies=guarded)
     async def delete_checkpoints(name: str, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
         state = model(name)
+        await asyncio.to_thread(state.writer.written, state.step)  # the newest step listed once on disk
         async with steps.training, gate.exclusive():  # never during a step: its checkpoint is saved before served
             existing = state.checkpoints.steps()
             keep = (set(body.keep_steps) if body.keep_steps is not None else
@@ -281,7 +291,9 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
 
     @app.post("/art/checkpoints/flush", dependencies=guarded)
     async def flush_checkpoints() -> SyncStatus:
-        """Wait until every checkpoint so far is in the store (failed uploads are retried once)."""
+        """Wait until every checkpoint so far is on disk and in the store (failed writes and uploads are retried
+        once)."""
+        await asyncio.to_thread(write_checkpoints)
         return await sync.flush() if sync else SyncStatus()
 
     bodies.document(app, [TrainRequest, SFTRequest, ChatCompletionRequest], openai_api.PATHS)

@@ -1,12 +1,14 @@
 """A training step is a transaction, and a request id trains at most one step.
 
 `run_step` is the one place a step happens. It snapshots the live LoRA and its optimizer, trains (the random
-generators seeded from the step number), writes the step's checkpoint whole (the LoRA, the optimizer's state and the
-step's record: its request id, its result, its history line) and only then commits: the model's step advances,
-history.jsonl gets its line, and the engine serves the new adapter. Any failure before the checkpoint is on disk (the
-trainer, a failed save, a full disk) puts the LoRA and the optimizer back as they were, and the error says why. A
-server killed mid-step never renamed the step into place: its next start resumes at the last committed step and
-removes what the save left (`CheckpointDir.remove_stale_temps`).
+generators seeded from the step number), stages the step's checkpoint (the LoRA, the optimizer's state and the
+step's record: its request id, its result, its history line, copied to host memory, once the previous step is on
+disk) and only then commits: the model's step advances and the engine serves the new adapter, while the checkpoint
+is written in the background (cluster/checkpoint_writer.py; history.jsonl gets the line once it is on disk). Any
+failure before the commit (the trainer, the previous step's write failing again, a disk without room for this one)
+puts the LoRA and the optimizer back as they were, and the error says why. A server killed mid-step, or before a
+step's write ended, never renamed that step into place: its next start resumes at the last step on disk and removes
+what the write left (`CheckpointDir.remove_stale_temps`).
 
 `Steps` runs the server's training requests: one step at a time on the device, each request id once. A repeated id
 (the client retrying across a dropped connection or a server restart) follows the step in flight, or is answered
@@ -91,7 +93,7 @@ def run_step(state: ModelState, engine: Engine, plan: StepPlan, request_id: str,
 
 def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress: Progress,
                    timer: StepTimer) -> Trained:
-    """Train the model's next step and write its checkpoint whole (the commit point), or leave the LoRA and the
+    """Train the model's next step and stage its checkpoint (the commit point), or leave the LoRA and the
     optimizer exactly as they were and raise StepError. Blocking: a worker thread. Touches only the trainer's
     model: an engine that serves while training samples from its own copy of the adapter meanwhile."""
     step = state.step + 1
@@ -107,7 +109,7 @@ def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress:
                             requests=requests, history=history_entry(step, "train", metrics))
         timer.begin("saving", f"checkpoint of step {step}")
         try:
-            state.save_checkpoint(record, metrics)  # the commit point: the step's directory renamed into place
+            state.commit_checkpoint(record, metrics)  # the commit point: staged (or written), the last step on disk
         except OSError as exc:  # a full disk is a DiskFullError already (art_sky/disk_full.py)
             raise StepError(f"the checkpoint of step {step} could not be written to {state.checkpoints.path} "
                             f"({exc.strerror or exc}): fix the directory (its permissions, its mount) and train "
@@ -141,7 +143,7 @@ def publish(state: ModelState, engine: Engine, trained: Trained, timer: StepTime
     metrics, totals = step_metrics(timer, trained.result.metrics, clock.gather_s, clock.hourly_cost)
     entry = history_entry(step, "train", metrics | totals)
     try:
-        state.checkpoints.append_history(entry)
+        state.writer.append_history(step, entry)
     except OSError as exc:  # the record has the line: the next start adds it (model_state._complete_history)
         log.warning("history of %s: step %d's line not written yet (%s)", state.name, step, exc)
     timer.activity.last_step = {key: value for key, value in entry.items() if key != "recorded_at"}
@@ -260,7 +262,7 @@ class Steps:
         step = state.requests.get(request_id)
         if step is None:
             return None
-        record = state.checkpoints.record(step)
+        record = state.record(step)
         result = record.result if record is not None and record.result is not None else \
             TrainProgress(type="result", step=step)
         return result.model_copy(update={"replayed": True})

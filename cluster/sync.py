@@ -30,11 +30,17 @@ class CheckpointSync:
         self._took: dict[str, float] = {}  # model name -> seconds its last upload took
         self._bytes = 0
 
-    def submit(self, checkpoints: CheckpointDir, step: int) -> None:
-        """Queue a step's upload (a step the store already holds costs one manifest read)."""
+    def submit(self, checkpoints: CheckpointDir, step: int, written: Callable[[int], bool] | None = None) -> None:
+        """Queue a step's upload (a step the store already holds costs one manifest read); `written(step)` waits
+        until a step still being written is on disk (False: its write failed, the upload is retried at the next
+        flush)."""
 
         async def upload() -> None:
             key = (checkpoints.project, checkpoints.name, step)
+            if written is not None and not await asyncio.to_thread(written, step):
+                self._failed[key] = (checkpoints, f"step {step} of {checkpoints.name} is not on disk yet (its "
+                                                  "checkpoint could not be written: see the server log)")
+                return
             if checkpoints.manifest(step) is None:  # deleted locally since (retention): nothing to keep
                 self._failed.pop(key, None)
                 return

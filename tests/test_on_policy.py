@@ -1,4 +1,5 @@
-"""The engine's reported logprobs equal the trainer's recomputed ones on the exact sampled ids (ratio 1)."""
+"""The engine's reported logprobs equal the trainer's recomputed ones (its packed forward and fused LM head) on the
+exact sampled ids (ratio 1)."""
 
 import math
 
@@ -7,8 +8,8 @@ from openai.types.chat import ChatCompletion
 
 from art_sky.client.trajectories import wire_trajectory
 from art_sky.cluster.inference.portable_engine import PortableEngine
-from art_sky.cluster.model_state import create_model_state
-from art_sky.cluster.training.peft_trainer import _token_logprobs
+from art_sky.cluster.model_state import create_model_state, ensure_optimizer
+from art_sky.cluster.training.peft_trainer import PeftTrainer, Policy, pad_id
 from art_sky.cluster.training.sequences import build_sequences
 from art_sky.settings import Settings
 from art_sky.wire import ChatCompletionRequest, RegisterRequest
@@ -22,6 +23,8 @@ def test_sampled_logprobs_match_the_trainer(tmp_path):
     engine = PortableEngine(64)
     engine.attach(state)  # as the server does at registration
     completion = engine.complete(state, request)
+    trainer = PeftTrainer(8192)
+    policy = Policy(state.model, ensure_optimizer(state), pad_id(state.tokenizer))
     for choice in completion.choices:
         reported = [t.logprob for t in choice.logprobs.content]
         built = build_sequences(state.tokenizer, wire_trajectory({"messages_and_choices": [*messages, choice],
@@ -29,9 +32,8 @@ def test_sampled_logprobs_match_the_trainer(tmp_path):
         [seq] = built.sequences
         assert seq.token_ids == choice.prompt_token_ids + choice.token_ids  # the engine's own ids, end to end
         with torch.no_grad():
-            logits = state.model(input_ids=torch.tensor([seq.token_ids])).logits
-        recomputed = _token_logprobs(logits, torch.tensor([seq.token_ids]))[0]
-        trained = [recomputed[i - 1].item() for i, t in enumerate(seq.trained) if t]
+            recomputed, _ = trainer._scores(policy, trainer._layout(policy, [seq]))
+        trained = [recomputed[0, i - 1].item() for i, t in enumerate(seq.trained) if t]
         assert len(trained) == len(reported) == built.exact_tokens
         assert max(abs(a - b) for a, b in zip(trained, reported)) < 1e-4
         assert all(not math.isnan(lp) for lp in reported)
@@ -59,8 +61,8 @@ def test_batched_requests_sample_as_they_would_alone(tmp_path):
 
 
 def test_packed_microbatches_train_as_one_row_at_a_time(tmp_path):
-    """Rows of different lengths and prompts packed into one padded pass (no attention mask, logits only from the
-    first trained position) give the step that one row per pass gives: same loss, KL, clip fraction and update."""
+    """Rows of different lengths and prompts packed into one pass (no padding, attention within each row, the LM head
+    only at trained positions) give the step that one row per pass gives: same loss, KL, clip fraction and update."""
     import copy
     import random
 
@@ -80,7 +82,7 @@ def test_packed_microbatches_train_as_one_row_at_a_time(tmp_path):
         batch.append(Sequence(ids, trained, old, rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5)))
     config = TrainConfig(learning_rate=1e-3, beta=0.1, epsilon=0.1)
     results = []
-    for microbatch_tokens in (200, 1):  # all four in one padded pass; one row per pass
+    for microbatch_tokens in (200, 1):  # all four in one packed pass; one row per pass
         run = copy.copy(state)
         run.model, run.optimizer = copy.deepcopy(state.model), None
         metrics = PeftTrainer(microbatch_tokens).train(run, batch, config)

@@ -350,7 +350,7 @@ def install(app: FastAPI, fleet: Fleet, dependencies: list, states: dict[str, Mo
         if file not in ADAPTER_FILES:
             raise HTTPException(404, f"{file!r} is not served to replicas: ask for one of {', '.join(ADAPTER_FILES)}")
         state = states.get(name)
-        path = state.checkpoints.step_dir(step) / file if state is not None else None
+        path = (await asyncio.to_thread(state.adapter_dir, step)) / file if state is not None else None
         if path is None or not path.is_file():
             raise HTTPException(404, f"no {file} for {name}@{step} on the head: the step is not registered or "
                                      "was deleted")

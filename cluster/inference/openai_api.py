@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -113,7 +114,7 @@ def resolve(states: dict[str, ModelState], model_id: Any) -> Served:
     if not at:
         return Served(state, state.step)
     steps = state.checkpoints.steps()
-    if not step.isdigit() or int(step) not in steps:
+    if not step.isdigit() or int(step) not in steps and int(step) != state.step:  # the newest: maybe still written
         raise OpenAIError(404, f"model {model_id!r}: {name!r} has no checkpoint for step {step!r} (steps on this "
                                f"server: {', '.join(map(str, steps)) or 'none'}); name one of them, or {name!r} for "
                                "the newest", param="model", type="not_found_error")
@@ -121,7 +122,8 @@ def resolve(states: dict[str, ModelState], model_id: Any) -> Served:
 
 
 def _model_card(state: ModelState, step: int | None) -> dict:
-    created = state.checkpoints.manifest(step if step is not None else state.step).created_at
+    manifest = state.checkpoints.manifest(step if step is not None else state.step)
+    created = manifest.created_at if manifest is not None else time.time()  # the newest step, being written
     card = {"id": state.name if step is None else f"{state.name}@{step}", "object": "model",
             "created": int(created), "owned_by": "art-sky", "root": state.request.base_model}
     return card | ({"parent": state.name, "step": step} if step is not None else {"step": state.step})

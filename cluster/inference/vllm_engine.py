@@ -240,7 +240,7 @@ class VllmEngine:
 
     @staticmethod
     def _path(state: ModelState, step: int) -> str:
-        return str(state.checkpoints.step_dir(step).resolve())
+        return str(state.adapter_dir(step).resolve())
 
     def _unload(self, lora_name: str) -> None:
         response = self._client().post("/v1/unload_lora_adapter", json={"lora_name": lora_name})

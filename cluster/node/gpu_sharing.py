@@ -77,7 +77,7 @@ class _InProcessVllm(PortableEngine):
         return super().prepare(state, request)
 
     def publish(self, state: ModelState) -> None:
-        self.lora[state.name] = state.model.load_lora(str(state.checkpoints.step_dir(state.step)))
+        self.lora[state.name] = state.model.load_lora(str(state.adapter_dir(state.step)))
 
     def _sample(self, jobs: list[Job]) -> list[list[Sample]]:
         from vllm import SamplingParams

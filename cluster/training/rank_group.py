@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -26,11 +28,12 @@ from typing import Any
 import torch
 
 from art_sky import capacity
-from art_sky.checkpoints import CheckpointDir
 from art_sky.errors import ArtSkyError, ConfigError
+from art_sky.files import TEMP_PREFIX
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 
+from ..checkpoint_writer import StagedFiles
 from ..model_state import ADAPTER, ModelState, load_peft, load_shape
 from ..node.placement import base_parameters
 from .activations import refuse_unfit
@@ -211,6 +214,17 @@ class RankWeights:
         if generation == self.group.generation:  # else the ranks restarted and reloaded the last commit
             self.group.request(RankCommand(kind="restore", name=self.state.name))
 
+    def stage(self) -> StagedFiles:
+        """The ranks write the step's adapter and optimizer state now, into a directory of its own beside the
+        checkpoints (the gathered state is the ranks' until then); the checkpoint links them in."""
+        directory = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}ranks-", dir=self.state.checkpoints.path))
+        try:
+            self.save(directory)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return StagedFiles(directory)
+
     def save(self, directory: Path) -> None:
         try:
             self.group.request(RankCommand(kind="save", name=self.state.name, directory=str(directory)))
@@ -262,10 +276,10 @@ class ShardedTrainer:
     def load_weights(self, state: ModelState, step_dir: Path | None) -> RankWeights:
         """Load the model on the ranks (from `step_dir`, or a fresh LoRA), and again from its newest committed
         step whenever the ranks restart."""
-        name, request, checkpoints = state.name, state.request, state.checkpoints
+        name, request = state.name, state.request
         self.group.request(RankCommand(kind="load", name=name, request=request,
                                        checkpoint=str(step_dir) if step_dir else None))
-        self.group.loaded[name] = lambda: _reload(name, request, checkpoints)
+        self.group.loaded[name] = lambda: _reload(state)
         return RankWeights(self.group, state, self.mirrored)
 
     def train(self, state: ModelState, sequences: list[Sequence], config: TrainConfig,
@@ -326,10 +340,12 @@ def torchrun(rendezvous: TrainerRendezvous) -> list[str]:
             f"--max-restarts={rendezvous.max_restarts}", "-m", "art_sky.cluster.training.sharded"]
 
 
-def _reload(name: str, request: RegisterRequest, checkpoints: CheckpointDir) -> RankCommand:
-    steps = checkpoints.steps()
-    return RankCommand(kind="load", name=name, request=request,
-                       checkpoint=str(checkpoints.step_dir(steps[-1])) if steps else None)
+def _reload(state: ModelState) -> RankCommand:
+    """The model's newest step, once on disk (its background write waited for)."""
+    state.writer.flush()
+    steps = state.checkpoints.steps()
+    return RankCommand(kind="load", name=state.name, request=state.request,
+                       checkpoint=str(state.checkpoints.step_dir(steps[-1])) if steps else None)
 
 
 def _ends_with_parent() -> None:
