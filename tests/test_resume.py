@@ -53,6 +53,7 @@ async def test_a_new_backend_resumes_from_the_store(s3_server, tmp_path, monkeyp
     for _ in range(2):
         await train_step(model)
     assert await model.get_step() == 2
+    await first.flush_checkpoints()  # written in the background: on disk (and in the store) now
     adapter = files_of(step_dir(tmp_path / "a", 2))
     served_text, served_logprobs = await greedy(model)
     await first.close()  # waits for the uploads

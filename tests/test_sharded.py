@@ -100,6 +100,7 @@ async def test_a_rank_killed_mid_step_rolls_the_step_back_and_the_next_step_trai
         assert (health.json()["trainer"], health.json()["trainer_ranks"]) == ("sharded", 2)
         first = await model.train([await sampled_group(model) for _ in range(2)], TrainConfig(learning_rate=1e-3))
         assert first["step"] == 1
+        await backend.flush_checkpoints()  # written in the background: on disk now
         steps_dir = tmp_path / "art" / "sharded" / "models" / "agent" / "checkpoints"
         at_one = load_file(steps_dir / "0001" / "adapter_model.safetensors")
 
@@ -118,6 +119,7 @@ async def test_a_rank_killed_mid_step_rolls_the_step_back_and_the_next_step_trai
 
         second = await model.train(groups, TrainConfig(learning_rate=1e-3))
         assert second["step"] == 2
+        await backend.flush_checkpoints()
         restarted = ranks_of(backend.server.pid)
         assert set(restarted) == {0, 1} and restarted[1].pid != ranks[1].pid
         assert load_file(steps_dir / "0001" / "adapter_model.safetensors").keys() == at_one.keys()

@@ -23,7 +23,6 @@ from vllm_cpu import VLLM_PYTHON, vllm_backend
 import art_sky as art
 from art_sky.checkpoints import CheckpointDir
 from art_sky.cluster.model_state import load_peft, resolve_base_model
-from art_sky.cluster.training.peft_trainer import _token_logprobs
 from art_sky.cluster.chat_template import prompt_ids
 from art_sky.errors import ServerError
 from art_sky.remote.install import BootstrapOptions
@@ -66,7 +65,8 @@ def reference_logprobs(art_path: Path, model, step: int, sampled: list[int] | No
     continuation = continuation if sampled is None else sampled
     ids = torch.tensor([prompt + continuation])
     with torch.no_grad():
-        logprobs = _token_logprobs(peft_model.eval()(input_ids=ids).logits, ids)[0]
+        logits = peft_model.eval()(input_ids=ids).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
     return logprobs[len(prompt) - 1:].tolist()
 
 
@@ -156,6 +156,7 @@ async def test_training_swaps_the_served_adapter(served):
         metrics = await model.train(await rollout_groups(model), art.TrainConfig(learning_rate=5e-2))
         assert metrics["trained_tokens"] > 0
     assert await model.get_step() == 2
+    await backend.flush_checkpoints()  # the reference reads the steps' files, written in the background
     new_ids, after = await sampled(model, "vt", long_prompt)
     new_reference = reference_logprobs(path, model, 2, new_ids, long_prompt)
     old_reference = reference_logprobs(path, model, 0, new_ids, long_prompt)
@@ -268,6 +269,7 @@ async def test_over_ssh_inference_goes_through_the_one_tunnel(sshd, tmp_path, ar
         assert model.inference_base_url == f"{backend.tunnel.base_url}/v1"
         metrics = await model.train(await rollout_groups(model), art.TrainConfig(learning_rate=5e-2))
         assert metrics["step"] == 1.0
+        await backend.flush_checkpoints()  # the reference reads the step's files, written in the background
         ids, logprobs = await sampled(model, "remote")
         assert logprobs == pytest.approx(reference_logprobs(tmp_path / "remote" / "art", model, 1, ids),
                                          abs=TOLERANCE)

@@ -206,7 +206,8 @@ class Backend:
                                     idempotent=True)]
 
     async def flush_checkpoints(self) -> SyncStatus:
-        """Wait until every checkpoint so far is in the object store (training never waits for uploads itself).
+        """Wait until every checkpoint so far is on the cluster's disk (each step's is written in the background) and in
+        the object store (training never waits for uploads itself).
 
         Raises CheckpointStoreError naming the steps that could not be uploaded; they stay on the cluster.
         """
