@@ -1,6 +1,7 @@
 """Models for benchmarks and GPU tests, built from a config with random weights (nothing downloads): Qwen2 at the
-shapes of Qwen2.5-0.5B and 1.5B, with art-sky/tiny's byte-level tokenizer and chat template, saved as a Hugging
-Face directory the server loads like any other. Plus GRPO training sequences of a chosen shape and FLOP counts.
+shapes of Qwen2.5-0.5B, 1.5B, 7B and 14B, with art-sky/tiny's byte-level tokenizer and chat template, saved as a
+Hugging Face directory the server loads like any other. Plus GRPO training sequences of a chosen shape (equal or
+mixed lengths) and FLOP counts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ SHAPES: dict[str, dict] = {
                        num_key_value_heads=2, vocab_size=151936),
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
+LARGE = {"qwen2.5-7b", "qwen2.5-14b"}  # built in bf16 on the GPU where there is one: minutes in float32 on a CPU
 
 
 def build(shape: str, cache_dir: Path) -> Path:
@@ -39,11 +45,21 @@ def build(shape: str, cache_dir: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     special = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
                (("bos", "<|endoftext|>"), ("eos", "<|im_end|>"))}
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1000000.0,
-                         tie_word_embeddings=True, bos_token_id=special["bos"], eos_token_id=special["eos"],
+    config = Qwen2Config(**({"tie_word_embeddings": True} | SHAPES[shape]), max_position_embeddings=32768,
+                         rope_theta=1000000.0, bos_token_id=special["bos"], eos_token_id=special["eos"],
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    if shape in LARGE:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                model = Qwen2ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default)
+        model = model.cpu()
+    else:
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=[special["eos"], special["bos"]],
                                                pad_token_id=tokenizer.pad_token_id)
     tmp = path.with_name(path.name + ".tmp")
@@ -53,8 +69,9 @@ def build(shape: str, cache_dir: Path) -> Path:
     return path
 
 
-def sequences(rows: int, length: int, prompt: int, vocab: int, seed: int = 0):
-    """GRPO training sequences: `prompt` masked tokens then `length - prompt` sampled ones, advantages +-1.
+def sequences(rows: int, length: int, prompt: int, vocab: int, seed: int = 0, mixed: bool = False):
+    """GRPO training sequences: `prompt` masked tokens then sampled ones up to `length` tokens (`mixed`: a length
+    drawn uniformly from prompt + 16 to `length` for each, as a GRPO group's answers differ), advantages +-1.
 
     The old logprobs are placeholders (NaN: ratio 1, the plain policy gradient); `with_old_logprobs` fills them
     with the model's own, as an engine would have reported them.
@@ -64,9 +81,10 @@ def sequences(rows: int, length: int, prompt: int, vocab: int, seed: int = 0):
     rng = random.Random(seed)
     out = []
     for row in range(rows):
-        ids = [rng.randrange(3, min(vocab, 256)) for _ in range(length)]
-        trained = [False] * prompt + [True] * (length - prompt)
-        out.append(Sequence(ids, trained, [math.nan] * length, 1.0 if row % 2 else -1.0))
+        size = rng.randint(min(prompt + 16, length), length) if mixed else length
+        ids = [rng.randrange(3, min(vocab, 256)) for _ in range(size)]
+        trained = [False] * prompt + [True] * (size - prompt)
+        out.append(Sequence(ids, trained, [math.nan] * size, 1.0 if row % 2 else -1.0))
     return out
 
 

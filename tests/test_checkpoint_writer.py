@@ -144,7 +144,7 @@ def test_a_staged_step_is_what_peft_and_the_optimizer_save(tmp_path):
     for name, entries in expected["state"].items():
         assert saved["state"][name].keys() == entries.keys()
         assert all(torch.equal(saved["state"][name][key], value) for key, value in entries.items())
-    assert [group["params"] for group in saved["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    assert saved["param_groups"] == json.loads(json.dumps(expected["param_groups"]))  # betas: a list in JSON
     weights.load_optimizer(model, ensure_optimizer(state), saved)  # and it loads back
     written = sum(path.stat().st_size for path in (tmp_path / "staged").rglob("*") if path.is_file())
     assert staged.nbytes < written < staged.nbytes * 1.05 + (64 << 10)  # the room a step is checked for

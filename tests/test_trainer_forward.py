@@ -59,11 +59,13 @@ def batch(seed: int, rows: int = 6) -> list[Sequence]:
 def reference_loss(model, batch: list[Sequence], pad: int, config: TrainConfig):
     """The computation before packing and the fused head: padded rows, logits from the first position that predicts
     a trained token on, float32 log-softmax, the entropy from those logits."""
+    device = next(model.parameters()).device
     width = max(len(s.token_ids) for s in batch)
-    ids = torch.tensor([s.token_ids + [pad] * (width - len(s.token_ids)) for s in batch])
+    ids = torch.tensor([s.token_ids + [pad] * (width - len(s.token_ids)) for s in batch], device=device)
     start = max(min(s.trained.index(True) for s in batch) - 1, 0)
-    trained = torch.tensor([s.trained + [False] * (width - len(s.trained)) for s in batch])[:, start + 1:]
-    old = torch.tensor([s.old_logprobs + [math.nan] * (width - len(s.trained)) for s in batch])[:, start + 1:]
+    trained = torch.tensor([s.trained + [False] * (width - len(s.trained)) for s in batch], device=device)
+    old = torch.tensor([s.old_logprobs + [math.nan] * (width - len(s.trained)) for s in batch], device=device)
+    trained, old = trained[:, start + 1:], old[:, start + 1:]
 
     def logprobs(logits):
         flat = logits[:, :-1].float()
@@ -79,7 +81,8 @@ def reference_loss(model, batch: list[Sequence], pad: int, config: TrainConfig):
     if config.beta > 0 or config.kl_penalty_coef > 0:
         with torch.no_grad(), model.disable_adapter():
             ref = logprobs(model(input_ids=ids, logits_to_keep=width - start).logits)
-    parts = grpo_loss_sums(new, old, torch.tensor([[s.advantage] for s in batch]), trained, epsilon=config.epsilon,
+    advantages = torch.tensor([[s.advantage] for s in batch], device=device)
+    parts = grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
                            epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
                            loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
     return parts, (entropies * trained).sum()

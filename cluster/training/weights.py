@@ -121,7 +121,17 @@ def stage(model: Any, optimizer: torch.optim.Optimizer) -> Staged:
     config = copy.deepcopy(model.peft_config[ADAPTER])
     config.inference_mode = True
     adapter = {name: _host(value) for name, value in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
-    return Staged(adapter, config, _to_host(optimizer_state(model, optimizer)))
+    return Staged(adapter, config, _named_state(model, optimizer))
+
+
+def _named_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer_state` of a model in this process (no shards), on the host, without torch.distributed.checkpoint's
+    walk of the model (a tenth of a second at 7B)."""
+    names = {param: name for name, param in model.named_parameters() if param.requires_grad}
+    state = {names[param]: _to_host(values) for param, values in optimizer.state.items()}
+    groups = [{key: value for key, value in group.items() if key != "params"}
+              | {"params": [names[param] for param in group["params"]]} for group in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
 
 
 def save_optimizer(state: dict[str, Any], directory: Path) -> None:
