@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -93,9 +92,11 @@ def timed(step, device: torch.device) -> tuple[float, float, float]:
     return seconds, cpu, (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0)
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory now (VmRSS) or at its peak (VmHWM: since exec, unlike getrusage's ru_maxrss,
+    which a child inherits from the parent that forked it)."""
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) * 1024
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:")) * 1024
 
 
 def setup(args):
@@ -127,8 +128,7 @@ def measure_rss(args) -> None:
     before = rss_bytes()
     for _ in range(2):
         contenders[args.measure_rss]()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"before": before, "peak": peak}))
+    print(json.dumps({"before": before, "peak": rss_bytes("VmHWM")}))
 
 
 def rss_of(name: str) -> float:
