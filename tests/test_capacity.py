@@ -1,12 +1,20 @@
 """Will a model fit a cluster: refused before anything is rented (its size from its name, the GPU's memory from a
-table) and again when it registers on a sharded trainer (its real parameter count)."""
+table) and again when it registers on a sharded trainer (its real parameter count), and its longest sequence's
+activations beside the weights (with activation checkpointing unless it is off)."""
 
 from __future__ import annotations
 
 import pytest
 
 from art_sky import SkyPilotBackend
-from art_sky.capacity import check_before_renting, layout, parameters_from_name
+from art_sky.capacity import (
+    Shape,
+    activation_bytes,
+    activation_problem,
+    check_before_renting,
+    layout,
+    parameters_from_name,
+)
 from art_sky.cluster.training.rank_group import RankGroup, ShardedTrainer
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
@@ -69,3 +77,34 @@ def test_a_model_whose_shards_do_not_fit_is_refused_when_it_registers(tmp_path):
         assert trainer.group._process is None
     finally:
         trainer.close()
+
+
+QWEN_7B = Shape(layers=28, hidden=3584, intermediate=18944, kv_width=512)
+
+
+def test_a_7b_lora_at_8k_tokens_fits_one_80_gb_gpu_with_activation_checkpointing_only():
+    h100 = 80 * GIB
+    assert activation_bytes(QWEN_7B, 1, checkpointing=False) == pytest.approx(7.8e6, rel=0.05)  # measured at 7B
+    assert activation_problem(QWEN_7B, 7.6e9, 1, h100, 8192, checkpointing=True) is None
+    problem = activation_problem(QWEN_7B, 7.6e9, 1, h100, 8192, checkpointing=False)
+    assert "8192 tokens keeps 59.3 GiB of activations (ART_SKY_ACTIVATION_CHECKPOINTING=off)" in problem
+    assert activation_problem(QWEN_7B, 7.6e9, 1, h100, 4096, checkpointing=False) is None  # half of it does
+
+
+def test_a_model_whose_longest_sequence_cannot_train_is_refused_when_it_registers():
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    from art_sky.cluster.training.activations import refuse_unfit
+
+    model = SimpleNamespace(config=Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                               num_attention_heads=28, num_key_value_heads=4))
+    request = RegisterRequest(name="m", project="p", base_model="Qwen/Qwen2.5-7B-Instruct",
+                              config={"max_seq_length": 32768})
+    refuse_unfit(request, model, 7.6e9, 1, 80 * GIB, 4096, "auto")  # 32k tokens fit, checkpointed
+    with pytest.raises(ConfigError, match="Qwen2.5-7B-Instruct cannot train here: a micro-batch of 32768 tokens "
+                                          ".*smaller max_seq_length.*ART_SKY_ACTIVATION_CHECKPOINTING=auto"):
+        refuse_unfit(request, model, 7.6e9, 1, 80 * GIB, 4096, "off")
+    with pytest.raises(ConfigError, match="with activation checkpointing"):
+        refuse_unfit(request, model, 7.6e9, 1, 24 * GIB, 4096, "auto")  # an L4: the weights leave no room

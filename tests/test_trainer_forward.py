@@ -248,3 +248,35 @@ def test_packed_attention_attends_within_each_sequence(window):
                                               attn_mask=allowed, scale=0.3)
     assert out.shape == (1, total, 4, 8)
     assert torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_changes_no_gradient(tiny):
+    """ART_SKY_ACTIVATION_CHECKPOINTING=on: every decoder layer runs again in the backward pass (packed rows, kwargs
+    and all), and the loss and gradients are those of keeping the activations."""
+    from art_sky.cluster.training.activations import set_checkpointing
+
+    model, pad = tiny
+    sequences, config = batch(4), CONFIGS["ppo-beta"]
+    policy = Policy(model, make_optimizer(model), pad)
+    trainer = PeftTrainer(4096)
+    assert lm_head.fused_head(model, lambda m, ids: trainer._hidden(m, {"input_ids": ids}))  # its check ran
+    mlp = model.get_base_model().model.layers[0].mlp  # inside the layer: run again when the layer is recomputed
+    calls, forward = [], mlp.forward
+
+    def counted(*args, **kwargs):  # module hooks do not run in a checkpoint's recompute; the forward does
+        calls.append(torch.is_grad_enabled())
+        return forward(*args, **kwargs)
+
+    mlp.forward = counted
+    try:
+        expected, expected_grads = loss_and_grads(lambda: PeftTrainer(4096, "off")._loss(policy, sequences, config),
+                                                  model, config)
+        without = len(calls)
+        got, grads = loss_and_grads(lambda: PeftTrainer(4096, "on")._loss(policy, sequences, config), model, config)
+    finally:
+        del mlp.forward
+        set_checkpointing(model, False)
+    assert without == 2 and len(calls) - without == 3  # with: the forward, the reference's, the recompute
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    for got_grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert torch.allclose(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
