@@ -115,7 +115,7 @@ def test_packed_micro_batches_and_the_fused_head_give_the_plain_loss_gradients_a
     policy = Policy(model, make_optimizer(model), pad)
     expected, expected_grads = loss_and_grads(lambda: reference_loss(model, sequences, pad, config), model, config)
     got, grads = loss_and_grads(lambda: trainer._loss(policy, sequences, config), model, config)
-    assert packing.packs(model) and lm_head.fused_head(model, lambda m, ids: trainer._hidden(m, {"input_ids": ids}))
+    assert packing.packs(model) and trainer.fuses_head(model)
     assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
     for got_grad, expected_grad in zip(grads, expected_grads, strict=True):
         assert torch.allclose(got_grad, expected_grad, rtol=1e-3, atol=1e-4)
@@ -220,7 +220,7 @@ def test_a_head_the_fused_path_cannot_compute_keeps_the_models_own_logits(tiny):
     head = twin.get_output_embeddings()
     head.bias = torch.nn.Parameter(torch.linspace(-1, 1, head.weight.shape[0]), requires_grad=False)
     trainer, config = PeftTrainer(4096), CONFIGS["ppo"]
-    assert not lm_head.fused_head(twin, lambda m, ids: trainer._hidden(m, {"input_ids": ids}))
+    assert not trainer.fuses_head(twin)
     sequences = batch(3)
     policy = Policy(twin, make_optimizer(twin), pad)
     expected, _ = loss_and_grads(lambda: reference_loss(twin, sequences, pad, config), twin, config)
@@ -259,7 +259,7 @@ def test_activation_checkpointing_recomputes_each_layer_and_changes_no_gradient(
     sequences, config = batch(4), CONFIGS["ppo-beta"]
     policy = Policy(model, make_optimizer(model), pad)
     trainer = PeftTrainer(4096)
-    assert lm_head.fused_head(model, lambda m, ids: trainer._hidden(m, {"input_ids": ids}))  # its check ran
+    assert trainer.fuses_head(model)  # its check ran
     mlp = model.get_base_model().model.layers[0].mlp  # inside the layer: run again when the layer is recomputed
     calls, forward = [], mlp.forward
 

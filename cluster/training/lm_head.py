@@ -18,7 +18,7 @@ found out once by `fused_head` and keeps the plain path: full logits, only at th
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -96,10 +96,11 @@ def head_weight(model: Any) -> torch.Tensor:
     return _head(model)[2].weight
 
 
-def fused_head(model: Any, forward) -> bool:
+def fused_head(model: Any, hidden: Callable, logits: Callable) -> bool:
     """Does the fused head compute this model's logits? The head must be a frozen `nn.Linear` without bias, and
     `head(hidden)` must be what the model's own forward returns (checked once per model on four tokens: a model that
-    softcaps or scales its logits fails it). `forward(model, ids)` is the trainer's forward to the hidden states."""
+    softcaps or scales its logits fails it). `hidden(model, ids)` and `logits(model, ids)` are the trainer's
+    forwards to the hidden states and to the logits."""
     if model in _checked:
         return _checked[model]
     head = _head(model)[2]
@@ -110,9 +111,8 @@ def fused_head(model: Any, forward) -> bool:
         model.eval()
         try:
             with torch.no_grad():
-                expected = model(input_ids=ids, use_cache=False).logits.float()
-                hidden = forward(model, ids)
-                got = F.linear(hidden, head_weight(model)).float()
+                expected = logits(model, ids).float()
+                got = F.linear(hidden(model, ids), head_weight(model)).float()
         finally:
             model.train(was_training)
         fits = torch.allclose(got, expected, rtol=1e-3, atol=1e-3 * (1.0 + float(expected.abs().max())))

@@ -10,6 +10,7 @@ sharded ranks (cluster/training/sharded.py) and the Unsloth trainer run this sam
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,13 +93,14 @@ class PeftTrainer:
         sums = torch.zeros(4, device=device())  # policy, kl, clipped, entropy: summed on the device, read once
         model.train()
         try:
-            for done, batch in enumerate(batches, start=1):
-                policy.last(done == len(batches))
-                parts, entropy = self._loss(policy, batch, config)
-                loss = (parts.policy + config.beta * parts.kl) / total_tokens
-                loss.backward()
-                sums += torch.stack([parts.policy, parts.kl, parts.clipped, entropy]).detach()
-                progress(done, len(batches))
+            with _lora_inputs_kept(model):
+                for done, batch in enumerate(batches, start=1):
+                    policy.last(done == len(batches))
+                    parts, entropy = self._loss(policy, batch, config)
+                    loss = (parts.policy + config.beta * parts.kl) / total_tokens
+                    loss.backward()
+                    sums += torch.stack([parts.policy, parts.kl, parts.clipped, entropy]).detach()
+                    progress(done, len(batches))
             grad_norm = _full(torch.nn.utils.clip_grad_norm_(trainable(model), config.max_grad_norm))
             optimizer.step()
         finally:
@@ -155,12 +157,13 @@ class PeftTrainer:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss_sum = torch.zeros((), device=device())
-                for index, batch in enumerate(micro, start=1):
-                    policy.last(index == len(micro))
-                    new, _ = self._scores(policy, self._layout(policy, batch))
-                    nll = -(new * _trained(batch)).sum()
-                    (nll / tokens).backward()
-                    loss_sum += nll.detach()
+                with _lora_inputs_kept(model):
+                    for index, batch in enumerate(micro, start=1):
+                        policy.last(index == len(micro))
+                        new, _ = self._scores(policy, self._layout(policy, batch))
+                        nll = -(new * _trained(batch)).sum()
+                        (nll / tokens).backward()
+                        loss_sum += nll.detach()
                 grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(trainable(model), max_grad_norm)))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -181,18 +184,27 @@ class PeftTrainer:
         (no float32 logits) where it computes the model's logits, else the model's own logits at those positions."""
         model = policy.model
         self._checkpointing(model, layout.inputs["input_ids"].numel())
-        if fused_head(model, lambda m, ids: self._hidden(m, {"input_ids": ids, "use_cache": False})):
+        if self.fuses_head(model):
             hidden = self._hidden(model, layout.inputs)
             picked = hidden.reshape(-1, hidden.shape[-1])[layout.select]
             logprobs, entropies = token_logprobs(picked, head_weight(model), layout.targets)
         else:
-            logits = model(**layout.inputs).logits
+            logits = self._logits(model, layout.inputs)
             logprobs, entropies = full_logprobs(logits.reshape(-1, logits.shape[-1])[layout.select], layout.targets)
         return layout.per_row(logprobs), layout.per_row(entropies)
 
+    def fuses_head(self, model: Any) -> bool:
+        """Does the fused LM head compute `model`'s logits (cluster/training/lm_head.py)?"""
+        return fused_head(model, lambda m, ids: self._hidden(m, {"input_ids": ids, "use_cache": False}),
+                          lambda m, ids: self._logits(m, {"input_ids": ids, "use_cache": False}))
+
+    def _logits(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        with bf16_compute(model):
+            return model(**inputs).logits
+
     def _hidden(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         """The model's final hidden states (after its last norm), [rows, tokens, hidden size]."""
-        with hidden_states(model):
+        with hidden_states(model), bf16_compute(model):
             return model(**inputs).logits
 
     def _checkpointing(self, model: Any, tokens: int) -> None:
@@ -219,6 +231,23 @@ class PeftTrainer:
                                epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
                                loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
         return parts, (entropies * trained).sum()
+
+
+def bf16_compute(model: Any):
+    """On CUDA with a bf16 base model, the forward's matmuls in bf16, the LoRA's too (its fp32 weights cast per op),
+    as FSDP2's mixed precision runs them on the ranks; PEFT alone runs each LoRA matmul in fp32, on an fp32 copy of
+    its input."""
+    if device().type == "cuda" and model.get_input_embeddings().weight.dtype == torch.bfloat16:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _lora_inputs_kept(model: Any):
+    """For a whole step (its forwards, and the recomputes of activation checkpointing in its backward passes): PEFT
+    does not copy each LoRA input to fp32 where autocast runs the LoRA in bf16 anyway (`bf16_compute`)."""
+    from peft.helpers import disable_input_dtype_casting
+
+    return disable_input_dtype_casting(model, active=not isinstance(bf16_compute(model), nullcontext))
 
 
 def pad_id(tokenizer: Any) -> int:

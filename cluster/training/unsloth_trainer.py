@@ -25,7 +25,7 @@ from art_sky.wire import RegisterRequest
 from ..inference.vllm_engine import vllm_lora_rank
 from ..model_state import ADAPTER, DEFAULT_TARGET_MODULES, resolve_base_model
 from ..node.gpu_sharing import standby_supported
-from .peft_trainer import PeftTrainer
+from .peft_trainer import PeftTrainer, bf16_compute
 
 
 class UnslothTrainer(PeftTrainer):
@@ -73,7 +73,7 @@ class UnslothTrainer(PeftTrainer):
         return False
 
     def _hidden(self, model: Any, inputs: dict[str, Any]) -> Any:
-        with _returning_hidden_states():
+        with _returning_hidden_states(), bf16_compute(model):
             return model(**inputs).logits
 
     def _checkpointing(self, model: Any, tokens: int) -> None:
