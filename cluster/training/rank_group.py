@@ -217,6 +217,7 @@ class RankWeights:
     def stage(self) -> StagedFiles:
         """The ranks write the step's adapter and optimizer state now, into a directory of its own beside the
         checkpoints (the gathered state is the ranks' until then); the checkpoint links them in."""
+        self.state.checkpoints.path.mkdir(parents=True, exist_ok=True)
         directory = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}ranks-", dir=self.state.checkpoints.path))
         try:
             self.save(directory)
