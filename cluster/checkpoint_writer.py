@@ -115,23 +115,32 @@ class CheckpointWriter:
     def __init__(self, checkpoints: CheckpointDir, base_model: str, background: bool = True):
         self.checkpoints, self.base_model, self.background = checkpoints, base_model, background
         self._lock = threading.Lock()
+        self._retrying = threading.Lock()
         self._pending: _Write | None = None  # the newest committed step until it is on disk
         self._served: dict[int, Path] = {}  # adapter copies of pending steps, written for an engine
 
     def write_now(self, record: StepRecord, staged: Staged, metrics: dict[str, float] | None = None) -> None:
         """Write a step before returning (registration's step 0)."""
-        self._write(_Write(record, metrics, staged))
+        try:
+            self._write(_Write(record, metrics, staged))
+        except BaseException:
+            staged.release()
+            raise
 
     def commit(self, record: StepRecord, staged: Staged, metrics: dict[str, float] | None = None) -> None:
         """Write step `record.step`: started in the background, or (not `background`) done before returning.
         Raises, and the step must roll back, when the previous step's write fails again, when the disk has not the
-        room the last step took, or when a write done now fails."""
-        self.flush()
-        self._check_room(staged.nbytes * ROOM_MARGIN + ROOM_SLACK)
+        room for this one, or when a write done now fails."""
         write = _Write(record, metrics, staged)
-        if not self.background:
-            self._write(write)
-            return
+        try:
+            self.flush()
+            self._check_room(staged.nbytes * ROOM_MARGIN + ROOM_SLACK)
+            if not self.background:
+                self._write(write)
+                return
+        except BaseException:
+            staged.release()  # the step rolls back: nothing of it is kept
+            raise
         with self._lock:
             self._pending = write
         threading.Thread(target=self._run, args=(write,), name=f"checkpoint-{self.checkpoints.name}").start()
@@ -143,7 +152,8 @@ class CheckpointWriter:
             write = self._pending
         if write is not None:
             write.done.wait()
-            if write.error is not None:
+        with self._retrying:  # one retry at a time (a step's commit and a flush request may both ask)
+            if write is not None and write.error is not None and not write.on_disk:
                 log.info("writing step %d of %s again (it failed: %s)", write.step, self.checkpoints.name, write.error)
                 try:
                     self._write(write)
@@ -153,7 +163,7 @@ class CheckpointWriter:
                         f"checkpoint could not be written to {self.checkpoints.path} ({exc}). Fix that; the next "
                         "step writes it first") from exc
             with self._lock:
-                if self._pending is write:
+                if write is not None and self._pending is write:
                     self._pending = None
         self._drop_served()
 

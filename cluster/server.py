@@ -216,8 +216,11 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
 
     @app.get("/art/models/{name}/history", dependencies=guarded)
     async def history(name: str) -> list[dict]:
-        """The model's history.jsonl: a line per step and per `model.log` (`art-sky plot`)."""
-        return model(name).checkpoints.history()
+        """The model's history.jsonl: a line per step and per `model.log` (`art-sky plot`), the newest step's once
+        it is on disk."""
+        state = model(name)
+        await asyncio.to_thread(state.writer.written, state.step)
+        return state.checkpoints.history()
 
     async def stream_step(state: ModelState, body: TrainRequest | SFTRequest, request: Request,
                           prepare: Callable[[], StepPlan]) -> StreamingResponse:
