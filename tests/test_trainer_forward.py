@@ -280,3 +280,26 @@ def test_activation_checkpointing_recomputes_each_layer_and_changes_no_gradient(
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
     for got_grad, expected_grad in zip(grads, expected_grads, strict=True):
         assert torch.allclose(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_whose_attention_ignores_packed_rows_trains_on_padded_rows(tiny, monkeypatch):
+    """Its forward does not hand the packed boundaries to attention (here: attention over the whole row): the
+    trainer's one-time check finds two packed sequences scoring otherwise than alone, and the model trains on padded
+    rows, with the plain loss."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def unaware(module, query, key, value, attention_mask, **kwargs):
+        kept = {k: v for k, v in kwargs.items() if not k.startswith(("cu_seq_lens", "max_length"))}
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kept)
+
+    model, pad = tiny
+    trainer, config, sequences = PeftTrainer(4096), CONFIGS["ppo"], batch(5)
+    assert trainer.packs(model)
+    twin = copy.deepcopy(model)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, packing.PACKED, unaware)
+    assert not trainer.packs(twin) and trainer.packs(model)  # the model checked before keeps its answer
+    policy = Policy(twin, make_optimizer(twin), pad)
+    expected, _ = loss_and_grads(lambda: reference_loss(twin, sequences, pad, config), twin, config)
+    got, _ = loss_and_grads(lambda: trainer._loss(policy, sequences, config), twin, config)
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from .sequences import Sequence
 
 log = logging.getLogger("art_sky.cluster")
+_checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # model -> reads packed rows
 
 PACKED = "art_sky_packed"
 
@@ -82,9 +84,40 @@ def _inputs(batch: list[Sequence], pad_id: int, packed: bool, width: int, device
             "max_length_k": max(lengths), "use_cache": False}
 
 
-def packs(model: Any) -> bool:
-    """Does this model read packed micro-batches (its attention is `PACKED`)?"""
-    return getattr(model.config, "_attn_implementation", None) == PACKED
+def packs(model: Any, logits: Callable | None = None) -> bool:
+    """Does this model read packed micro-batches: its attention is `PACKED` and, with `logits(model, inputs)` (the
+    trainer's forward), once per model, two sequences packed in one row score as each alone? A model whose forward
+    does not hand transformers' packed arguments to its attention fails that, and trains on padded rows."""
+    if getattr(model.config, "_attn_implementation", None) != PACKED:
+        return False
+    if logits is None:
+        return True
+    if model not in _checked:
+        _checked[model] = _reads_packed_rows(model, logits)
+    return _checked[model]
+
+
+def _reads_packed_rows(model: Any, logits: Callable) -> bool:
+    device = model.get_input_embeddings().weight.device
+    first, second = Sequence([3, 4, 5, 6, 7], [True] * 5), Sequence([8, 9, 10], [True] * 3)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = [logits(model, _inputs([seq], 0, False, len(seq.token_ids), device))[0].float()
+                     for seq in (first, second)]
+            packed = logits(model, _inputs([first, second], 0, True, 5, device))[0].float()
+    except TypeError as exc:  # its forward takes no packed arguments
+        log.warning("%s trains on padded rows: its forward does not take packed rows (%s)", type(model).__name__, exc)
+        return False
+    finally:
+        model.train(was_training)
+    expected = torch.cat(alone)
+    same = bool(((packed - expected).abs().max() <= 0.02 * expected.abs().max() + 1e-3).item())
+    if not same:
+        log.warning("%s trains on padded rows: two sequences packed in one row do not score as each alone",
+                    type(model).__name__)
+    return same
 
 
 def use_packed_attention(model: Any) -> None:

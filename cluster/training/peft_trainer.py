@@ -133,7 +133,7 @@ class PeftTrainer:
 
     def packs(self, model: Any) -> bool:
         """Does this trainer pack `model`'s micro-batches (its attention reads packed rows)?"""
-        return packing.packs(model)
+        return packing.packs(model, self._logits)
 
     def sft(self, state: ModelState, batches: list[list[Sequence]], learning_rates: list[float],
             max_grad_norm: float, progress: Progress = lambda done, total: None) -> list[dict[str, float]]:
