@@ -83,7 +83,7 @@ async def _three_steps(runner: CliRunner) -> dict:
             if step == 1:  # a long completion in flight: the step waits for it, and status shows so
                 client = model.openai_client()
                 long = asyncio.create_task(client.chat.completions.create(
-                    model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=256,
+                    model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=768,
                     n=8, temperature=1.0, extra_body={"ignore_eos": True}))
                 while not (await backend.models())[0].serving.in_flight:
                     await asyncio.sleep(0.01)
