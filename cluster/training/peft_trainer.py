@@ -245,8 +245,10 @@ def bf16_compute(model: Any):
 def _lora_inputs_kept(model: Any):
     """For a whole step (its forwards, and the recomputes of activation checkpointing in its backward passes): PEFT
     does not copy each LoRA input to fp32 where autocast runs the LoRA in bf16 anyway (`bf16_compute`)."""
-    from peft.helpers import disable_input_dtype_casting
-
+    try:
+        from peft.helpers import disable_input_dtype_casting
+    except ImportError:  # PEFT before 0.15 always copies: autocast still runs the LoRA in bf16
+        return nullcontext()
     return disable_input_dtype_casting(model, active=not isinstance(bf16_compute(model), nullcontext))
 
 
