@@ -169,8 +169,9 @@ class RankGroup:
                                          start_new_session=True, preexec_fn=_ends_with_parent)
 
     def _not_ready(self) -> str:
-        waiting = (f" (waiting for {self.rendezvous.nodes - 1} worker node(s) to join the rendezvous at "
-                   f"{self.rendezvous.endpoint})" if self.rendezvous.nodes > 1 else "")
+        waiting = (f" (the models' shards need {self.min_nodes} of the cluster's {self.rendezvous.nodes} nodes: "
+                   f"waiting for lost ones to be replaced, at the rendezvous at {self.rendezvous.endpoint})"
+                   if self.min_nodes > 1 else "")
         return (f"the trainer's ranks did not start within {self.settings.server_start_timeout:.0f} s{waiting}: "
                 "see the server log for torchrun's output")
 
