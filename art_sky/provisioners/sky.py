@@ -149,27 +149,30 @@ async def check_infra(task: dict[str, Any]) -> None:
                           f"credentials and run `{sky_cli()} check {cloud}`, or pick an enabled infra")
 
 
-async def cluster_status(cluster_name: str) -> str | None:
-    """The cluster's status (UP, INIT, STOPPED), or None when there is no such cluster."""
-    records = await _call(f"look up {cluster_name}", "status", names=[cluster_name])
+async def cluster_status(cluster_name: str, refresh: bool = False) -> str | None:
+    """The cluster's status (UP, INIT, STOPPED), or None when there is no such cluster. `refresh` asks the infra
+    (a preempted or ended cluster is then gone, or INIT with a node lost) rather than SkyPilot's table."""
+    records = await _call(f"look up {cluster_name}", "status", names=[cluster_name], refresh=refresh)
     return records[0]["status"] if records else None
 
 
-async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restart: bool, timeout: float) -> None:
+async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restart: bool, timeout: float,
+                        on_request: Callable[[str], None] | None = None) -> None:
     """Launch the cluster with the server task, or on an UP cluster make sure the server job runs (a new one on
-    `force_restart`); return once the job runs."""
+    `force_restart`); return once the job runs. `on_request` gets the launch request's id (to cancel it)."""
     await check_infra(task)
     if await cluster_status(cluster_name) != "UP":
         if task.get("num_nodes", 1) > 1:  # a node lost on the way leaves the others billing: tear them all down
             try:
-                job_id = (await _call(f"launch {cluster_name}", "launch", config=task,
+                job_id = (await _call(f"launch {cluster_name}", "launch", on_request=on_request, config=task,
                                       cluster=cluster_name))["job_id"]
                 await _wait_running(cluster_name, job_id, timeout)
             except BaseException as exc:
                 await _down_after(cluster_name, exc)
                 raise
             return
-        job_id = (await _call(f"launch {cluster_name}", "launch", config=task, cluster=cluster_name))["job_id"]
+        job_id = (await _call(f"launch {cluster_name}", "launch", on_request=on_request, config=task,
+                              cluster=cluster_name))["job_id"]
     else:
         jobs = [j for j in await server_jobs(cluster_name) if j["status"] in _ACTIVE]
         if jobs and not force_restart:
