@@ -31,12 +31,14 @@ class Tunnel:
 
     def __init__(self, target: SSHTarget, remote_port: int, settings: Settings, *, local_port: int = 0,
                  remote_host: str = "127.0.0.1", keepalive: float = 15.0, reconnect_wait: float = 60.0,
-                 max_backoff: float = 30.0):
+                 max_backoff: float = 30.0, refused_wait: float = 0.0):
         self.target = target
         self.settings = settings
         self.keepalive = keepalive  # seconds between liveness probes, and the wait for each answer
         self.remote = (remote_host, remote_port)
         self.reconnect_wait = reconnect_wait
+        self.refused_wait = refused_wait  # how long a connection retries a remote port that refuses (a server gone,
+        # whose cluster is about to be replaced: a hold begins meanwhile); 0 closes it at once
         self.max_backoff = max_backoff
         self.reconnects = 0  # how many times the SSH connection was re-established
         self._requested_port = local_port
@@ -194,10 +196,11 @@ class Tunnel:
         """A channel to the remote port: after a hold (however long), and up to `reconnect_wait` for a dropped
         connection to come back; None when there is none to be had (the client sees its connection closed)."""
         deadline = time.monotonic() + self.reconnect_wait
+        refused_since: float | None = None
         while not self._closed.is_set():
             if not self._open.is_set():
                 self._open.wait(0.5)
-                deadline = time.monotonic() + self.reconnect_wait
+                deadline, refused_since = time.monotonic() + self.reconnect_wait, None
                 continue
             if not self._up.wait(0.5):
                 if time.monotonic() > deadline:
@@ -207,9 +210,11 @@ class Tunnel:
             try:
                 return transport.open_channel("direct-tcpip", self.remote, peer, timeout=30)
             except (paramiko.SSHException, OSError, EOFError, AttributeError) as exc:
-                if transport is not None and transport.is_active():  # the remote port refused: nothing listens
-                    log.warning("cannot open a channel to %s:%d on %s: %r", *self.remote, self.target, exc)
-                    return None
+                if transport is not None and transport.is_active():  # nothing listens at the remote port
+                    refused_since = refused_since or time.monotonic()
+                    if time.monotonic() - refused_since >= self.refused_wait:
+                        log.warning("cannot open a channel to %s:%d on %s: %r", *self.remote, self.target, exc)
+                        return None
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.5)  # the connection died under us: the watchdog notices and reconnects (or a hold begins)
