@@ -180,6 +180,12 @@ class Backend:
         """The price the machine's provider knows; a plain server's machine has none."""
         return None
 
+    async def _recovered(self, cause: Exception) -> bool:
+        """A request lost its connection (`cause`): True once the server is back on a relaunched machine (retry
+        now, afresh), False to retry as usual; raises when the machine is lost for good. Only a SkyPilot cluster
+        with recovery relaunches (backends/recovery.py)."""
+        return False
+
     # ART's hooks for `model.log(groups, split="train")`: it times the steps between its calls and, with a price,
     # adds `costs/gpu` (ART's LocalBackend does the same for the GPUs it knows).
     def supports_automatic_train_step_metrics(self) -> bool:
@@ -347,6 +353,8 @@ class Backend:
                     return await self._follow_step(model, route, request, bar, stall)
                 except _Lost as exc:
                     lost, wait = exc.__cause__ or exc, min(0.5 * 2**attempt, 10.0)
+                    if await self._recovered(lost):  # the cluster was lost and is back: retry at once, time anew
+                        deadline, wait = time.monotonic() + self.settings.train_retry_timeout, 0.0
                 except NotFoundError as exc:
                     if lost is None or "not registered" not in exc.message:
                         raise
@@ -450,6 +458,9 @@ class Backend:
                 break
             except httpx.TransportError as exc:
                 if attempt >= retries and time.monotonic() >= deadline:
+                    if (retries or retry_for) and await self._recovered(exc):
+                        deadline = time.monotonic() + (retry_for or 0)  # on the relaunched cluster, once more
+                        continue
                     raise BackendUnavailableError(
                         f"cannot reach the cluster server at {self.base_url} ({exc!r}): is it running and the "
                         "tunnel up? `art-sky status` tells") from exc
