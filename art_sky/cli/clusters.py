@@ -80,6 +80,12 @@ def up(
     model: str | None = typer.Option(None, "--model", help="the base model you will train: refused before renting "
                                                            "if its shards do not fit the GPUs", rich_help_panel=SKY),
     spot: bool = typer.Option(False, help="use spot instances", rich_help_panel=SKY),
+    recover: bool | None = typer.Option(None, "--recover/--no-recover", show_default="on with --spot and an object "
+                                        "store", help="relaunch the cluster when it is lost (preempted, stopped) and "
+                                        "go on from the object store, in the process whose loop uses it (attach)",
+                                        rich_help_panel=SKY),
+    recover_from_scratch: bool = typer.Option(False, "--recover-from-scratch", rich_help_panel=SKY,
+                                              help="with --recover and no object store: relaunch from step 0 anyway"),
     autostop: int = typer.Option(60, min=0, help="tear the cluster down after this many idle minutes; 0 never "
                                                  "(needed where the infra has no autostop, e.g. plain Slurm)",
                                  rich_help_panel=SKY),
@@ -123,7 +129,8 @@ def up(
         backend = SkyPilotBackend.for_cluster(
             cluster_name=name, gpu=parse_gpus(gpu), infra=infra, spot=spot, autostop_minutes=autostop or None,
             resources={k: v for k, v in (("cpus", cpus), ("memory", memory)) if v is not None}, env_path=env_file,
-            force_restart=force_restart, settings=settings, num_nodes=nodes, base_model=model)
+            force_restart=force_restart, settings=settings, num_nodes=nodes, base_model=model,
+            recover="from-scratch" if recover_from_scratch else recover)
     if name in clusters.all_names(settings.home):
         existing = clusters.load(settings.home, name)
         if (existing.kind, existing.where) != (backend.kind, backend.where):
