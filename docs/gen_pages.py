@@ -1,10 +1,18 @@
-"""Pages made at build time (mkdocs-gen-files runs this): the repository files the pages link to."""
+"""Pages made at build time (mkdocs-gen-files runs this): the reference pages' generated parts (docs/
+reference_pages.py) appended to their hand-written introductions, the repository files the pages link to, and the
+package laid out as it installs for mkdocstrings."""
 
+import json
+import sys
 from pathlib import Path
 
 import mkdocs_gen_files
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "docs"))
+
+import reference_pages  # noqa: E402 (docs/ is not a package)
+
 # Raw benchmark results and the templates the guides link to, published under files/ as the repository has them.
 PUBLISHED = ["bench/results/*", "templates/*.yaml", "templates/*.yml", "templates/*.txt"]
 
@@ -22,14 +30,13 @@ for source in [*sorted((ROOT / "art_sky").iterdir()), ROOT / "client", ROOT / "c
     if source.name != "__pycache__" and not link.is_symlink():
         link.symlink_to(source)
 
+document = reference_pages.openapi_document()
+with mkdocs_gen_files.open("reference/openapi.json", "w") as out:
+    json.dump(document, out, indent=2)
 
-def python_api() -> str:
-    """The public names (`art_sky.__all__`), each rendered by mkdocstrings from its docstrings."""
-    import art_sky
-
-    names = sorted((n for n in art_sky.__all__ if not n.startswith("_")), key=lambda n: (n[0].islower(), n))
-    return "".join(f"\n::: art_sky.{name}\n" for name in names)
-
-
-with mkdocs_gen_files.open("reference/python-api.md", "a") as page:
-    page.write(python_api())
+for page, text in (("reference/settings.md", reference_pages.settings_markdown()),
+                   ("reference/cli.md", reference_pages.cli_markdown()),
+                   ("reference/http-api.md", reference_pages.http_markdown(document)),
+                   ("reference/python-api.md", reference_pages.python_api_markdown())):
+    with mkdocs_gen_files.open(page, "a") as out:
+        out.write("\n" + text)
