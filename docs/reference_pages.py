@@ -1,6 +1,6 @@
 """The reference pages' generated parts, as Markdown, read from the code itself: every setting from `Settings`, every
 command from the typer app, every route from the server's OpenAPI document, every public name from
-`art_sky.__all__`. docs/gen_pages.py writes them into the site at build time, so none can be missing or stale;
+`art_sky.__all__`. docs/hooks.py puts them into the site at build time, so none can be missing or stale;
 tests/test_docs.py checks each reaches the site."""
 
 from __future__ import annotations
