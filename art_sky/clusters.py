@@ -49,6 +49,7 @@ class ClusterRecord(BaseModel):
     api_key: SecretStr
     spec: ClusterSpec | None = None  # a SkyPilot cluster's task as asked (its secrets too): what a relaunch launches
     recover: bool | Literal["from-scratch"] = False  # a SkyPilot cluster is relaunched when it is lost
+    server_job: int | None = None  # the SkyPilot job that runs the server (another one: it was relaunched)
     recovery: RecoveryStatus | None = None
 
     @field_serializer("api_key", when_used="json")

@@ -17,12 +17,17 @@ server job running is left alone: a network blip, which the tunnel outlives. Oth
 
 A relaunch that fails, or outlasts ART_SKY_RECOVER_TIMEOUT, tears the cluster down (nothing is left billing) and every
 waiting call raises, saying what SkyPilot said and how to resume. A cluster lost again before a step trained on its
-relaunch is not relaunched again: something other than the cloud is killing it, and relaunching would loop.
+relaunch is not relaunched again: something other than the cloud is killing it, and relaunching would loop. Several
+processes of this machine using one cluster (two loops) relaunch it one at a time (a lock file beside its record):
+the next finds it up with a new server job, which it only reconnects to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import itertools
 import logging
 import os
 import time
@@ -48,8 +53,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("art_sky")
 
 CHECK_EVERY = 5.0  # seconds between the watch's questions to the server
-CHECK_TIMEOUT = 10.0
+CHECK_TIMEOUT = 5.0  # a server that does not answer /art/checkpoints/sync within this is not answering
 DIAGNOSIS = 120.0  # seconds SkyPilot may take to say what became of a cluster (a refreshed status, the job queue)
+QUEUE_AFTER = 3  # ART_SKY_RECOVER_AFTER periods of silence before an UP cluster's server job is looked at
+QUEUE_TIMEOUT = 20.0  # seconds for the job queue of a cluster that reads UP (a dying one's may not answer)
 SETTLED = 600.0  # a cluster lost again this soon after its relaunch, with no step trained since, is not relaunched
 MAX_KEPT = 100  # requests kept per model for steps the store does not confirm (a broken store: the oldest go)
 
@@ -88,6 +95,7 @@ class Recovery:
         self._lost_at: float | None = None  # when a request found the cluster gone (the downtime starts)
         self._recovered_at: float | None = None
         self._steps_since = 0  # steps trained since the last relaunch
+        self.phases: dict[str, float] = {}  # the last recovery's phases, in seconds (its log line)
 
     # -- what the backend tells it -----------------------------------------------------------------------------
 
@@ -159,24 +167,23 @@ class Recovery:
     # -- watching ----------------------------------------------------------------------------------------------
 
     async def _watching(self) -> None:
-        answered = time.monotonic()
+        answered = asked = time.monotonic()  # when the server last answered, and SkyPilot was last asked
         while self._failed is None:
-            await asyncio.sleep(CHECK_EVERY)
+            await asyncio.sleep(min(CHECK_EVERY, self.settings.recover_after))
             if self._task is not None:
                 await asyncio.wait([self._task])
-                answered = time.monotonic()
+                answered = asked = time.monotonic()
                 continue
             if await self._answers():
-                answered, self._lost_at = time.monotonic(), None
+                answered, asked, self._lost_at = time.monotonic(), time.monotonic(), None
                 continue
-            if time.monotonic() - answered < self.settings.recover_after:
+            if time.monotonic() - asked < self.settings.recover_after:
                 continue
-            why = await self._diagnose()
-            if why is None:
-                answered = time.monotonic()  # up, by SkyPilot's account: ask again after another while
-                continue
-            lost_at = min(self._lost_at or answered, answered + CHECK_EVERY)
-            self._task = asyncio.create_task(self._recover(why, lost_at))
+            why = await self._diagnose(time.monotonic() - answered)
+            asked = time.monotonic()
+            if why is not None:
+                lost_at = min(self._lost_at or answered, answered + CHECK_EVERY)
+                self._task = asyncio.create_task(self._recover(why, lost_at))
 
     async def _answers(self) -> bool:
         """Does the server answer (through the tunnel)? Its sync status also drops the kept requests of steps the
@@ -197,16 +204,24 @@ class Recovery:
                 kept[:] = [k for k in kept if k.step > synced.get(name, -1)]
         return True
 
-    async def _diagnose(self) -> str | None:
+    async def _diagnose(self, down_for: float) -> str | None:
         """What became of the cluster, as SkyPilot says after asking the infra; None when it is up with its server
-        job running (or SkyPilot cannot be asked: nothing is relaunched on a guess)."""
+        job running (or SkyPilot cannot be asked: nothing is relaunched on a guess). A cluster that reads UP has
+        its job queue asked only once the server has been silent for QUEUE_AFTER checks: one being preempted reads
+        UP for a while, and its queue may not answer."""
         name = self.backend.cluster_name
         try:
             state = await asyncio.wait_for(provisioner.cluster_status(name, refresh=True), DIAGNOSIS)
             if state == "UP":
-                jobs = await asyncio.wait_for(provisioner.server_jobs(name), DIAGNOSIS)
-                if any(job["status"] == "RUNNING" for job in jobs):
+                if down_for < QUEUE_AFTER * self.settings.recover_after:
                     return None
+                jobs = await asyncio.wait_for(provisioner.server_jobs(name), QUEUE_TIMEOUT)
+                running = [job["job_id"] for job in jobs if job["status"] == "RUNNING"]
+                ours = self.backend.server_job
+                if running and (ours is None or ours in running):
+                    return None
+                if running:
+                    return f"its server job {ours} was replaced by job {running[0]} (relaunched elsewhere)"
                 return "its server job is no longer running (`art-sky logs` of the old server is gone with it)"
         except Exception as exc:  # noqa: BLE001 (SkyPilot's own errors are many; asked again at the next check)
             log.warning("%s does not answer, and SkyPilot could not say what became of it (%s): asking again",
@@ -232,14 +247,17 @@ class Recovery:
                 "it was lost again before a step trained on its relaunch: something other than the infra ends it "
                 f"(`{provisioner.sky_cli()} logs {backend.cluster_name}` of a new launch says what)"), [])
             return
-        log.warning("%s was lost: %s. Relaunching it (recovery %d); the loop's calls wait for it", backend.where, why,
-                    self.recoveries + 1)
+        log.warning("%s was lost %.0f s ago: %s. Relaunching it (recovery %d); the loop's calls wait for it",
+                    backend.where, time.monotonic() - lost_at, why, self.recoveries + 1)
+        self.phases = {"found lost": time.monotonic() - lost_at}
         self.interrupted |= set(self.in_flight)
         self._save("recovering", why, lost_at)
         backend.tunnel.hold()
         requests: list[str] = []  # SkyPilot's launch request, to cancel if recovery ends first
         try:
-            redone = await asyncio.wait_for(self._relaunch(requests.append), self.settings.recover_timeout)
+            async with asyncio.timeout(self.settings.recover_timeout):
+                async with self._only_recovery_of_the_cluster():
+                    redone = await self._relaunch(requests.append)
         except asyncio.CancelledError:
             await _cancel(requests)
             log.error("recovery of %s was interrupted: `%s status` shows what was launched (`%s down %s` ends it)",
@@ -255,8 +273,30 @@ class Recovery:
         self.lost_gpu_hours += _machines(backend) * (downtime + redone) / 3600
         self._lost_at, self._recovered_at, self._steps_since = None, time.monotonic(), 0
         self._save("recovered", why, lost_at)
-        log.warning("%s is back: %.0f s of downtime (%s); %d step(s) trained again so far, %.3f GPU-hour(s) lost in "
-                    "all", backend.where, downtime, why, self.steps_replayed, self.lost_gpu_hours)
+        log.warning("%s is back: %.0f s of downtime (%s; %s); %d step(s) trained again so far, %.3f GPU-hour(s) "
+                    "lost in all", backend.where, downtime, why,
+                    ", ".join(f"{phase} in {seconds:.0f} s" for phase, seconds in self.phases.items()),
+                    self.steps_replayed, self.lost_gpu_hours)
+
+    @contextlib.asynccontextmanager
+    async def _only_recovery_of_the_cluster(self):
+        """One process of this machine relaunches a cluster at a time (two loops may use one cluster): the next
+        finds it relaunched, up with a server job, and only reconnects (`ensure_server` reuses the job)."""
+        path = self.settings.home / "clusters" / f"{self.backend.cluster_name}.recovering"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(path, "a") as lock:
+            for attempt in itertools.count():
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not attempt:
+                        log.warning("%s: another process is relaunching it: waiting for that", self.backend.where)
+                    await asyncio.sleep(1.0)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     async def _relaunch(self, on_request) -> float:
         """The cluster launched again, its server ready, the models restored; returns the seconds of work trained
@@ -264,7 +304,9 @@ class Recovery:
         backend = self.backend
         backend.force_restart = False
         backend.forget_machine()  # the old cluster's SSH connection
+        started = time.monotonic()
         layout = await backend._launch(backend.api_key, on_request=on_request)
+        self.phases["launched"] = time.monotonic() - started
         private: list[Tunnel] = []
 
         def reach(port: int) -> str:
@@ -278,7 +320,10 @@ class Recovery:
                 lifecycle.wait_ready, backend.machine_runner(), layout, timeout=self.settings.server_start_timeout,
                 reach=reach, stop_on_timeout=False, waits_for_start=True)
             backend.server = server
+            self.phases["server ready"] = time.monotonic() - started - self.phases["launched"]
+            restoring = time.monotonic()
             redone = await self._restore(private[-1].base_url)
+            self.phases["models restored"] = time.monotonic() - restoring
             await asyncio.to_thread(backend.tunnel.retarget, backend.target, server.port)
         finally:
             for tunnel in private:

@@ -66,6 +66,7 @@ class SkyPilotBackend(SSHBackend):
         self.force_restart = force_restart
         self.source = source  # build the shipped wheel from this checkout instead of this client
         self.recover = recover
+        self.server_job: int | None = None  # the SkyPilot job that runs the server (a relaunch runs another)
         self.recovery = Recovery(self) if recover and spec is not None else None
         if self.recovery is not None:  # a server that refuses is one being replaced: its calls wait for the hold
             self.tunnel_refused_wait = 60.0
@@ -203,8 +204,9 @@ class SkyPilotBackend(SSHBackend):
                 wheel = await asyncio.to_thread(build_wheel, Path(tmp), self.source)
                 spec = spec.model_copy(update={"wheel": wheel})
             task = validate_task(render_task(spec, SecretStr(api_key)))
-            await provisioner.ensure_server(self.cluster_name, task, force_restart=self.force_restart,
-                                            timeout=self.settings.server_start_timeout, on_request=on_request)
+            self.server_job = await provisioner.ensure_server(
+                self.cluster_name, task, force_restart=self.force_restart,
+                timeout=self.settings.server_start_timeout, on_request=on_request)
         self.target = await provisioner.ssh_target(self.cluster_name)
 
         home = await asyncio.to_thread(self.machine_runner().run, f'echo "$HOME/{SERVER_DIR}"', timeout=30)
@@ -262,14 +264,14 @@ class SkyPilotBackend(SSHBackend):
     def record(self, name: str) -> clusters.ClusterRecord:
         """As every kind's, with the task (what recovery relaunches, in this or another process) and recovery's."""
         return super().record(name).model_copy(update={
-            "spec": self.spec, "recover": self.recover,
+            "spec": self.spec, "recover": self.recover, "server_job": self.server_job,
             "recovery": self.recovery.status if self.recovery is not None else None})
 
     @classmethod
     def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
                     settings: Settings | None = None) -> SkyPilotBackend:
         backend = cls(record.name, record.spec, local_port=local_port, settings=settings, recover=record.recover)
-        backend.target = record.target
+        backend.target, backend.server_job = record.target, record.server_job
         return backend._attached(record)
 
 

@@ -136,7 +136,7 @@ def up(
         if (existing.kind, existing.where) != (backend.kind, backend.where):
             raise ConfigError(f"cluster {name!r} runs on {existing.where} ({existing.kind}): `art-sky down {name}` "
                               "first, or pick another name")
-        if not force_restart and asyncio.run(_answers(attach(name, settings=settings))):
+        if not force_restart and asyncio.run(_answers(attach(name, settings=settings, recover=False))):
             console.print(f"cluster {name!r} is already up (same version); --force-restart restarts it")
             return
     console.print(f"starting the cluster server on {backend.where} ...")  # (SkyPilot streams its own progress)
@@ -175,7 +175,7 @@ def down(name: str | None = NAME, name_option: str | None = NAME_OPTION,
     server that has already exited is forgotten at once."""
     name = cluster_name(name, name_option)
     settings = Settings()
-    backend = attach(name, settings=settings)
+    backend = attach(name, settings=settings, recover=False)
     with console.status(f"stopping {name!r} once its checkpoints are in the store ..."):
         done = asyncio.run(backend.down(force=force))
     clusters.remove(settings.home, name)
@@ -195,7 +195,7 @@ def logs(name: str | None = NAME, name_option: str | None = NAME_OPTION,
          lines: int = typer.Option(50, "--lines", "-l", min=1, help="how many lines"),
          follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C ends)")) -> None:
     """Print the last lines of the cluster server's log (it need not be running), or follow it."""
-    backend = attach(cluster_name(name, name_option))
+    backend = attach(cluster_name(name, name_option), recover=False)
     if follow:
         _exec(backend.follow_argv(lines))
     console.print(asyncio.run(_logs(backend, lines)), markup=False, highlight=False, soft_wrap=True)
@@ -211,7 +211,7 @@ async def _logs(backend: ClusterBackend, lines: int) -> str:
 def tunnel(name: str | None = NAME, name_option: str | None = NAME_OPTION,
            local_port: int = typer.Option(0, help="local port on 127.0.0.1; 0 picks one")) -> None:
     """Hold a tunnel to the cluster's server in the foreground (Ctrl-C ends it); prints base URL and API key."""
-    backend = attach(cluster_name(name, name_option), local_port=local_port)
+    backend = attach(cluster_name(name, name_option), local_port=local_port, recover=False)
 
     async def hold() -> None:
         try:
@@ -235,7 +235,7 @@ def ssh(name: str | None = NAME,
         name_option: str | None = NAME_OPTION) -> None:
     """Open a shell (or run a command: `art-sky ssh NAME -- COMMAND...`) on the cluster's machine with the system's
     ssh client."""
-    _exec(attach(cluster_name(name, name_option)).shell_argv(command or []))
+    _exec(attach(cluster_name(name, name_option), recover=False).shell_argv(command or []))
 
 
 def _exec(argv: list[str]) -> NoReturn:

@@ -50,7 +50,7 @@ class ClusterStatus(BaseModel):
 async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
     """One cluster, as its record, its machine and (if it runs) its server say."""
     try:
-        backend = attach(name, settings=settings)
+        backend = attach(name, settings=settings, recover=False)
     except ArtSkyError as exc:
         return ClusterStatus(name=name, kind="?", machine=Machine(where="?"),
                              server=ServerReport(state="error", detail=_line(exc)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ log = logging.getLogger("art_sky")
 
 SERVER_JOB = "art-sky-server"  # the template's task name, so the job's name in `sky queue`
 _ACTIVE = ("INIT", "PENDING", "SETTING_UP", "RUNNING")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # SkyPilot colours its messages for a terminal; ours are plain text
 
 
 class ClusterInfo(BaseModel):
@@ -96,7 +98,7 @@ async def _call(what: str, op: str, output: TextIO | None = None, on_request: Ca
         raise BackendUnavailableError(f"SkyPilot ({python}) stopped while trying to {what} (exit "
                                       f"{process.returncode}): {''.join(log[-20:]).strip()[-1500:]}")
     if "error" in reply:
-        raise _translate(what, SkyError(reply["error"], reply["message"]))
+        raise _translate(what, SkyError(reply["error"], _ANSI.sub("", reply["message"])))
     return reply["result"]
 
 
@@ -157,9 +159,10 @@ async def cluster_status(cluster_name: str, refresh: bool = False) -> str | None
 
 
 async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restart: bool, timeout: float,
-                        on_request: Callable[[str], None] | None = None) -> None:
+                        on_request: Callable[[str], None] | None = None) -> int:
     """Launch the cluster with the server task, or on an UP cluster make sure the server job runs (a new one on
-    `force_restart`); return once the job runs. `on_request` gets the launch request's id (to cancel it)."""
+    `force_restart`); return the job's id once it runs. `on_request` gets the launch request's id (to cancel
+    it)."""
     await check_infra(task)
     if await cluster_status(cluster_name) != "UP":
         if task.get("num_nodes", 1) > 1:  # a node lost on the way leaves the others billing: tear them all down
@@ -170,7 +173,7 @@ async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restar
             except BaseException as exc:
                 await _down_after(cluster_name, exc)
                 raise
-            return
+            return job_id
         job_id = (await _call(f"launch {cluster_name}", "launch", on_request=on_request, config=task,
                               cluster=cluster_name))["job_id"]
     else:
@@ -184,6 +187,7 @@ async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restar
             job_id = (await _call(f"start the server on {cluster_name}", "exec", config=task,
                                   cluster=cluster_name))["job_id"]
     await _wait_running(cluster_name, job_id, timeout)
+    return job_id
 
 
 async def server_jobs(cluster_name: str) -> list[dict[str, Any]]:

@@ -113,7 +113,8 @@ class Tunnel:
         cannot) and drop the old connection."""
         with self._connecting:
             self.target, self.remote = target, (self.remote[0], remote_port)
-        self._connect()
+        if not self._connect():
+            raise SSHError(f"the tunnel to {target} was closed or retargeted while connecting")
         log.info("tunnel 127.0.0.1:%d now -> %s -> %s:%d", self.local_port, self.target, *self.remote)
 
     def release(self) -> None:
@@ -127,14 +128,21 @@ class Tunnel:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _connect(self) -> None:
+    def _connect(self) -> bool:
+        """Connect to the target; False when the tunnel was closed or retargeted meanwhile (that connection is
+        dropped: a slow attempt to a lost cluster never holds up the switch to its replacement)."""
+        target = self.target
+        client = connect(target, self.settings)
+        _no_delay(getattr(client.get_transport(), "sock", None))
         with self._connecting:
-            client = connect(self.target, self.settings)
-            _no_delay(getattr(client.get_transport(), "sock", None))
+            if self._closed.is_set() or target is not self.target:
+                client.close()
+                return False
             old, self._client = self._client, client
         if old is not None:
             old.close()
         self._up.set()
+        return True
 
     def _watchdog(self) -> None:
         """Reconnect with exponential backoff whenever the SSH connection is found dead or silent."""
@@ -155,15 +163,15 @@ class Tunnel:
             log.warning("SSH connection to %s lost; reconnecting", self.target)
             while not self._closed.is_set() and self._open.is_set():
                 try:
-                    self._connect()
+                    if self._connect():
+                        self.reconnects += 1
+                        log.info("SSH connection to %s re-established", self.target)
                 except SSHError as exc:
                     log.warning("reconnect to %s failed (%s); next try in %.1fs", self.target, exc, delay)
                     self._closed.wait(delay)
                     delay = min(delay * 2, self.max_backoff)
                     continue
-                self.reconnects += 1
                 delay = 0.5
-                log.info("SSH connection to %s re-established", self.target)
                 break
 
     def _answers(self, timeout: float) -> bool:
