@@ -107,10 +107,10 @@ class Recovery:
 
     async def stop(self) -> None:
         """Stop watching (`close`, `down`); a recovery under way finishes first."""
-        if self._watch is not None:
+        if self._watch is not None and not self._watch.get_loop().is_closed():  # (a loop asyncio.run ended)
             self._watch.cancel()
-            self._watch = None
-        if self._task is not None:
+        self._watch = None
+        if self._task is not None and self._task.get_loop() is asyncio.get_running_loop():
             await asyncio.wait([self._task])
 
     def registered(self, model: TrainableModel) -> None:
