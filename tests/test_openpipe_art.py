@@ -20,7 +20,8 @@ from conftest import train_lines
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 
 import art_sky
-from art_sky.backends.art_protocol import model_config, train_config
+from art_sky.art_compat.models import model_config
+from art_sky.art_compat.training import train_options
 from art_sky.remote.install import BootstrapOptions
 from art_sky.client.trajectories import History, wire_groups
 from art_sky.errors import ConfigError
@@ -111,6 +112,10 @@ def test_art_program_from_a_clean_venv_with_only_the_art_extra(tmp_path):
 
 
 # -- ART's keywords, internal config and trajectories, translated ----------------------------------------------
+def train_config(config, kwargs):
+    return train_options(config, kwargs)[0]
+
+
 def test_art_train_keywords_map_to_train_config():
     assert train_config(None, {}) == TrainConfig(loss_fn="cispo", epsilon=1.0, epsilon_high=4.0)  # ART's defaults
     config = train_config(None, {"learning_rate": 1e-4, "loss_fn": "ppo", "kl_penalty_coef": 0.1,
@@ -122,8 +127,8 @@ def test_art_train_keywords_map_to_train_config():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"adam_params": {"beta1": 0.8}}, "adam_params"),
-    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
-    ({"save_checkpoint": False}, "save_checkpoint"),
+    ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
+    ({"save_checkpoint": "no"}, "save_checkpoint"),
     ({"kl_penalty_reference_step": 3}, "kl_penalty_reference_step"),
     ({"loss_fn": "dro"}, "loss_fn"),
     ({"learning_rate": -1.0}, "learning_rate"),
