@@ -15,6 +15,7 @@ with no old logprobs.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,10 +130,11 @@ def sft_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
     choice or a written assistant message, with its end-of-turn marker; `assistant_turns` "last": the final one
     only, the earlier ones context), the rest masked.
 
-    Each trained turn is placed in the context the template renders before it, as the RL path places a turn
-    without ids: turns share a sequence while each context starts with the sequence so far, token for token; a
-    template that rewrites earlier turns once a later one is added (one that drops past reasoning, moves the system
-    message) starts a sequence for that turn."""
+    Each trained turn is what the template writes for it after the context it renders before it (the conversation
+    so far and as much of the generation prompt as the turn's own rendering keeps: a generation prompt that opens an
+    empty think block, say, gives way to the turn's reasoning). Turns share a sequence while each context starts with
+    the sequence so far, token for token; a template that rewrites earlier turns once a later one is added (one that
+    drops past reasoning, moves the system message) starts a sequence for that turn."""
     history = trajectory.histories()[0]
     messages = [item.message() for item in trajectory.items]
     turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
@@ -146,10 +148,10 @@ def sft_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
         at = f"messages_and_choices[{index}]"
         prompt = _render(tokenizer, messages[:index], history, True, at)
         full = _render(tokenizer, messages[:index + 1], history, False, at)
-        if not full.startswith(prompt):
-            raise TokenizationError(f"{at}: the chat template renders this assistant turn's context differently with "
-                                    "the turn added, so the turn cannot be located")
-        context, turn = encode(tokenizer, prompt), encode(tokenizer, full[len(prompt):])
+        start = len(os.path.commonprefix([prompt, full]))
+        if start == len(full):
+            raise TokenizationError(f"{at}: the chat template renders nothing for this assistant turn")
+        context, turn = encode(tokenizer, full[:start]), encode(tokenizer, full[start:])
         shared = len(current.token_ids) if current is not None else 0
         if current is None or context[:shared] != current.token_ids:
             current, shared = Sequence(), 0
