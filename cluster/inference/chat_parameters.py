@@ -72,8 +72,8 @@ def refused(body: dict[str, Any], honoured: frozenset[str] | set[str], engine: s
     if not problems:
         return None
     return (f"{'; '.join(problems)}: remove {'it' if len(unsupported + unknown) == 1 else 'them'} from the request "
-            f"(art-sky refuses what it would otherwise silently ignore). See the README's list of supported "
-            "parameters")
+            f"(art-sky refuses what it would otherwise silently ignore). See the supported "
+            "parameters in docs/guides/openai-clients.md")
 
 
 def honoured_only(body: dict[str, Any], honoured: frozenset[str] | set[str]) -> dict[str, Any]:
