@@ -186,15 +186,19 @@ def test_every_keyword_of_arts_backend_train_is_known_at_both_ends(art_latest):
 def check_latest(seen: dict, server_root: Path, frontend_root: Path) -> None:
     """What the ART 0.5.20+ program saw and left (multiply_art_0520.py), on any backend."""
     assert seen["steps"] == [1, 2, 3] and seen["result_is_art"]
+    assert seen["litellm"][1] > 0  # litellm_completion_params(): ART's extra_body accepted, the ids came back
     assert seen["trained_tokens"][0] > 0  # ART's own client's rollouts trained on the engine's ids
-    assert seen["gradient_steps"] == 2.0  # 8 sequences, grad_accumulation_sequences=4
+    sequences, gradient_steps = seen["gradient_steps"]
+    assert sequences > 0 and gradient_steps == math.ceil(sequences / 4)  # grad_accumulation_sequences=4
     assert seen["captured_exchanges"] == 2 and seen["captured_exact_tokens"] > 0  # art.trajectory(...) trained
     assert seen["leased"] == ["multiply@1", "multiply@1"]  # the lease pinned the name, step 1 served it
     assert seen["kept_while_leased"] == [1, 3] and seen["kept_after_lease"] == [3]
     assert seen["step_after_sft"] == 4
     assert seen["unsaved"] == [5, None] and seen["get_step"] == 5  # trained and served, no checkpoint
     assert seen["second_run_step"] == 0  # a new run_name: a new lineage
-    assert seen["pipeline_step"] == 3 and seen["pipeline_eval_models"] == ["piped@2", "piped@3"]
+    assert seen["pipeline_step"] == 3  # PipelineTrainer's max_steps
+    evals = seen["pipeline_eval_models"]  # its eval, each under an exact lease of the step it evaluates
+    assert evals and len(set(evals)) == len(evals) and all(m in ("piped@2", "piped@3") for m in evals)
     run_a = server_root / "art-latest" / "models" / "run-a"
     assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["0003", "0004", "0005"]
     assert not (run_a / "checkpoints" / "0005" / "training_state" / "optimizer.pt").exists()

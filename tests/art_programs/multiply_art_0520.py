@@ -1,8 +1,8 @@
 """An openpipe-art 0.5.20+ program (ART's own idiom, as its train-rl skill writes one) on an art-sky backend: the
 only line that differs from ART's own is the one marked BACKEND. Python >= 3.12, with the real openpipe-art.
 
-It samples through ART's own client (which sends ART's extra_body: return_token_ids, return_tokens_as_token_ids,
-chat_template_kwargs, nvext), trains with backend.train and ART's newer keywords, logs with model.log, records a
+It samples through ART's own client and litellm_completion_params() (which send ART's extra_body:
+return_token_ids, return_tokens_as_token_ids, chat_template_kwargs, nvext), trains with backend.train and ART's newer keywords, logs with model.log, records a
 group the capture way (art.trajectory), samples an older step under exact_adapter_lease, prunes checkpoints, runs
 train_sft, trains a step without a checkpoint, starts a second run_name at step 0, and runs ART's PipelineTrainer
 with its eval. It prints what it saw as JSON (the last line) for tests/test_openpipe_art.py.
@@ -14,6 +14,7 @@ import sys
 
 import art
 import art_sky
+import litellm
 from art.pipeline_trainer import PipelineTrainer
 
 PROJECT = "art-latest"
@@ -80,6 +81,10 @@ async def main() -> None:
     await model.register(backend)
     seen: dict = {"steps": [], "trained_tokens": []}
 
+    reply = await litellm.acompletion(messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                      **model.litellm_completion_params())  # ART's extra_body through litellm
+    seen["litellm"] = [reply.model, len(reply.choices[0].provider_specific_fields["token_ids"])]
+
     groups = await groups_of(model)
     result = await backend.train(model, groups, learning_rate=1e-4)  # ART's defaults: cispo, token-level ratios
     seen["result_is_art"] = isinstance(result, art.TrainResult) and result.checkpoint_path is not None
@@ -93,7 +98,7 @@ async def main() -> None:
                                  final_training_step=10, grad_accumulation_sequences=4)
     await model.log(groups, metrics=result.metrics, step=result.step, split="train")
     seen["steps"].append(result.step)
-    seen["gradient_steps"] = result.metrics.get("num_gradient_steps")
+    seen["gradient_steps"] = [result.metrics["sequences"], result.metrics.get("num_gradient_steps", 1.0)]
 
     captured_groups = [await art.trajectory_group([art.trajectory(captured(model, a, rank)) for rank in range(4)])
                        for a in range(2)]
