@@ -19,6 +19,14 @@ from art_sky.errors import ConfigError
 _OTHER_KINDS = {"completions": "/v1/completions", "responses": "/v1/responses", "messages": "Anthropic's /v1/messages"}
 
 
+def conversations(group: Any) -> Any:
+    """A group whose trajectories ART recorded its capture way, as one of conversations; any other as it is."""
+    trajectories = getattr(group, "trajectories", None)
+    if not trajectories or not any(captured(t) for t in trajectories):
+        return group
+    return {"trajectories": [legacy(t) for t in trajectories], "exceptions": list(getattr(group, "exceptions", []))}
+
+
 def captured(trajectory: Any) -> bool:
     """Whether ART recorded the trajectory its capture way (exchanges of any kind)."""
     exchanges = getattr(trajectory, "exchanges", None)

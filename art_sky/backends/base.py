@@ -48,7 +48,7 @@ from art_sky.wire import (
 )
 
 from art_sky.art_compat import releases
-from art_sky.art_compat.capture import captured, legacy
+from art_sky.art_compat.capture import conversations
 from art_sky.art_compat.models import chat_template_kwargs, register_request
 from art_sky.art_compat.protocol import ArtProtocol
 from art_sky.art_compat.training import StepOptions, TrainResult, train_options, train_result
@@ -242,7 +242,7 @@ class Backend(ArtProtocol):
         if isinstance(max_steps_off_policy, _Default):
             max_steps_off_policy = None if releases.is_art_object(model) else 1
         bound = check_bound(max_steps_off_policy)
-        trajectory_groups = [_conversations(group) for group in trajectory_groups]
+        trajectory_groups = [conversations(group) for group in trajectory_groups]
         groups = wire_groups(trajectory_groups, chat_template_kwargs(model))
         if not groups:
             raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
@@ -423,15 +423,6 @@ class Backend(ArtProtocol):
             detail = response.text
         kind = {401: AuthError, 404: NotFoundError}.get(response.status_code, ServerError)
         raise kind(response.status_code, str(detail))
-
-
-def _conversations(group: Any) -> Any:
-    """A group whose trajectories ART recorded its capture way (`Trajectory.exchanges`) as conversations; others as
-    they are."""
-    trajectories = getattr(group, "trajectories", None)
-    if not trajectories or not any(captured(t) for t in trajectories):
-        return group
-    return {"trajectories": [legacy(t) for t in trajectories], "exceptions": list(getattr(group, "exceptions", []))}
 
 
 class _StallWatch:
