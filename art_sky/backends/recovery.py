@@ -141,7 +141,7 @@ class Recovery:
             del kept[0]
 
     def metrics(self) -> dict[str, float]:
-        """Each step's view of recovery so far (art-sky status and the docs say what each means)."""
+        """Recovery so far, in each step's metrics (docs/guides/spot.md says what each means)."""
         return {"cluster/recoveries": float(self.recoveries), "cluster/downtime_s": self.downtime_s,
                 "cluster/steps_replayed": float(self.steps_replayed), "cluster/lost_gpu_hours": self.lost_gpu_hours}
 
@@ -150,6 +150,7 @@ class Recovery:
         server answers or SkyPilot says the cluster is up (retry as usual); raises when the cluster could not be
         brought back."""
         seen = self.recoveries
+        log.info("%s: a request lost its connection (%s): is the cluster still there?", self.backend.where, cause)
         self._lost_at = self._lost_at or time.monotonic()
         deadline = time.monotonic() + self.settings.recover_after + DIAGNOSIS  # the watch has decided by then
         self.watch()
