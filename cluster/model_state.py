@@ -76,8 +76,9 @@ class TrainedWeights(Protocol):
 
     def restore(self, saved: Any) -> None: ...
 
-    def stage(self) -> Staged:
-        """What the step's checkpoint holds (the adapter, the optimizer's state), captured now, written later."""
+    def stage(self, optimizer: bool = True) -> Staged:
+        """What the step's checkpoint holds, captured now, written later: the adapter (PEFT's layout, which vLLM
+        loads) and, with `optimizer`, the optimizer's state."""
 
 
 @dataclass
@@ -90,6 +91,7 @@ class ModelState:
     restored_from: str | None = None
     optimizer: torch.optim.Optimizer | None = None
     requests: dict[str, int] = field(default_factory=dict)  # recent request ids -> the step each trained
+    leases: dict[str, int] = field(default_factory=dict)  # held adapter leases (ART's) -> the step each pins
     extra: dict = field(default_factory=dict)
     weights: TrainedWeights = None  # type: ignore[assignment]  # the trainer's; this process's LoRA by default
     writer: CheckpointWriter = None  # type: ignore[assignment]  # writes before returning unless told otherwise
@@ -112,12 +114,12 @@ class ModelState:
 
     def info(self) -> ModelInfo:
         return ModelInfo(name=self.name, project=self.request.project, base_model=self.request.base_model,
-                         step=self.step, restored_from=self.restored_from)
+                         step=self.step, run_name=self.request.run_name, restored_from=self.restored_from)
 
     def save_checkpoint(self, record: StepRecord, metrics: dict[str, float] | None = None) -> Path:
         """Write step `record.step` whole (LoRA, optimizer state, record, manifest) or not at all, before returning
         (a registration's step 0); the model's step is not changed here."""
-        self.writer.write_now(record, self.weights.stage(), metrics)
+        self.writer.write_now(record, self.weights.stage(optimizer=record.saved), metrics)
         return self.checkpoints.step_dir(record.step)
 
     def commit_checkpoint(self, record: StepRecord, metrics: dict[str, float] | None = None) -> None:
@@ -125,7 +127,7 @@ class ModelState:
         (or now); raises when it cannot be (the step rolls back). The model's step is not changed here
         (cluster/steps.py commits)."""
         self.writer.flush()
-        self.writer.commit(record, self.weights.stage(), metrics)
+        self.writer.commit(record, self.weights.stage(optimizer=record.saved), metrics)
 
     def adapter_dir(self, step: int) -> Path:
         """Where an engine loads step `step`'s adapter from (cluster/checkpoint_writer.py)."""
@@ -160,11 +162,11 @@ class LocalWeights:
     def restore(self, saved: lora.Snapshot) -> None:
         lora.restore(self.state.model, ensure_optimizer(self.state), saved)
 
-    def stage(self) -> lora.Staged:
-        return lora.stage(self.state.model, ensure_optimizer(self.state))
+    def stage(self, optimizer: bool = True) -> lora.Staged:
+        return lora.stage(self.state.model, ensure_optimizer(self.state) if optimizer else None)
 
-    def save(self, directory: Path) -> None:
-        self.stage().write(directory)
+    def save(self, directory: Path, optimizer: bool = True) -> None:
+        self.stage(optimizer).write(directory)
 
 
 def ensure_optimizer(state: ModelState) -> torch.optim.Optimizer:
@@ -222,16 +224,19 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
                        downloaded: tuple[int, str] | None = None,
                        load_weights: WeightsLoader = LocalWeights.load) -> ModelState:
     """The newest intact checkpoint of this model if there is one (weights, optimizer state, recent request ids),
-    else a fresh LoRA (saved as step 0).
+    else a fresh LoRA (saved as step 0). Steps trained with save_checkpoint=False are not resume points: those
+    after the restored step are removed, and their history lines moved aside (training goes on from the
+    checkpoint, so the step numbers after it are trained again).
 
     `load` is the trainer's: it builds the model the trainer can train (PEFT, or Unsloth's patched model), and
     `load_weights` its trainable state (in this process, or on the trainer's ranks).
     `downloaded`: (step, its URI) when `restore_from_store` just fetched that step, so the model says where from.
     What a save or download killed mid-way left is removed first.
     """
-    checkpoints = CheckpointDir(art_path, request.project, request.name)
+    checkpoints = CheckpointDir(art_path, request.project, request.run)
     for stale in checkpoints.remove_stale_temps():
         log.info("removed %s, left by a save or download that did not finish", stale)
+    unsaved: list[int] = []
     for step in reversed(checkpoints.steps()):
         manifest = checkpoints.manifest(step)
         if manifest.base_model != request.base_model:
@@ -244,17 +249,22 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
         except CorruptCheckpointError as exc:
             log.warning("skipping step %d: %s", step, exc)
             continue
+        record = checkpoints.record(step)
+        if record is not None and not record.saved:
+            unsaved.append(step)
+            continue
+        _drop_unsaved(checkpoints, unsaved, step)
         model, tokenizer = load(request, settings, checkpoints.step_dir(step))
         origin = downloaded[1] if downloaded and downloaded[0] == step else checkpoints.step_dir(step)
         state = ModelState(request, model, tokenizer, checkpoints, step=step, restored_from=str(origin))
         state.writer.background = settings.checkpoint_background
         state.weights = load_weights(state, checkpoints.step_dir(step))
-        record = checkpoints.record(step)
         state.requests = dict(record.requests) if record else {}
         _complete_history(state)
         log.info("model %s restored at step %d", request.name, step)
         break
     else:
+        _drop_unsaved(checkpoints, unsaved, 0)
         model, tokenizer = load(request, settings, None)
         state = ModelState(request, model, tokenizer, checkpoints)
         state.writer.background = settings.checkpoint_background
@@ -262,6 +272,18 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
         state.save_checkpoint(StepRecord(step=0, kind="init", request_id=request.request_id))
     state.model.eval()
     return state
+
+
+def _drop_unsaved(checkpoints: CheckpointDir, unsaved: list[int], restored: int) -> None:
+    """Steps trained with save_checkpoint=False after the checkpoint training resumes from: their directories go, and
+    their history lines move to history.unsaved.jsonl (the steps are trained again under the same numbers)."""
+    if not unsaved:
+        return
+    checkpoints.delete(unsaved)
+    moved = checkpoints.set_history_aside(after=restored)
+    log.warning("%s: steps %s were trained with save_checkpoint=False and are lost with the server that trained them: "
+                "training resumes from step %d (%d history lines moved to history.unsaved.jsonl)", checkpoints.name,
+                sorted(unsaved), restored, moved)
 
 
 def _complete_history(state: ModelState) -> None:

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ log = logging.getLogger("art_sky.cluster")
 # keys outlive a restart and the next round's ranks read the dead round's addresses (they hang or fail to connect).
 # PYTHONSAFEPATH: the ranks (`python -m`) import art-sky as installed, not a folder of that name where they start.
 RANKS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONSAFEPATH": "1"}
+NODE_HEARTBEAT = 2  # seconds between a node's heartbeats at the rendezvous
+LAST_CALL = 3  # seconds a rendezvous with enough nodes waits for more (every live node's agent rejoins well within)
+WORKER_WAIT = 86400  # seconds a worker's torchrun waits for the head's rendezvous (it is there once the head trains)
 
 
 class RankError(ArtSkyError):
@@ -73,6 +77,7 @@ class RankGroup:
             endpoint=f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}", run_id=secrets.token_hex(8),
             nodes=settings.nodes, ranks_per_node=ranks_per_node, max_restarts=settings.trainer_max_restarts)
         self.generation = 0  # moves on when the ranks fail and when the leader connects (again)
+        self.min_nodes = 1  # the fewest nodes the ranks go on with: the nodes the largest model needs (its shards)
         self.loaded: dict[str, Callable[[], RankCommand]] = {}
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
@@ -164,12 +169,13 @@ class RankGroup:
         env = os.environ | self.env | RANKS_ENV | {LEADER_ENV: f"{address[0]}:{address[1]}", KEY_ENV: self.key.hex()}
         log.info("starting the trainer's ranks: %d per node on %d node(s), rendezvous at %s", self.ranks_per_node,
                  self.rendezvous.nodes, self.rendezvous.endpoint)
-        self._process = subprocess.Popen(torchrun(self.rendezvous), env=env, stdin=subprocess.DEVNULL,
+        self._process = subprocess.Popen(torchrun(self.rendezvous, self.min_nodes), env=env, stdin=subprocess.DEVNULL,
                                          start_new_session=True, preexec_fn=_ends_with_parent)
 
     def _not_ready(self) -> str:
-        waiting = (f" (waiting for {self.rendezvous.nodes - 1} worker node(s) to join the rendezvous at "
-                   f"{self.rendezvous.endpoint})" if self.rendezvous.nodes > 1 else "")
+        waiting = (f" (the models' shards need {self.min_nodes} of the cluster's {self.rendezvous.nodes} nodes: "
+                   f"waiting for lost ones to be replaced, at the rendezvous at {self.rendezvous.endpoint})"
+                   if self.min_nodes > 1 else "")
         return (f"the trainer's ranks did not start within {self.settings.server_start_timeout:.0f} s{waiting}: "
                 "see the server log for torchrun's output")
 
@@ -214,21 +220,22 @@ class RankWeights:
         if generation == self.group.generation:  # else the ranks restarted and reloaded the last commit
             self.group.request(RankCommand(kind="restore", name=self.state.name))
 
-    def stage(self) -> StagedFiles:
-        """The ranks write the step's adapter and optimizer state now, into a directory of its own beside the
-        checkpoints (the gathered state is the ranks' until then); the checkpoint links them in."""
+    def stage(self, optimizer: bool = True) -> StagedFiles:
+        """The ranks write the step's adapter (and with `optimizer` the optimizer's state) now, into a directory of
+        its own beside the checkpoints (the gathered state is the ranks' until then); the checkpoint links them in."""
         self.state.checkpoints.path.mkdir(parents=True, exist_ok=True)
         directory = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}ranks-", dir=self.state.checkpoints.path))
         try:
-            self.save(directory)
+            self.save(directory, optimizer)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         return StagedFiles(directory)
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, optimizer: bool = True) -> None:
         try:
-            self.group.request(RankCommand(kind="save", name=self.state.name, directory=str(directory)))
+            self.group.request(RankCommand(kind="save", name=self.state.name, directory=str(directory),
+                                           optimizer=optimizer))
         except RankError as exc:
             if exc.intact:  # the step says the checkpoint could not be written, and why
                 raise OSError(str(exc)) from exc
@@ -272,6 +279,10 @@ class ShardedTrainer:
             refuse_unfit(request, model, base_parameters(model), self.capacity.trainer_ranks,
                          self.capacity.gpu_memory_bytes, settings.train_microbatch_tokens,
                          settings.activation_checkpointing)
+            # after losing nodes, the ranks go on only with enough of them for this model's shards
+            needed = next(n for n in range(1, self.capacity.nodes + 1)
+                          if replace(self.capacity, nodes=n).problem(base_parameters(model)) is None)
+            self.group.min_nodes = max(self.group.min_nodes, needed)
         return model, tokenizer
 
     def load_weights(self, state: ModelState, step_dir: Path | None) -> RankWeights:
@@ -333,11 +344,19 @@ class WorkerRanks:
                 self._closed.wait(2.0)
 
 
-def torchrun(rendezvous: TrainerRendezvous) -> list[str]:
-    """The same torchrun on every node: the head's also tells its leading rank where the server listens (env)."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rendezvous.nodes}",
+def torchrun(rendezvous: TrainerRendezvous, min_nodes: int | None = None) -> list[str]:
+    """The same torchrun on every node; the head's (`min_nodes` given) hosts the rendezvous and tells its leading
+    rank where the server listens (env). Several nodes meet in torchrun's elastic range: a node lost (no heartbeat
+    for 3 * NODE_HEARTBEAT s) leaves the group, which goes on after LAST_CALL s with the nodes that remain, down to
+    the head's `min_nodes` (fewer: it waits for a replacement); a node that joins (again) is taken in at once (the
+    group restarts, reloading the last commit). A worker waits for the head's rendezvous as long as it takes."""
+    head = min_nodes is not None
+    nodes = f"{min_nodes or 1}:{rendezvous.nodes}" if rendezvous.nodes > 1 else "1"
+    conf = f"is_host={int(head)},last_call_timeout={LAST_CALL},keep_alive_interval={NODE_HEARTBEAT}," + \
+        ("keep_alive_max_attempt=3" if head else f"keep_alive_max_attempt=3,read_timeout={WORKER_WAIT}")
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
             f"--nproc-per-node={rendezvous.ranks_per_node}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.run_id}",
+            f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.run_id}", f"--rdzv-conf={conf}",
             f"--max-restarts={rendezvous.max_restarts}", "-m", "art_sky.cluster.training.sharded"]
 
 

@@ -89,12 +89,13 @@ class Staged:
 
     adapter: dict[str, torch.Tensor]  # PEFT's keys (no adapter name)
     config: Any  # the LoRA's PEFT config, as saved (inference mode)
-    optimizer: dict[str, Any]  # keyed by parameter name
+    optimizer: dict[str, Any] | None  # keyed by parameter name; None: a step saved without it (not a resume point)
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.adapter.values(), *(value for entries in self.optimizer["state"].values()
-                                            for value in entries.values() if isinstance(value, torch.Tensor))]
+        moments = self.optimizer["state"].values() if self.optimizer is not None else []
+        tensors = [*self.adapter.values(), *(value for entries in moments for value in entries.values()
+                                            if isinstance(value, torch.Tensor))]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def write_adapter(self, directory: Path) -> None:
@@ -107,20 +108,23 @@ class Staged:
 
     def write(self, directory: Path) -> None:
         self.write_adapter(directory)
-        save_optimizer(self.optimizer, directory)
+        if self.optimizer is not None:
+            save_optimizer(self.optimizer, directory)
 
     def release(self) -> None:
         """Written: nothing to free but memory."""
 
 
-def stage(model: Any, optimizer: torch.optim.Optimizer) -> Staged:
+def stage(model: Any, optimizer: torch.optim.Optimizer | None) -> Staged:
     """Copies on the host of the adapter (`PeftModel.save_pretrained`'s tensors and config) and the optimizer's
-    state: what a step's checkpoint holds. Not for ranks (whose parameters are shards)."""
+    state (unless None): what a step's checkpoint holds. Not for ranks (whose parameters are shards)."""
     from peft import get_peft_model_state_dict
 
     config = copy.deepcopy(model.peft_config[ADAPTER])
     config.inference_mode = True
     adapter = {name: _host(value) for name, value in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+    if optimizer is None:
+        return Staged(adapter, config, None)
     return Staged(adapter, config, _named_state(model, optimizer) if optimizer.state else
                   _to_host(optimizer_state(model, optimizer)))
 
