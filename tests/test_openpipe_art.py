@@ -185,7 +185,7 @@ def test_every_keyword_of_arts_backend_train_is_known_at_both_ends(art_latest):
 
 def check_latest(seen: dict, server_root: Path, frontend_root: Path) -> None:
     """What the ART 0.5.20+ program saw and left (multiply_art_0520.py), on any backend."""
-    assert seen["steps"] == [1, 2, 3] and seen["result_is_art"]
+    assert seen["steps"] == [1, 2, 3] and seen["result_is_art"] and seen["checkpoint_on_disk"]
     assert seen["litellm"][1] > 0  # litellm_completion_params(): ART's extra_body accepted, the ids came back
     assert seen["trained_tokens"][0] > 0  # ART's own client's rollouts trained on the engine's ids
     sequences, gradient_steps = seen["gradient_steps"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -149,15 +150,34 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)
     checkpoint_path: str | None = None
     totals: dict[str, float] = field(default_factory=dict)
+    # ART 0.5.20's: awaited, the checkpoint is on disk (written in the background, after train() returns); None
+    # where `checkpoint_path` is not on this machine
+    checkpoint_ready: Awaitable[None] | None = field(default=None, repr=False, compare=False)
+
+
+class Ready:
+    """An awaitable that runs `wait()` when awaited, and nothing otherwise (a coroutine made in advance and never
+    awaited would warn)."""
+
+    def __init__(self, wait: Callable[[], Awaitable[Any]]):
+        self._wait = wait
+
+    def __await__(self) -> Generator[Any, None, None]:
+        yield from _awaited(self._wait()).__await__()
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> None:
+    await awaitable
 
 
 def train_result(step: int, metrics: dict[str, float], checkpoint_path: str | None = None,
-                 totals: dict[str, float] | None = None) -> TrainResult:
+                 totals: dict[str, float] | None = None, checkpoint_ready: Awaitable[None] | None = None) -> TrainResult:
     """A TrainResult; an instance of ART's own result class too in a program that imported openpipe-art."""
     art = sys.modules.get("art")
     local = getattr(art, "LocalTrainResult", None) if art is not None else None
     kind = _subclass_of(local) if isinstance(local, type) else TrainResult
-    return kind(step=step, metrics=metrics, checkpoint_path=checkpoint_path, totals=totals or {})
+    return kind(step=step, metrics=metrics, checkpoint_path=checkpoint_path, totals=totals or {},
+                checkpoint_ready=checkpoint_ready)
 
 
 @functools.cache

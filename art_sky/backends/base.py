@@ -51,7 +51,7 @@ from art_sky.art_compat import releases
 from art_sky.art_compat.capture import conversations
 from art_sky.art_compat.models import chat_template_kwargs, register_request
 from art_sky.art_compat.protocol import ArtProtocol
-from art_sky.art_compat.training import StepOptions, TrainResult, train_options, train_result
+from art_sky.art_compat.training import Ready, StepOptions, TrainResult, train_options, train_result
 from art_sky.client.pipeline import check_bound, drop_stale, group_versions
 from art_sky.client.trajectories import wire_groups
 
@@ -291,7 +291,13 @@ class Backend(ArtProtocol):
             raise
         assert result.step is not None
         self._at_step[model.name] = result.step
-        return train_result(result.step, result.metrics | staleness, result.checkpoint_path, result.totals)
+        ready = self._checkpoint_ready(model) if result.checkpoint_path else None
+        return train_result(result.step, result.metrics | staleness, result.checkpoint_path, result.totals, ready)
+
+    def _checkpoint_ready(self, model: TrainableModel) -> Ready | None:
+        """What tells when a step's checkpoint is on disk at its `checkpoint_path` (the server writes it after the
+        step returns); None where that path is on another machine."""
+        return None
 
     async def _stream_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
                            verbose: bool) -> TrainProgress:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from art_sky import clusters
+from art_sky.art_compat.training import Ready
 from art_sky.errors import ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.remote.runner import LocalRunner
@@ -76,6 +77,10 @@ class LocalBackend(ClusterBackend):
         await super().close(force)
         if self._own_run_dir and not self.keep_server:
             shutil.rmtree(self.layout.run_dir, ignore_errors=True)
+
+    def _checkpoint_ready(self, model) -> Ready:
+        """The step's checkpoint is on this machine: listing the model's checkpoints waits for its write."""
+        return Ready(lambda: self.list_checkpoints(model))
 
     def shell_argv(self, command: list[str]) -> list[str]:
         raise ConfigError(f"the server runs on this machine: its files are in {self.layout.run_dir} and "

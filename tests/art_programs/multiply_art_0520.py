@@ -10,6 +10,7 @@ with its eval. It prints what it saw as JSON (the last line) for tests/test_open
 
 import asyncio
 import json
+import os
 import sys
 
 import art
@@ -88,6 +89,9 @@ async def main() -> None:
     groups = await groups_of(model)
     result = await backend.train(model, groups, learning_rate=1e-4)  # ART's defaults: cispo, token-level ratios
     seen["result_is_art"] = isinstance(result, art.TrainResult) and result.checkpoint_path is not None
+    if result.checkpoint_ready is not None:  # ART's signal that a checkpoint written in the background is on disk
+        await result.checkpoint_ready
+    seen["checkpoint_on_disk"] = result.checkpoint_ready is None or os.path.isdir(result.checkpoint_path)
     await model.log(groups, metrics=result.metrics, step=result.step, split="train")
     seen["steps"].append(result.step)
     seen["trained_tokens"].append(result.metrics["trained_tokens_exact"])
