@@ -331,6 +331,12 @@ class VllmEngine:
                               f"See {self.log_path}")
 
 
+# Constrained JSON without free whitespace, as the portable engine's (cluster/inference/constraints.py): vLLM honours
+# it with a named backend only, not "auto"; xgrammar, because vLLM's tool calls need its structural tags (guidance
+# refuses them). A schema feature xgrammar lacks (multipleOf, uniqueItems, some string formats) is then a 400.
+_COMPACT_JSON = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+
 def vllm_command(settings: Settings, placement: Placement, source: str, request: RegisterRequest, port: int,
                  lora_rank: int, on_cuda: bool, sleep_mode: bool, api_key: str,
                  chat_template: str | dict | None = None) -> tuple[list[str], dict[str, str]]:
@@ -349,6 +355,8 @@ def vllm_command(settings: Settings, placement: Placement, source: str, request:
         "--dtype", "auto" if on_cuda else "float32",
         "--disable-uvicorn-access-log",
     ]
+    if settings.vllm_compact_json:
+        args += ["--structured-outputs-config", json.dumps(_COMPACT_JSON)]
     parser = parser_name(settings.tool_parser, chat_template)
     if parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
