@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 
 import httpx
@@ -137,6 +138,14 @@ async def test_portable_streams_to_litellm(portable):
     assert text == whole.choices[0].message.content
 
 
+def json_object(choice) -> None:
+    """A json_object reply, as every sample is one: compact JSON from its first byte, whole unless max_tokens cut it
+    (an object's keys and values are free, so a random model's may run on)."""
+    assert choice.message.content.startswith("{")
+    if choice.finish_reason != "length":
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
 async def test_portable_tool_choice(portable):
     backend, model = portable
     client = sdk(backend)
@@ -193,10 +202,10 @@ async def test_portable_tool_choice(portable):
 async def test_portable_response_format(portable):
     backend, model = portable
     client = sdk(backend)
-    for seed in (0, 2, 3):  # seeds whose random-weight replies end: any object's keys are free strings
+    for seed in (0, 2, 3):
         reply = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=200, seed=seed,
                                                      response_format={"type": "json_object"})
-        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+        json_object(reply.choices[0])
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "word": {"enum": ["sea", "sky"]}},
               "required": ["ok", "word"], "additionalProperties": False}
     form = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
@@ -341,17 +350,21 @@ async def test_vllm_streams_with_token_ids(vllm):
 async def test_vllm_tool_choice(vllm):
     backend, model = vllm
     client = sdk(backend)
+    # vLLM pins a call's arguments to its tool's schema where the tool is strict (OpenAI's rule), and this one's are
+    # bounded: a whole call, whatever the untrained model samples
+    strict = [{"type": "function", "function": TOOLS[0]["function"] | {"strict": True}}, TOOLS[1]]
     named = await client.chat.completions.create(
-        model=model.name, messages=PROMPT, max_tokens=64, tools=TOOLS,
+        model=model.name, messages=PROMPT, max_tokens=100, tools=strict,
         tool_choice={"type": "function", "function": {"name": "lookup"}})
-    calls = named.choices[0].message.tool_calls
-    assert calls and calls[0].function.name == "lookup", "named: vLLM constrains the reply to that call"
-    required = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=24, tools=TOOLS,
+    call, = named.choices[0].message.tool_calls
+    assert call.function.name == "lookup" and json.loads(call.function.arguments)["word"] in ("sea", "sky")
+    required = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=40, tools=TOOLS,
                                                      tool_choice="required")
-    # The untrained tiny model fills the constrained call with noise and rarely closes it within a budget, but it
-    # never starts one on its own: the reply opening as a call is vLLM's constraint at work.
+    # A tool that is not strict gets free arguments, which the untrained model fills with noise and rarely closes
+    # within a budget; but it never starts a call on its own: the reply opening as one (at most 36 tokens, with the
+    # special <tool_call>) is vLLM's constraint at work.
     reply = required.choices[0].message
-    assert reply.tool_calls or (reply.content or "").startswith('<tool_call>\n{"name": "')
+    assert reply.tool_calls or re.match(r'<tool_call>\n?\{"name": "(lookup|weather)", "arguments": ', reply.content)
     none = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=16, tools=TOOLS,
                                                 tool_choice="none")
     assert not none.choices[0].message.tool_calls
@@ -362,13 +375,17 @@ async def test_vllm_response_format(vllm):
     client = sdk(backend)
     reply = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=64, seed=1,
                                                  response_format={"type": "json_object"})
-    assert isinstance(json.loads(reply.choices[0].message.content), dict)
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}
+    json_object(reply.choices[0])
+    # bounded (at most `{"n":999}`): a whole object whatever the untrained model samples
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}
     reply = await client.chat.completions.create(
         model=model.name, messages=PROMPT, max_tokens=64, seed=1,
         response_format={"type": "json_schema", "json_schema": {"name": "count", "schema": schema}})
     assert isinstance(json.loads(reply.choices[0].message.content)["n"], int)
+    # RULER's schema (its scores enumerated, its explanation bounded) under vLLM's grammar backend: a whole reply
+    scores = await art.rewards.ruler([[*PROMPT, {"role": "assistant", "content": "It is wide."}]], model)
+    assert [s.trajectory_id for s in scores] == ["1"] and 0 <= scores[0].score <= 1
 
 
 async def test_both_engines_read_content_parts_and_the_developer_role_alike(portable, vllm):
