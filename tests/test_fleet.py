@@ -131,8 +131,9 @@ async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
             unreachable.json()["detail"]
         other_engine = await http.post("/fleet/join", json=join | {"engine": "vllm"}, headers=auth)
         assert other_engine.status_code == 409 and "ART_SKY_ENGINE" in other_engine.json()["detail"]
-        not_a_url = await http.post("/fleet/join", json=join | {"url": "127.0.0.1:80/x"}, headers=auth)
-        assert not_a_url.status_code == 422 and "url" in not_a_url.json()["detail"]
+        for url in ("127.0.0.1:80/x", "http://0", "http://0.0.0.0:80", "http://node-b", "http://[::1:80"):
+            not_a_url = await http.post("/fleet/join", json=join | {"url": url}, headers=auth)
+            assert not_a_url.status_code == 422 and "url" in not_a_url.json()["detail"], (url, not_a_url.text)
     try:  # it listens, then the head refuses it and it exits: which of the two the readiness wait sees varies
         stranger = start_node(tmp_path, "stranger", join=head.url, key="not-the-head-key").layout
     except BackendUnavailableError:
