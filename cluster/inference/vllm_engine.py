@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from art_sky.wire import RegisterRequest
 
 from ..model_state import ModelState, device, resolve_base_model
 from ..node.placement import Placement, base_parameters
+from ..processes import stop_group
 from .gate import Hold
 from .openai_api import SSE, OpenAIError, Served
 from .tool_parsers import parser_name
@@ -116,14 +116,9 @@ class VllmEngine:
         if self._http is not None:
             self._http.close()
             self._http = None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        _signal_group(process, signal.SIGTERM)
-        try:
-            process.wait(10)  # within the 15 s LocalBackend gives the server to stop
-        except subprocess.TimeoutExpired:
-            _signal_group(process, signal.SIGKILL)
-            process.wait()
+        stop_group(process)  # its engine's processes too
         log.info("vLLM stopped")
 
     # -- the OpenAI route: a streaming proxy ---------------------------------------------------------------------
@@ -385,13 +380,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _error(text: str) -> dict:

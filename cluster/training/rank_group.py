@@ -33,6 +33,7 @@ from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 
 from ..model_state import ADAPTER, ModelState, load_peft, load_shape
 from ..node.placement import base_parameters
+from ..processes import stop_group
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
 from .sequences import Sequence
@@ -106,20 +107,15 @@ class RankGroup:
         with self._connected:
             connection, self._connection = self._connection, None
             self._connected.notify_all()
+        asked = False
         if connection is not None:
             try:
                 connection.send_bytes(RankCommand(kind="stop").model_dump_json().encode())
+                asked = True
             except OSError:
                 pass
-        if self._process is not None and self._process.poll() is None:
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, signal.SIGTERM)
-                try:
-                    self._process.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(self._process.pid, signal.SIGKILL)
+        if self._process is not None:
+            stop_group(self._process, asked=asked)
         self._listener.close()
 
     def _ready(self) -> Connection:
@@ -291,13 +287,8 @@ class WorkerRanks:
 
     def close(self) -> None:
         self._closed.set()
-        process = self._process
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        if self._process is not None:
+            stop_group(self._process)
         self._thread.join(15)
 
     def _run(self) -> None:
