@@ -91,6 +91,9 @@ class JoinRequest(_Strict):
                                  "private network")
     node: str = Field(min_length=1, max_length=256, description="the node's name, shown by /health and status")
     engine: str = Field(min_length=1, max_length=64, description="the replica's engine: the head's, or refused")
+    rank: int | None = Field(None, ge=1, le=65535, description="the worker node's rank in the cluster (--node-rank): "
+                                                              "one replica per rank, a second one is refused")
+    pid: int | None = Field(None, ge=1, le=2**31, description="the replica server's pid on its node, to name it")
 
     @field_validator("url")
     @classmethod
@@ -131,6 +134,8 @@ class FleetReplica(BaseModel):
 
     url: str = Field(description="'local' for the head's own engine, else the replica server's URL")
     node: str
+    rank: int | None = Field(None, description="the worker node's rank (--node-rank); None: the head, or not given")
+    pid: int | None = Field(None, description="the replica server's pid on its node")
     outstanding: int = Field(0, description="completions routed to it and not finished (its load)")
     completions: int = Field(0, description="completions it has served since it joined")
     steps: dict[str, int] = Field({}, description="model name -> the step it serves (`name@step`); a model not "

@@ -61,6 +61,8 @@ class Replica:
     url: str  # "local": the head's own engine
     node: str
     session: aiohttp.ClientSession | None = None  # aiohttp, as the vLLM proxy: a node's few cores go to sampling
+    rank: int | None = None  # the worker node's rank: one replica per rank
+    pid: int | None = None
     steps: dict[str, int] = field(default_factory=dict)  # model name -> the step it serves
     outstanding: int = 0
     completions: int = 0
@@ -69,7 +71,7 @@ class Replica:
     syncing: asyncio.Task | None = None
 
     def describe(self) -> FleetReplica:
-        return FleetReplica(url=self.url, node=self.node, outstanding=self.outstanding,
+        return FleetReplica(url=self.url, node=self.node, rank=self.rank, pid=self.pid, outstanding=self.outstanding,
                             completions=self.completions, steps=dict(self.steps))
 
 
@@ -248,14 +250,36 @@ class Fleet:
             raise HTTPException(502, f"the replica at {request.url} did not accept this head's API key: start it "
                                      "with the head's ART_SKY_API_KEY")
         self._loop = asyncio.get_running_loop()
+        try:
+            await self._one_per_rank(request)
+        except HTTPException:
+            await session.close()
+            raise
         for old in [r for r in self.remotes if r.url == request.url]:
             self._leave(old, "it joined again")
-        replica = Replica(request.url, request.node, session)
+        replica = Replica(request.url, request.node, session, request.rank, request.pid)
         self.replicas.append(replica)
         log.info("replica %s on %s joined the fleet (%d replicas)", replica.url, replica.node, len(self.replicas))
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch())
         self._sync(replica)
+
+    async def _one_per_rank(self, request: JoinRequest) -> None:
+        """A node has one replica: one of the same rank elsewhere that still answers refuses the join (409, naming
+        it); one that does not answer is gone, and the newcomer replaces it."""
+        for other in [r for r in self.remotes if request.rank is not None and r.rank == request.rank
+                      and r.url != request.url]:
+            try:
+                async with other.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
+                    alive = r.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                alive = False
+            if not alive:
+                self._leave(other, f"node rank {request.rank} joined again at {request.url}")
+                continue
+            raise HTTPException(409, f"node rank {request.rank} is in the fleet already: the replica at {other.url} "
+                                     f"on {other.node} (pid {other.pid}) serves it. One replica per node: stop that "
+                                     f"one first, or start this one with its own --node-rank")
 
     def describe(self) -> list[FleetReplica]:
         return [r.describe() for r in self.replicas]
