@@ -286,6 +286,10 @@ class WireChoice(_Strict):
     prompt_shared: int = Field(
         0, ge=0, description="leading prompt ids equal to the previous choice's prompt + sampled ids (in the same "
                              "history), not repeated on the wire")
+    prompt_tokens: int | None = Field(
+        None, ge=0, lt=TOKEN_ID_LIMIT, description="how many prompt tokens the engine sampled this turn from (its "
+                                                   "usage), where the prompt ids did not come along: a prompt "
+                                                   "rendered again at another length is not the one sampled from")
     step: int | None = Field(
         None, ge=0, description="the adapter step that sampled this turn (the completion's `art_sky_step`): the "
                                 "rollout's policy version, which bounds its staleness; None: not known")
