@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 
 import psutil
@@ -110,8 +111,14 @@ async def test_a_rank_killed_mid_step_rolls_the_step_back_and_the_next_step_trai
         ranks = ranks_of(backend.server.pid)
         assert set(ranks) == {0, 1}
         ranks[1].send_signal(signal.SIGKILL)
-        with pytest.raises(ArtSkyError, match="rolled back"):
+        with pytest.raises(ArtSkyError, match="training agent step 2 failed and was rolled back: the model is as "
+                                              "it was at step 1") as failed:
             await training
+        # in the cluster's words: which rank saw what, what happens next; gloo's own text stays in the log
+        assert re.search(r"rank 0 \(on .+\) lost its connection to the other ranks during train|the trainer's "
+                         r"ranks stopped during train: the leading rank's connection closed", str(failed.value))
+        assert "reload the last committed step" in str(failed.value) and "train again" in str(failed.value)
+        assert "pair.cc" not in str(failed.value) and "()" not in str(failed.value)
         assert await model.get_step() == 1
         assert sorted(p.name for p in steps_dir.iterdir()) == ["0000", "0001"]
 
@@ -122,6 +129,12 @@ async def test_a_rank_killed_mid_step_rolls_the_step_back_and_the_next_step_trai
         assert load_file(steps_dir / "0001" / "adapter_model.safetensors").keys() == at_one.keys()
         at_two = load_file(steps_dir / "0002" / "adapter_model.safetensors")
         assert any(not torch.equal(at_two[name], at_one[name]) for name in at_one)
+
+        # a rank lost between steps (a worker node that left and joined again): the group restarts as the next
+        # step begins, which waits for the new ranks instead of failing
+        restarted[1].send_signal(signal.SIGKILL)
+        third = await model.train(groups, TrainConfig(learning_rate=1e-3))
+        assert third["step"] == 3 and ranks_of(backend.server.pid)[1].pid != restarted[1].pid
     finally:
         await backend.close(force=True)
 

@@ -24,6 +24,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -49,6 +50,7 @@ HEALTH_EVERY = 2.0  # seconds between the head's health checks of each replica
 HEALTH_TIMEOUT = 5.0
 MISSES = 3  # health checks in a row a replica may miss before it leaves
 LOAD_TIMEOUT = 900.0  # a replica loading a model or a step (its base model may download first)
+LOST_WITHIN = 60.0  # seconds a replica that left is named as a lost node (its trainer ranks went with it)
 T = TypeVar("T")
 
 
@@ -87,6 +89,7 @@ class Fleet:
         self._lock = threading.Lock()  # a replica's step set vs. a step's list of replicas to load it on
         self._loop: asyncio.AbstractEventLoop | None = None
         self._monitor: asyncio.Task | None = None
+        self._departures: list[tuple[float, Replica, str]] = []  # (when, who, why) replicas left, the latest
 
     # -- the Engine protocol: the head's engine's, and every replica kept in step ----------------------------
 
@@ -284,10 +287,33 @@ class Fleet:
     def describe(self) -> list[FleetReplica]:
         return [r.describe() for r in self.replicas]
 
+    def lost(self) -> str:
+        """(A worker thread.) The worker nodes that are gone, in words: their replicas left the fleet in the last
+        LOST_WITHIN s, or do not answer now. Where a trainer rank was lost, this says with which node."""
+        now = time.monotonic()
+        gone = [f"{_named(r)} left the fleet {now - at:.1f} s earlier ({why})"
+                for at, r, why in self._departures if now - at < LOST_WITHIN]
+        if self._loop is not None and self.remotes:
+            silent = asyncio.run_coroutine_threadsafe(self._silent(), self._loop).result(HEALTH_TIMEOUT + 5)
+            gone += [f"{_named(r)} does not answer" for r in silent]
+        return "; ".join(gone)
+
+    async def _silent(self) -> list[Replica]:
+        async def silent(replica: Replica) -> bool:
+            try:
+                async with replica.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
+                    return r.status != 200
+            except (aiohttp.ClientError, TimeoutError):
+                return True
+
+        replicas = self.remotes
+        return [r for r, quiet in zip(replicas, await asyncio.gather(*(silent(r) for r in replicas))) if quiet]
+
     def _leave(self, replica: Replica, reason: str) -> None:
         """(Event loop.) The replica leaves: its requests in flight end at once (retried where they can be)."""
         if replica not in self.replicas:
             return
+        self._departures = [*self._departures[-20:], (time.monotonic(), replica, reason)]
         self.replicas.remove(replica)
         replica.gone.set()
         log.warning("replica %s on %s left the fleet: %s", replica.url, replica.node, reason)
@@ -381,6 +407,11 @@ def install(app: FastAPI, fleet: Fleet, dependencies: list, states: dict[str, Mo
         return FileResponse(path)
 
     app.include_router(router)
+
+
+def _named(replica: Replica) -> str:
+    rank = f"node rank {replica.rank}" if replica.rank is not None else "the worker node"
+    return f"{rank} ({replica.node}, its replica {replica.url})"
 
 
 def _counted(replica: Replica, result: bytes | SSE) -> bytes | SSE:
