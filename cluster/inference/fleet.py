@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -245,7 +246,7 @@ class Fleet:
                 accepted = health.status == 200 and (await health.json()).get("engine") is not None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             await session.close()
-            raise HTTPException(502, f"the head cannot reach the replica at {request.url} ({exc!r}): start the "
+            raise HTTPException(502, f"the head cannot reach the replica at {request.url} ({_said(exc)}): start the "
                                      "replica with --host on an address of the cluster's private network that "
                                      "the head reaches, and open its port between the nodes") from exc
         if not accepted:
@@ -329,11 +330,11 @@ class Fleet:
             async with replica.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
                 r.raise_for_status()
         except aiohttp.ClientConnectorError as exc:  # nothing listens there any more
-            self._leave(replica, f"it refuses connections ({exc})")
+            self._leave(replica, f"it refuses connections ({_said(exc)})")
         except (aiohttp.ClientError, TimeoutError) as exc:
             replica.misses += 1
             if replica.misses >= MISSES:
-                self._leave(replica, f"it did not answer /health {MISSES} times in a row ({exc!r})")
+                self._leave(replica, f"it did not answer /health {MISSES} times in a row ({_said(exc)})")
         else:
             replica.misses = 0
 
@@ -451,7 +452,21 @@ async def _until_gone(replica: Replica, awaitable: Awaitable[T]) -> T:
     try:
         return task.result()
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ReplicaError(f"replica {replica.url} on {replica.node} failed: {exc!r}") from exc
+        raise ReplicaError(f"replica {replica.url} on {replica.node} failed: {_said(exc)}") from exc
+
+
+def _said(exc: BaseException) -> str:
+    """A transport failure in words (aiohttp's own text names sockets and SSL contexts)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, no route, a name that does not resolve
+        error = exc.os_error
+        return os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror or str(error)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "it closed the connection"
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return "no answer in time"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "its answer was cut off"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _raise_for(replica: Replica, status: int, content: bytes) -> None:
