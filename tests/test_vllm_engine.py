@@ -241,8 +241,9 @@ async def test_vllm_serves_the_previous_step_while_the_trainer_trains(served):
 
 async def test_langchain_structured_output_on_vllm(served):
     """LangChain's with_structured_output on vLLM, both methods, as on the portable engine (tests/test_any_client.py):
-    the same parameters constrain the reply on both engines."""
-    await check_structured_output(served[1])
+    the same parameters constrain the reply on both engines (vLLM's tool calls in its structural tags, whose JSON may
+    carry whitespace)."""
+    await check_structured_output(served[1], free_call_whitespace=True)
 
 
 async def test_vllm_stops_with_the_server(served):
