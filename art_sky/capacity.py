@@ -1,5 +1,5 @@
-"""Will the model fit the cluster? The memory arithmetic behind README's "Scale" table, used twice: by
-`initialize_cluster` / `art-sky up` before anything is rented (the model's size read from its name, the GPU's memory
+"""Will the model fit the cluster? The memory arithmetic behind the scale table (docs/guides/scale.md), used twice:
+by `initialize_cluster` / `art-sky up` before anything is rented (the model's size read from its name, the GPU's memory
 from a table), and by the server when a model registers (the model's real parameter count, nvidia-smi's memory).
 
 Training holds the bf16 base weights sharded over the trainer's ranks (FSDP2): 2 bytes x parameters / ranks on each
@@ -63,7 +63,7 @@ class Layout:
         return None
 
     def largest(self) -> float:
-        """The most parameters that fit (README's table)."""
+        """The most parameters that fit (the docs' scale table)."""
         trainer = TRAINER_SHARE * self.gpu_memory_bytes * self.trainer_ranks / BF16_BYTES
         if self.shared:
             return trainer

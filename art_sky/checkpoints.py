@@ -56,6 +56,7 @@ class StepRecord(BaseModel):
     result: TrainProgress | None = None
     requests: dict[str, int] = {}  # request id -> the step it trained, the most recent ones
     history: dict | None = None
+    saved: bool = True  # a checkpoint (a resume point); False: trained with save_checkpoint=False, served only
 
 
 class CorruptCheckpointError(ArtSkyError):
@@ -158,6 +159,18 @@ class CheckpointDir:
         self.model_dir.mkdir(parents=True, exist_ok=True)
         with open(self.model_dir / HISTORY, "a") as handle:
             handle.write(json.dumps(entry) + "\n")
+
+    def set_history_aside(self, after: int) -> int:
+        """Move the history lines of steps after `after` to history.unsaved.jsonl (appended); how many moved."""
+        entries = self.history()
+        later = [entry for entry in entries if isinstance(entry.get("step"), int) and entry["step"] > after]
+        if not later:
+            return 0
+        with open(self.model_dir / f"{Path(HISTORY).stem}.unsaved.jsonl", "a") as handle:
+            handle.writelines(json.dumps(entry) + "\n" for entry in later)
+        kept = "".join(json.dumps(entry) + "\n" for entry in entries if entry not in later)
+        atomic_write(self.model_dir / HISTORY, kept)
+        return len(later)
 
     def history(self) -> list[dict]:
         """history.jsonl's lines (one cut short by a crash mid-write left out)."""

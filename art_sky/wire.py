@@ -51,14 +51,40 @@ class TrainConfig(_Strict):
     allow_training_without_logprobs: bool = Field(
         False, description="ART's: assistant turns written as dicts train too, rendered by the chat template "
                            "(counted in trained_tokens_rerendered); False: they are context")
+    importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"] = Field(
+        "token", description="ART's: the importance ratio per token, per sequence (GSPO: the exp of the mean "
+                             "log-ratio over the sequence's trained tokens), or the arithmetic or geometric mean of "
+                             "the two")
+    kl_penalty_source: Literal["current_learner", "sample"] = Field(
+        "current_learner", description="ART's: whose logprobs the KL penalty compares with the reference: the "
+                                       "policy being trained, or the sampler's")
+    old_logprobs: Literal["sampler", "trainer"] = Field(
+        "sampler", description="the old policy of the ratio: the engine's logprobs as it sampled, or the trainer's "
+                               "own at the start of the step (ART's precalculate_logprobs)")
+    truncated_importance_sampling: float | None = Field(
+        None, gt=0, le=1e6, description="ART's: weight each token's loss by min(trainer / sampler probability, "
+                                        "this); the ratio is then taken against the trainer's own logprobs")
+    grad_accumulation_sequences: int | None = Field(
+        None, ge=1, description="ART's: one optimizer step per this many training sequences (in the order "
+                                "given); None: one optimizer step for the whole call")
+
+    @model_validator(mode="after")
+    def _one_optimizer_step_for_trainer_logprobs(self) -> TrainConfig:
+        if self.grad_accumulation_sequences is not None and (
+                self.old_logprobs == "trainer" or self.truncated_importance_sampling is not None):
+            raise ValueError("grad_accumulation_sequences cannot be combined with the trainer's own old logprobs "
+                             "(precalculate_logprobs, truncated_importance_sampling): they are exact for one "
+                             "optimizer step per call; leave grad_accumulation_sequences unset")
+        return self
 
 
 class TrainSFTConfig(BaseModel):
-    """ART's `TrainSFTConfig`: one learning rate or one per batch, and trajectories per batch ("auto": 2, as ART's
-    LocalBackend)."""
+    """ART's `TrainSFTConfig`: one learning rate or one per batch, trajectories per batch ("auto": 2, as ART's
+    LocalBackend), and which assistant turns train (every one, or each conversation's last)."""
 
     learning_rate: float | list[float] = 5e-5
     batch_size: int | Literal["auto"] = "auto"
+    assistant_turns: Literal["all", "last"] = "all"
 
 
 class ModelConfig(_Strict):
@@ -180,11 +206,19 @@ class HealthResponse(BaseModel):
 
 
 class RegisterRequest(_Strict):
-    name: str = Field(pattern=NAME_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN, description="the name the model is served and trained under")
     project: str = Field(pattern=NAME_PATTERN)
     base_model: str = Field(min_length=1, max_length=1024)
     config: ModelConfig = ModelConfig()
+    run_name: str | None = Field(
+        None, pattern=NAME_PATTERN, description="ART's run_name: the lineage the model's checkpoints and history "
+                                                "belong to (a new one starts at step 0); None: the name")
     request_id: RequestId | None = None
+
+    @property
+    def run(self) -> str:
+        """The lineage: where the checkpoints and history are (`<project>/models/<run>/`)."""
+        return self.run_name or self.name
 
 
 class ReplicaModel(_Strict):
@@ -241,6 +275,7 @@ class ModelInfo(BaseModel):
     project: str
     base_model: str
     step: int
+    run_name: str | None = Field(None, description="the lineage (ART's run_name), where it is not the name")
     restored_from: str | None = Field(None, description="where the current step's adapter came from, if restored")
     activity: Activity | None = None
     serving: Serving | None = None
@@ -344,6 +379,9 @@ class WireHistory(_Strict):
 
     items: list[Item]
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="the chat template's arguments its completions were requested with: a turn rendered for "
+                          "training (one that came without its ids) renders as it was sampled")
 
 
 class WireTrajectory(_Strict):
@@ -351,6 +389,7 @@ class WireTrajectory(_Strict):
     reward: float
     metrics: dict[str, Metric] = {}
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="as a history's")
     additional_histories: list[WireHistory] = []
 
     @field_validator("reward")
@@ -362,7 +401,8 @@ class WireTrajectory(_Strict):
 
     def histories(self) -> list[WireHistory]:
         """The main conversation first, then the additional ones."""
-        return [WireHistory(items=self.items, tools=self.tools), *self.additional_histories]
+        return [WireHistory(items=self.items, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs),
+                *self.additional_histories]
 
 
 class WireGroup(_Strict):
@@ -392,6 +432,10 @@ class TrainRequest(_Strict):
     config: TrainConfig = TrainConfig()
     clock: StepClock = StepClock()
     request_id: RequestId | None = None
+    save_checkpoint: bool = Field(
+        True, description="ART's: False trains and serves the step without making it a checkpoint: its adapter is "
+                          "written for the engines, not its optimizer state, and it is not uploaded; after a "
+                          "restart training resumes from the newest step saved")
 
 
 class SFTRequest(_Strict):
@@ -402,6 +446,8 @@ class SFTRequest(_Strict):
     batch_size: int = Field(2, ge=1)
     learning_rates: list[float] = Field(min_length=1, description="one per batch, or one for all")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    assistant_turns: Literal["all", "last"] = Field(
+        "all", description="ART's: train every assistant turn, or only each conversation's last one")
     request_id: RequestId | None = None
     clock: StepClock = StepClock()
 
@@ -437,6 +483,8 @@ class TrainProgress(BaseModel):
                                                      "(costs/cum/gpu)")
     replayed: bool = Field(False, description="the request id had trained this step already: its result again, "
                                               "nothing trained twice")
+    checkpoint_path: str | None = Field(None, description="result: the step's checkpoint directory on the server's "
+                                                          "machine; None when it was not saved (save_checkpoint)")
 
 
 class LogRequest(_Strict):
@@ -460,6 +508,18 @@ class DeleteCheckpointsRequest(_Strict):
     keep_steps: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="keep exactly these steps (and the current one) instead: ART 0.5's "
                           "`_delete_checkpoint_files`, whose client picks the steps")
+
+
+class LeaseRequest(_Strict):
+    """ART's adapter lease (`exact_adapter_lease(model, step)`): while held, `name@step` is served by exactly that
+    step and its checkpoint is not deleted."""
+
+    step: int = Field(ge=0)
+
+
+class Lease(BaseModel):
+    id: str
+    step: int
 
 
 class ErrorResponse(BaseModel):
@@ -544,6 +604,9 @@ class ChatCompletionRequest(_Strict):
         None, description="vLLM's: return prompt_token_ids and each choice's sampled token_ids; art-sky's default: "
                           "yes, false opts out")
     ignore_eos: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: variables for the chat template (enable_thinking, preserve_thinking, ...), "
+                          "those the template reads")
     stream: bool = False
     stream_options: StreamOptions | None = None
 

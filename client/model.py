@@ -12,7 +12,7 @@ import httpx
 from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
-from art_sky.dev import InternalModelConfig
+from art_sky.dev import InternalModelConfig, LoRAConfig
 from art_sky.dev import TrainSFTConfig as DevTrainSFTConfig
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
@@ -71,7 +71,7 @@ class Model(BaseModel):
     Langfuse when LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are; ["wandb"], ["langfuse"] ask for them; [] logs to
     the server's history only."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a misspelt option is an error
 
     name: str
     project: str
@@ -174,6 +174,8 @@ class TrainableModel(Model):
 
     base_model: str
     config: ModelConfig | None = None
+    run_name: str | None = None  # ART's lineage: checkpoints and history under this name (a new one starts at step 0)
+    lora_config: LoRAConfig | None = None  # ART 0.5.20's LoRA settings, where `config` gives none
     trainable: bool = True
     _internal_config: InternalModelConfig | None = PrivateAttr(None)
 

@@ -48,12 +48,14 @@ def trajectory_version(wired: WireTrajectory, source: Any = None) -> int | None:
 
 
 def drop_stale(wired: list[WireGroup], versions: list[int | None], step: int,
-               max_steps_off_policy: int) -> tuple[list[WireGroup], dict[str, float]]:
-    """The groups a step at model step `step` may train on, and the step's staleness metrics."""
+               max_steps_off_policy: int | None) -> tuple[list[WireGroup], dict[str, float]]:
+    """The groups a step at model step `step` may train on, and the step's staleness metrics. No bound (None): every
+    group trains (an ART program's own loop, e.g. ART's PipelineTrainer, bounds staleness itself)."""
     kept, lags, dropped = [], [], 0
     for group, version in zip(wired, versions, strict=True):
         behind = 0 if version is None else max(0, step - version)
-        if behind > max_steps_off_policy or (behind and not _has_logprobs(group)):
+        if max_steps_off_policy is not None and (
+                behind > max_steps_off_policy or (behind and not _has_logprobs(group))):
             dropped += 1
             continue
         kept.append(group)
@@ -62,7 +64,9 @@ def drop_stale(wired: list[WireGroup], versions: list[int | None], step: int,
                   "steps_off_policy": sum(lags) / len(lags) if lags else 0.0}
 
 
-def check_bound(max_steps_off_policy: Any) -> int:
+def check_bound(max_steps_off_policy: Any) -> int | None:
+    if max_steps_off_policy is None:
+        return None
     if not isinstance(max_steps_off_policy, int) or isinstance(max_steps_off_policy, bool) or max_steps_off_policy < 0:
         raise ConfigError(f"max_steps_off_policy={max_steps_off_policy!r}: give a whole number >= 0 (0: train only on "
                           "rollouts of the current step; 1, the default: also those of the step before)")

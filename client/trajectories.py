@@ -29,6 +29,7 @@ class History(BaseModel):
 
     messages_and_choices: list[MessageOrChoice]
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as the Trajectory's
 
     def messages(self) -> list[dict[str, Any]]:
         return _messages(self.messages_and_choices)
@@ -42,6 +43,9 @@ class Trajectory(BaseModel):
 
     messages_and_choices: list[MessageOrChoice] = []
     tools: list[dict[str, Any]] | None = None
+    # The chat template's arguments the completions were requested with (`extra_body={"chat_template_kwargs": ...}`):
+    # a turn that came back without its token ids is rendered for training with them, as it was sampled.
+    chat_template_kwargs: dict[str, Any] | None = None
     additional_histories: list[History] = []
     reward: float = 0.0
     initial_policy_version: int | None = None
@@ -118,10 +122,11 @@ class TrajectoryGroup(BaseModel):
         self.logs.append(message)
 
 
-def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
+def wire_groups(groups: Iterable[Any], chat_template_kwargs: dict[str, Any] | None = None) -> list[WireGroup]:
     """Trajectory groups, art-sky's or openpipe-art's (read by their fields), as wire messages. Groups without
     trajectories (every rollout failed) are left out. A malformed trajectory is a ConfigError naming its group,
-    its index and the field, before anything is sent."""
+    its index and the field, before anything is sent. `chat_template_kwargs`: the model's client's, for
+    trajectories that do not say their own."""
     wired = []
     for g, group in enumerate(groups):
         if not _field(group, "trajectories"):
@@ -130,7 +135,7 @@ def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
                                   "ruler_score_group returns an art.TrajectoryGroup, which keeps only art.Trajectory "
                                   "objects: build those rollouts with art.Trajectory)")
             continue
-        trajectories = [wire_trajectory(t, f"group {g}, trajectory {i}")
+        trajectories = [wire_trajectory(t, f"group {g}, trajectory {i}", chat_template_kwargs)
                         for i, t in enumerate(_field(group, "trajectories"))]
         try:
             wired.append(WireGroup(trajectories=trajectories))
@@ -139,23 +144,27 @@ def wire_groups(groups: Iterable[Any]) -> list[WireGroup]:
     return wired
 
 
-def wire_trajectory(trajectory: Any, where: str = "trajectory") -> WireTrajectory:
+def wire_trajectory(trajectory: Any, where: str = "trajectory",
+                    chat_template_kwargs: dict[str, Any] | None = None) -> WireTrajectory:
     """One trajectory (art-sky's, openpipe-art's, or anything with ART's fields) as a wire message; `where` names it
-    in errors."""
+    in errors. `chat_template_kwargs`: the default where the trajectory and its histories say none."""
+    kwargs = _field(trajectory, "chat_template_kwargs") or chat_template_kwargs
     reward = _field(trajectory, "reward")
     if not isinstance(reward, int | float) or not math.isfinite(reward):
         raise ConfigError(f"{where}: reward is {reward!r}, not a finite number: check the rollout's reward function")
     histories = []
     for h, history in enumerate(_field(trajectory, "additional_histories") or []):
         items = _wire_items(_field(history, "messages_and_choices"), f"{where}, additional_histories[{h}]")
-        histories.append(WireHistory(items=items, tools=_field(history, "tools")))
+        histories.append(WireHistory(items=items, tools=_field(history, "tools"),
+                                     chat_template_kwargs=_field(history, "chat_template_kwargs") or kwargs))
     metrics = {}
     for key, value in (_field(trajectory, "metrics") or {}).items():
         if not isinstance(value, int | float) or not math.isfinite(value):
             raise ConfigError(f"{where}: metrics[{key!r}] is {value!r}, not a finite number")
         metrics[key] = float(value)
     return WireTrajectory(items=_wire_items(_field(trajectory, "messages_and_choices"), where), reward=reward,
-                          tools=_field(trajectory, "tools"), metrics=metrics, additional_histories=histories)
+                          tools=_field(trajectory, "tools"), chat_template_kwargs=kwargs, metrics=metrics,
+                          additional_histories=histories)
 
 
 def wire_item(item: Any) -> WireChoice | WireMessage:

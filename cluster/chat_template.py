@@ -12,17 +12,67 @@ from typing import Any
 from art_sky.errors import TokenizationError
 
 
-def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-    """The chat template's text for these messages, read as vLLM reads them (see `_as_vllm_reads`)."""
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation_prompt: bool,
+           template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat template's text for these messages, read as vLLM reads them (see `_as_vllm_reads`), with the
+    request's `chat_template_kwargs` the template reads (see `template_arguments`)."""
     return tokenizer.apply_chat_template(
         _conversation(tokenizer, messages), tools=tools or None, tokenize=False,
-        add_generation_prompt=generation_prompt,
+        add_generation_prompt=generation_prompt, **template_arguments(tokenizer, template_kwargs),
     )
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> list[int]:
+def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The token ids an engine samples a reply to."""
-    return encode(tokenizer, render(tokenizer, messages, tools, generation_prompt=True))
+    return encode(tokenizer, render(tokenizer, messages, tools, True, template_kwargs))
+
+
+# What a request's chat_template_kwargs may not set: the rendering's own arguments (vLLM refuses `chat_template` and
+# `tokenize` the same way; the others are the request's own fields, or the engine's).
+RESERVED_TEMPLATE_ARGUMENTS = frozenset({
+    "chat_template", "tokenize", "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+    "return_tensors", "tokenizer_kwargs"})
+
+
+def template_arguments(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The request's `chat_template_kwargs` as vLLM passes them: those the template reads (`enable_thinking`,
+    `preserve_thinking`, ...), the others left out, since the template's text cannot depend on them. One that
+    would set the rendering itself is a TokenizationError naming it."""
+    if not template_kwargs:
+        return {}
+    reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS & template_kwargs.keys())
+    if reserved:
+        raise TokenizationError(f"chat_template_kwargs {reserved} set the rendering itself, not a template variable: "
+                                "remove them (the request's own fields say these)")
+    template = tokenizer.chat_template
+    variables = _template_variables(" ".join(template.values()) if isinstance(template, dict) else template or "")
+    return {key: value for key, value in template_kwargs.items() if key in variables}
+
+
+@functools.lru_cache(maxsize=32)
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from its caller (jinja2's undeclared variables), read once per template."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.meta
+    import jinja2.sandbox
+
+    class Generation(jinja2.ext.Extension):  # transformers' {% generation %} tag, parsed as plain content
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return frozenset()
 
 
 def _conversation(tokenizer: Any, messages: list[dict]) -> list[dict]:

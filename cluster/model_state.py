@@ -73,8 +73,9 @@ class TrainedWeights(Protocol):
 
     def restore(self, saved: Any) -> None: ...
 
-    def save(self, directory: Path) -> None:
-        """The adapter (PEFT's layout, which vLLM loads) and the optimizer's state, into `directory`."""
+    def save(self, directory: Path, optimizer: bool = True) -> None:
+        """The adapter (PEFT's layout, which vLLM loads) and (with `optimizer`) the optimizer's state, into
+        `directory`."""
 
 
 @dataclass
@@ -87,6 +88,7 @@ class ModelState:
     restored_from: str | None = None
     optimizer: torch.optim.Optimizer | None = None
     requests: dict[str, int] = field(default_factory=dict)  # recent request ids -> the step each trained
+    leases: dict[str, int] = field(default_factory=dict)  # held adapter leases (ART's) -> the step each pins
     extra: dict = field(default_factory=dict)
     weights: TrainedWeights = None  # type: ignore[assignment]  # the trainer's; this process's LoRA by default
 
@@ -106,14 +108,14 @@ class ModelState:
 
     def info(self) -> ModelInfo:
         return ModelInfo(name=self.name, project=self.request.project, base_model=self.request.base_model,
-                         step=self.step, restored_from=self.restored_from)
+                         step=self.step, run_name=self.request.run_name, restored_from=self.restored_from)
 
     def save_checkpoint(self, record: StepRecord, metrics: dict[str, float] | None = None) -> Path:
         """Write step `record.step` whole (LoRA, optimizer state, record, manifest) or not at all; the model's step
         is not changed here (cluster/steps.py commits)."""
 
         def write(tmp: Path) -> None:
-            self.weights.save(tmp)
+            self.weights.save(tmp, optimizer=record.saved)
             (tmp / STEP_RECORD).parent.mkdir(exist_ok=True)
             (tmp / STEP_RECORD).write_text(record.model_dump_json(indent=1))
 
@@ -145,10 +147,11 @@ class LocalWeights:
     def restore(self, saved: lora.Snapshot) -> None:
         lora.restore(self.state.model, ensure_optimizer(self.state), saved)
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, optimizer: bool = True) -> None:
         model = self.state.model
         model.save_pretrained(directory, selected_adapters=[ADAPTER])
-        lora.save_optimizer(lora.optimizer_state(model, ensure_optimizer(self.state)), directory)
+        if optimizer:
+            lora.save_optimizer(lora.optimizer_state(model, ensure_optimizer(self.state)), directory)
 
 
 def ensure_optimizer(state: ModelState) -> torch.optim.Optimizer:
@@ -206,16 +209,19 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
                        downloaded: tuple[int, str] | None = None,
                        load_weights: WeightsLoader = LocalWeights.load) -> ModelState:
     """The newest intact checkpoint of this model if there is one (weights, optimizer state, recent request ids),
-    else a fresh LoRA (saved as step 0).
+    else a fresh LoRA (saved as step 0). Steps trained with save_checkpoint=False are not resume points: those
+    after the restored step are removed, and their history lines moved aside (training goes on from the
+    checkpoint, so the step numbers after it are trained again).
 
     `load` is the trainer's: it builds the model the trainer can train (PEFT, or Unsloth's patched model), and
     `load_weights` its trainable state (in this process, or on the trainer's ranks).
     `downloaded`: (step, its URI) when `restore_from_store` just fetched that step, so the model says where from.
     What a save or download killed mid-way left is removed first.
     """
-    checkpoints = CheckpointDir(art_path, request.project, request.name)
+    checkpoints = CheckpointDir(art_path, request.project, request.run)
     for stale in checkpoints.remove_stale_temps():
         log.info("removed %s, left by a save or download that did not finish", stale)
+    unsaved: list[int] = []
     for step in reversed(checkpoints.steps()):
         manifest = checkpoints.manifest(step)
         if manifest.base_model != request.base_model:
@@ -228,22 +234,39 @@ def create_model_state(request: RegisterRequest, art_path: Path, settings: Setti
         except CorruptCheckpointError as exc:
             log.warning("skipping step %d: %s", step, exc)
             continue
+        record = checkpoints.record(step)
+        if record is not None and not record.saved:
+            unsaved.append(step)
+            continue
+        _drop_unsaved(checkpoints, unsaved, step)
         model, tokenizer = load(request, settings, checkpoints.step_dir(step))
         origin = downloaded[1] if downloaded and downloaded[0] == step else checkpoints.step_dir(step)
         state = ModelState(request, model, tokenizer, checkpoints, step=step, restored_from=str(origin))
         state.weights = load_weights(state, checkpoints.step_dir(step))
-        record = checkpoints.record(step)
         state.requests = dict(record.requests) if record else {}
         _complete_history(state)
         log.info("model %s restored at step %d", request.name, step)
         break
     else:
+        _drop_unsaved(checkpoints, unsaved, 0)
         model, tokenizer = load(request, settings, None)
         state = ModelState(request, model, tokenizer, checkpoints)
         state.weights = load_weights(state, None)
         state.save_checkpoint(StepRecord(step=0, kind="init", request_id=request.request_id))
     state.model.eval()
     return state
+
+
+def _drop_unsaved(checkpoints: CheckpointDir, unsaved: list[int], restored: int) -> None:
+    """Steps trained with save_checkpoint=False after the checkpoint training resumes from: their directories go, and
+    their history lines move to history.unsaved.jsonl (the steps are trained again under the same numbers)."""
+    if not unsaved:
+        return
+    checkpoints.delete(unsaved)
+    moved = checkpoints.set_history_aside(after=restored)
+    log.warning("%s: steps %s were trained with save_checkpoint=False and are lost with the server that trained them: "
+                "training resumes from step %d (%d history lines moved to history.unsaved.jsonl)", checkpoints.name,
+                sorted(unsaved), restored, moved)
 
 
 def _complete_history(state: ModelState) -> None:

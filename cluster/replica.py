@@ -90,7 +90,7 @@ def create_replica_app(art_path: Path, api_key: str, settings: Settings, placeme
             state = states.get(request.name)
             if state is not None and state.step >= step:
                 return state.info()
-            checkpoints = CheckpointDir(art_path, request.project, request.name)
+            checkpoints = CheckpointDir(art_path, request.project, request.run)
             if step not in checkpoints.steps():
                 await asyncio.to_thread(_fetch, head_url, api_key, checkpoints, request, step)
             if state is None:

@@ -38,6 +38,8 @@ from art_sky.wire import (
     CheckpointInfo,
     DeleteCheckpointsRequest,
     HealthResponse,
+    Lease,
+    LeaseRequest,
     LogRequest,
     ModelInfo,
     RegisterRequest,
@@ -63,7 +65,7 @@ from .sync import CheckpointSync
 from .training.grpo import group_advantages
 from .training.peft_trainer import PeftTrainer, Progress
 from .training.rank_group import ShardedTrainer
-from .training.sequences import Built, Sequence, build_sequences, sft_sequence
+from .training.sequences import Built, Sequence, build_sequences, sft_sequences
 
 log = logging.getLogger("art_sky.cluster")
 _LOGGED_SKIPS = 100  # skipped trajectories named one by one in the log and the step's result
@@ -101,7 +103,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         trainer.group.lost_nodes = fleet.lost
 
     def committed(state: ModelState) -> None:
-        if sync:
+        record = state.checkpoints.record(state.step)
+        if sync and (record is None or record.saved):  # a step trained with save_checkpoint=False is not uploaded
             sync.submit(state.checkpoints, state.step)  # uploads while the next rollouts run
 
     steps = Steps(fleet, gate, committed)
@@ -173,7 +176,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     async def load(body: RegisterRequest) -> ModelState:
         async with registration:
             fleet.check(body)  # before loading anything (or writing a step 0 checkpoint)
-            checkpoints = CheckpointDir(art_path, body.project, body.name)
+            checkpoints = CheckpointDir(art_path, body.project, body.run)
             downloaded = await restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
             state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model,
                                             downloaded, trainer.load_weights)
@@ -199,6 +202,12 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         if (existing.project, existing.base_model) != (body.project, body.base_model):
             raise HTTPException(409, f"model {body.name!r} is already registered with project "
                                      f"{existing.project!r} and base model {existing.base_model!r}")
+        if existing.run != body.run:
+            raise HTTPException(409, f"model {body.name!r} is already served by this server for run "
+                                     f"{existing.run!r} (step {states[body.name].step}); a server serves one run per "
+                                     f"name: register run {body.run!r} under another name, or start a new server "
+                                     "(a new LocalBackend, `art-sky up --force-restart`) to serve it as "
+                                     f"{body.name!r}. Run {existing.run!r}'s checkpoints stay where they are")
         return states[body.name].info()
 
     @app.get("/art/models/{name}", dependencies=guarded)
@@ -207,7 +216,7 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         state, activity = model(name), activities[name]
         return state.info().model_copy(update={
             "activity": activity.activity(), "serving": activity.serving(f"{name}@{state.step}"),
-            "last_step": activity.last_step, "sync": sync.model_sync(name) if sync else None})
+            "last_step": activity.last_step, "sync": sync.model_sync(state.checkpoints.name) if sync else None})
 
     @app.get("/art/models/{name}/history", dependencies=guarded)
     async def history(name: str) -> list[dict]:
@@ -271,11 +280,29 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
                     steps_to_keep(existing, state.checkpoints.history(), body.best_checkpoint_metric,
                                   body.keep_last))
             keep.add(state.step)  # the adapter being served and trained stays
+            keep |= set(state.leases.values())  # and those a client holds a lease on
             await asyncio.to_thread(state.checkpoints.delete, [s for s in existing if s not in keep])
         if sync:
             sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step,
                                   body.keep_steps)
         return _checkpoint_infos(state.checkpoints)
+
+    @app.post("/art/models/{name}/leases", dependencies=guarded)
+    async def lease(name: str, body: LeaseRequest) -> Lease:
+        """ART's adapter lease: `name@step` keeps being served by exactly that step, and its checkpoint is kept, until
+        the lease is released (or the server restarts)."""
+        state = model(name)
+        if body.step != state.step and state.checkpoints.manifest(body.step) is None:
+            raise HTTPException(404, f"step {body.step} of {name} has no checkpoint (steps: "
+                                     f"{state.checkpoints.steps()}): lease a step that exists")
+        lease_id = secrets.token_hex(8)
+        state.leases[lease_id] = body.step
+        return Lease(id=lease_id, step=body.step)
+
+    @app.delete("/art/models/{name}/leases/{lease_id}", dependencies=guarded)
+    async def release(name: str, lease_id: str) -> dict:
+        """Release a lease (releasing one already released is not an error: a retry)."""
+        return {"released": model(name).leases.pop(lease_id, None) is not None}
 
     @app.get("/art/checkpoints/sync", dependencies=guarded)
     async def sync_status() -> SyncStatus:
@@ -321,15 +348,43 @@ def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer |
     prepared = _prepare(state, body)
 
     def train(progress: Progress) -> tuple[dict[str, float], list[dict[str, float]]]:
-        sequences = prepared.sequences
-        metrics = (trainer.train(state, sequences, body.config, progress) if sequences else
-                   {"trained_tokens": 0.0, "sequences": 0.0})  # nothing to learn
-        return metrics | prepared.metrics, []
+        if not prepared.sequences:  # nothing to learn
+            return {"trained_tokens": 0.0, "sequences": 0.0} | prepared.metrics, []
+        chunks = _optimizer_steps(prepared.sequences, body.config.grad_accumulation_sequences)
+        per_step = [trainer.train(state, chunk, body.config,
+                                  lambda done, total, i=i: progress(i * total + done, len(chunks) * total))
+                    for i, chunk in enumerate(chunks)]
+        return _combined(per_step) | prepared.metrics, []
 
     named = prepared.skipped[:_LOGGED_SKIPS]
     if len(prepared.skipped) > _LOGGED_SKIPS:
         named.append(f"... and {len(prepared.skipped) - _LOGGED_SKIPS} more")
-    return StepPlan("train", train, named)
+    return StepPlan("train", train, named, saved=body.save_checkpoint)
+
+
+def _optimizer_steps(sequences: list[Sequence], per_step: int | None) -> list[list[Sequence]]:
+    """The step's sequences split into optimizer steps (ART's grad_accumulation_sequences), in order; one without."""
+    if per_step is None:
+        return [sequences]
+    return [sequences[start:start + per_step] for start in range(0, len(sequences), per_step)]
+
+
+def _combined(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Several optimizer steps' metrics as one step's: counts summed, per-token figures weighted by trained tokens,
+    the rest (gradient norm, learning rate) averaged, as ART averages its gradient steps."""
+    if len(per_step) == 1:
+        return per_step[0]
+    tokens = sum(m["trained_tokens"] for m in per_step)
+    combined = {}
+    for key in per_step[0]:
+        values = [m[key] for m in per_step]
+        if key in ("trained_tokens", "sequences"):
+            combined[key] = sum(values)
+        elif key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction"):
+            combined[key] = sum(v * m["trained_tokens"] for v, m in zip(values, per_step)) / tokens
+        else:
+            combined[key] = sum(values) / len(values)
+    return combined | {"num_gradient_steps": float(len(per_step))}
 
 
 def _prepare_sft(state: ModelState, body: SFTRequest, trainer: PeftTrainer | ShardedTrainer) -> StepPlan:
@@ -342,8 +397,8 @@ def _prepare_sft(state: ModelState, body: SFTRequest, trainer: PeftTrainer | Sha
         batch = []
         for index in range(start, min(start + size, count)):
             try:
-                batch.append(sft_sequence(state.tokenizer, body.trajectories[index],
-                                          state.request.config.max_seq_length))
+                batch += sft_sequences(state.tokenizer, body.trajectories[index],
+                                       state.request.config.max_seq_length, body.assistant_turns)
             except TokenizationError as exc:
                 dropped.append(f"trajectory {index}: {exc}")
         if batch:

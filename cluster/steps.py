@@ -57,6 +57,7 @@ class StepPlan:
     kind: str  # train or sft
     train: Callable[[Progress], tuple[dict[str, float], list[dict[str, float]]]]
     skipped: list[str] = field(default_factory=list)
+    saved: bool = True  # False (ART's save_checkpoint=False): served, not a resume point
 
 
 def step_seed(step: int) -> int:
@@ -101,10 +102,11 @@ def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress:
         timer.begin("training")
         with _seeded(step_seed(step)):
             metrics, batches = plan.train(progress)
-        result = TrainProgress(type="result", step=step, metrics=metrics, batches=batches, skipped=plan.skipped)
+        result = TrainProgress(type="result", step=step, metrics=metrics, batches=batches, skipped=plan.skipped,
+                               checkpoint_path=str(state.checkpoints.step_dir(step)) if plan.saved else None)
         requests = _recent(state.requests | {request_id: step})
         record = StepRecord(step=step, kind=plan.kind, request_id=request_id, seed=step_seed(step), result=result,
-                            requests=requests, history=history_entry(step, "train", metrics))
+                            requests=requests, history=history_entry(step, "train", metrics), saved=plan.saved)
         timer.begin("saving", f"checkpoint of step {step}")
         try:
             state.save_checkpoint(record, metrics)  # the commit point: the step's directory renamed into place

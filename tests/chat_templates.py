@@ -8,6 +8,9 @@
 - ALL: the three at once (one vLLM server serves one base model, so the vLLM test uses this one).
 - LLAMA31, MISTRAL: the tool-call formats of Llama 3.1 (bare JSON) and Mistral ([TOOL_CALLS] and a JSON list);
   Qwen2.5's (Hermes' <tool_call>) is the tiny model's own.
+- THINKING (Qwen3.5's and DeepSeek-R1's switches, read from chat_template_kwargs): `enable_thinking` (default true)
+  opens a think block in the generation prompt, false closes it empty; `preserve_thinking` (default false) keeps
+  earlier turns' reasoning, where the default drops it (history rewritten once a later user turn comes).
 """
 
 from __future__ import annotations
@@ -130,8 +133,22 @@ MISTRAL = """\
 {%- elif m.role == 'tool' -%}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
 {%- else -%}[INST]{{ m.content }}[/INST]{%- endif -%}
 {%- endfor -%}"""
+THINKING = """\
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+<|im_start|>assistant
+{% if preserve_thinking and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}
+{%- endif %}"""
 TEMPLATES = {"think": THINK, "tool_json": TOOL_JSON, "trim": TRIM, "all": ALL, "llama31": LLAMA31,
-             "mistral": MISTRAL}
+             "mistral": MISTRAL, "thinking": THINKING}
 
 
 def template_model(root: Path, name: str) -> Path:

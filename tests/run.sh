@@ -13,7 +13,7 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # SkyPilot lives in an environment of its own (art_sky/provisioners/sky_env.py): an older test venv had it here.
 "$VENV/bin/python" -m pip uninstall -y -q skypilot 2>/dev/null || true
-"$VENV/bin/python" -m pip install -q "torch==2.13.0" -e ".[cluster,sky,wandb,langfuse,art,dev]"
+"$VENV/bin/python" -m pip install -q "torch==2.13.0" -e ".[cluster,sky,wandb,langfuse,art,dev,docs]"
 export PATH="$PWD/$VENV/bin:$PATH"  # `python` in the setup scripts and tests is this venv's
 for step in tests/setup/*.sh; do
   echo "== $step"

@@ -157,6 +157,36 @@ def test_a_non_text_part_is_an_error_naming_it_and_its_trajectory_is_skipped(tok
     with pytest.raises(TokenizationError, match="has type 'image_url'"):
         built(tokenizer, trajectory)
 
+
+# -- chat_template_kwargs (ART 0.5.20+'s client sends preserve_thinking with every request) ---------------------
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(tokenizers):
+    tokenizer = tokenizers["thinking"]
+    assert render(tokenizer, HI, None, True).endswith("<think>")
+    assert render(tokenizer, HI, None, True, {"enable_thinking": False}).endswith("<think></think>")
+    # a variable the template does not read cannot change its text: dropped, as vLLM drops it
+    assert render(tokenizer, HI, None, True, {"not_read": 1}) == render(tokenizer, HI, None, True)
+    with pytest.raises(TokenizationError, match=r"\['add_generation_prompt', 'tokenize'\]"):
+        render(tokenizer, HI, None, True, {"tokenize": True, "add_generation_prompt": False})
+
+
+def test_a_turn_without_ids_renders_for_training_with_the_kwargs_it_was_sampled_with(tokenizers):
+    """preserve_thinking (ART's default) keeps the reasoning in the rendered turn, so a choice that came without its
+    ids is placed after exactly the prompt it was sampled from; without the kwargs its turn would not follow the
+    prompt (the template drops the reasoning) and it could not be trained."""
+    tokenizer = tokenizers["thinking"]
+    choice = {"message": {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}}
+    trajectory = art.Trajectory(messages_and_choices=[*HI, choice], reward=1.0,
+                                chat_template_kwargs={"preserve_thinking": True})
+    (context, sampled), = trained_turns(built(tokenizer, trajectory).sequences)
+    assert context == prompt_ids(tokenizer, HI, None, {"preserve_thinking": True})
+    assert tokenizer.decode(sampled) == "greet</think>Hello<|im_end|>"
+    with pytest.raises(TokenizationError, match="renders its turn differently"):
+        built(tokenizer, art.Trajectory(messages_and_choices=[*HI, choice], reward=1.0))
+
+
 # -- both engines: rollouts from a real client, trained by a real server ------------------------------------------
 async def rollout(model: art.TrainableModel, reward: float, turns: int = 3) -> art.Trajectory:
     """A multi-turn agent: a tool call made earlier (written by hand: the tiny model calls no tools), then turns

@@ -23,7 +23,10 @@ SHARED = ("art_sky.wire", "art_sky.errors", "art_sky.settings", "art_sky.layout"
 # (importer prefix, what it must not import): the data path's layers, one way
 RULES = [
     ("art_sky.cluster", LAPTOP + ("art_sky.client",)),
-    ("art_sky.client", LAPTOP + ("art_sky.cluster",)),
+    ("art_sky.client", LAPTOP + ("art_sky.cluster", "art_sky.art_compat")),
+    # ART compatibility sits between the backends (which mix in its protocol) and the client (whose trajectories it
+    # builds): it knows neither a backend nor the server
+    ("art_sky.art_compat", LAPTOP + ("art_sky.cluster",)),
     *((shared, LAPTOP + ("art_sky.client", "art_sky.cluster")) for shared in SHARED),
     ("art_sky.remote", ("art_sky.backends", "art_sky.cli", "art_sky.ci", "art_sky.client", "art_sky.cluster",
                         "art_sky.clusters")),

@@ -159,8 +159,11 @@ def test_status_shows_the_step_and_what_the_server_does(run):
     assert run["statuses"], f"no step phase seen by polling: {run['seen']}"
     outputs = [result.output for result in run["statuses"]]
     assert all(result.exit_code == 0 for result in run["statuses"]), outputs
-    assert any(phase in output for output in outputs for phase in STEP_PHASES), outputs
-    assert all("obs/watched" in output and "watched@1" in output for output in outputs), outputs
+    # A status is asked for once a poll saw a step phase; the step may commit before it answers (a loaded machine):
+    # every status that shows the step in flight shows step 1 serving.
+    during = [output for output in outputs if any(phase in output for phase in STEP_PHASES)]
+    assert during, outputs
+    assert all("obs/watched" in output and "watched@1" in output for output in during), outputs
     after = run["after"].output
     assert run["after"].exit_code == 0 and "watched@3" in after and "idle" in after, after
     assert re.search(r"\$\d+\.\d\d", after), after  # the cost so far, at $3.60 an hour

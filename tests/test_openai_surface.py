@@ -412,6 +412,35 @@ async def test_both_engines_read_content_parts_and_the_developer_role_alike(port
                                                        tools=[{"type": "function"}])
 
 
+# What ART 0.5.21+'s own `model.openai_client()` adds to every request (art/model.py's extra_body defaults).
+ART_EXTRA_BODY = {"return_token_ids": True, "return_tokens_as_token_ids": True,
+                  "nvext": {"extra_fields": ["engine_data"]}, "chat_template_kwargs": {"preserve_thinking": True}}
+
+
+async def test_both_engines_take_what_arts_own_client_sends(portable, vllm):
+    """ART's extra_body is accepted on both engines; every completion says how many tokens each choice sampled
+    (`usage.completion_tokens`, which ART's PipelineTrainer reads) and which step sampled them (ART's
+    `policy_token_spans`, which its eval checks); sampling options hidden in a vendor extension are refused by
+    name, never dropped."""
+    for backend, model in (portable, vllm):
+        client = sdk(backend)
+        reply = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=3, n=2,
+                                                     logprobs=True, extra_body=ART_EXTRA_BODY)
+        counts = [len(choice.model_extra["token_ids"]) for choice in reply.choices]
+        assert reply.usage.completion_tokens == sum(counts), backend
+        for choice, count in zip(reply.choices, counts):
+            assert all(t.token.startswith("token_id:") for t in choice.logprobs.content)
+            spans = choice.model_extra["policy_token_spans"]
+            assert [(span["start_token"], span["end_token"], span["policy_version"]) for span in spans] == \
+                [(0, count, 0)]
+        with pytest.raises(openai.BadRequestError, match=r"'nvext\.top_k' is not supported"):
+            await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=1,
+                                                 extra_body={"nvext": {"top_k": 5, "extra_fields": []}})
+    with pytest.raises(openai.BadRequestError, match=r"chat_template_kwargs \['tokenize'\]"):
+        await sdk(portable[0]).chat.completions.create(model=portable[1].name, messages=PROMPT, max_tokens=1,
+                                                       extra_body={"chat_template_kwargs": {"tokenize": True}})
+
+
 async def test_vllm_refuses_what_it_would_ignore(vllm):
     backend, model = vllm
     client = sdk(backend)

@@ -1,16 +1,22 @@
-"""openpipe-art 0.5 programs run unchanged but for the backend line, on LocalBackend and SSHBackend.
+"""openpipe-art programs run unchanged but for the backend line, on LocalBackend and SSHBackend, at both ends of the
+supported range: ART 0.5.18 (this venv, Python 3.11) and the newest tested release (.venv-art: Python 3.12 with only
+`pip install -e ".[art]"`, made by tests/setup/50-art-latest.sh).
 
 The programs (tests/art_programs/) run in their own Python process, as a user's would: `import art` (the real
 openpipe-art, installed by the `art` extra) loads litellm, weave and patches transformers, none of which belongs in
 the test process. Each prints what it saw as JSON on its last line; the tests check that and the files the server
-and ART's frontend wrote. The in-process tests below check the same features deterministically on the real server.
+and ART's frontend wrote. The in-process tests below (and tests/test_art_compat.py) check the same features
+deterministically on the real server.
 """
 
 from __future__ import annotations
 
+import ast
+import glob
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +26,9 @@ from conftest import train_lines
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 
 import art_sky
-from art_sky.backends.art_protocol import model_config, train_config
+from art_sky.art_compat import releases
+from art_sky.art_compat.models import model_config
+from art_sky.art_compat.training import KEYWORDS, train_options
 from art_sky.remote.install import BootstrapOptions
 from art_sky.client.trajectories import History, wire_groups
 from art_sky.errors import ConfigError
@@ -28,15 +36,17 @@ from art_sky.wire import ModelConfig, TrainConfig
 
 PROGRAMS = Path(__file__).parent / "art_programs"
 ROOT = Path(__file__).resolve().parent.parent
-LOCAL_LINE = "    backend = art_sky.LocalBackend()  # BACKEND"
+ART_LATEST = ROOT / ".venv-art" / "bin" / "python"  # the newest tested ART (tests/setup/50-art-latest.sh)
+BACKEND_LINE = "backend = art_sky.LocalBackend()  # BACKEND"
 
 
 def run_program(name: str, cwd: Path, backend_line: str | None = None, python: str | Path = sys.executable) -> dict:
-    """Run an ART program (its BACKEND line replaced, if given) in `cwd` with `python` (this venv's by default)."""
+    """Run an ART program (its BACKEND lines' backend replaced, if given) in `cwd` with `python` (this venv's by
+    default)."""
     source = (PROGRAMS / f"{name}.py").read_text()
     if backend_line is not None:
-        line = next(line for line in source.splitlines() if line.startswith(LOCAL_LINE))
-        source = source.replace(line, f"    backend = {backend_line}")
+        source = "\n".join(line[:line.index("backend = ")] + f"backend = {backend_line}"
+                           if line.strip().startswith(BACKEND_LINE) else line for line in source.splitlines())
     program = cwd / f"{name}.py"
     program.write_text(source)
     env = os.environ | {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "WANDB_MODE": "disabled"}
@@ -82,10 +92,7 @@ def test_art_programs_on_local_backend(tmp_path):
 @pytest.mark.slow
 def test_art_program_on_ssh_backend(sshd, tmp_path, art_sky_home):  # noqa: F811
     remote = tmp_path / "remote"
-    options = f"__import__({BootstrapOptions.__module__!r}, fromlist=['_']).BootstrapOptions"  # a prepared python
-    line = (f"art_sky.SSHBackend('{sshd.target().user}@127.0.0.1:{sshd.port}', key_path='{sshd.client_key}', "
-            f"options={options}(remote_dir='{remote}', python='{sys.executable}'))")
-    seen = run_program("multiply", tmp_path, line)
+    seen = run_program("multiply", tmp_path, _ssh_backend(sshd, remote))
     server_dir = remote / "art" / "art-compat" / "models" / "multiply"
     check_multiply(seen, server_dir, tmp_path / ".art" / "art-compat" / "models" / "multiply")
 
@@ -111,7 +118,120 @@ def test_art_program_from_a_clean_venv_with_only_the_art_extra(tmp_path):
     check_multiply(seen, model_dir, model_dir)
 
 
+def _ssh_backend(sshd, remote: Path) -> str:  # noqa: F811
+    """An SSHBackend line for a program: this machine's sshd, the server on this venv's Python (a prepared one)."""
+    options = f"__import__({BootstrapOptions.__module__!r}, fromlist=['_']).BootstrapOptions"
+    return (f"art_sky.SSHBackend('{sshd.target().user}@127.0.0.1:{sshd.port}', key_path='{sshd.client_key}', "
+            f"options={options}(remote_dir='{remote}', python='{sys.executable}'))")
+
+
+# -- the newest end of the range: ART 0.5.20+ on Python 3.12 -------------------------------------------------------
+def _python312() -> str | None:
+    found = glob.glob(os.path.expanduser("~/.pyenv/versions/3.12.*/bin/python3.12"))
+    pyenv = shutil.which("pyenv")
+    if pyenv:
+        root = subprocess.run([pyenv, "root"], capture_output=True, text=True).stdout.strip()
+        found += glob.glob(f"{root}/versions/3.12.*/bin/python3.12")
+    return (found or [shutil.which("python3.12")])[0]
+
+
+@pytest.fixture(scope="module")
+def art_latest() -> Path:
+    """The Python of .venv-art (the newest tested ART, installed by the `art` extra alone)."""
+    if _python312() is None:
+        pytest.skip("no Python 3.12 on this machine: ART 0.5.20+ needs it (pyenv install 3.12), so the newest end of "
+                    "the supported range is not tested here")
+    if not ART_LATEST.exists():
+        pytest.fail(f"{ART_LATEST} is missing: run `bash tests/setup/50-art-latest.sh` (tests/run.sh does)")
+    return ART_LATEST
+
+
+def _art_version(python: Path | str) -> str:
+    return subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('openpipe-art'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_art_extra_installs_the_newest_tested_release_on_python_312_and_keeps_any_in_the_range(art_latest):
+    """.venv-art has only `pip install -e ".[art]"`: the newest release of the range, no server stack; an ART
+    already installed within the range resolves with the extra as it is (pip keeps it)."""
+    assert _art_version(art_latest) == releases.NEWEST
+    assert _art_version(sys.executable) == releases.OLDEST  # Python 3.11: the last release for it
+    check = "import importlib.util as u; print([m for m in ('torch', 'transformers', 'fastapi') if u.find_spec(m)])"
+    assert subprocess.run([str(art_latest), "-c", check], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+    for version in ("0.5.20", releases.NEWEST):
+        report = subprocess.run([str(art_latest), "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
+                                 f"openpipe-art=={version}", "-e", f"{ROOT}[art]"],
+                                capture_output=True, text=True, timeout=300)
+        assert report.returncode == 0, report.stderr[-3000:]
+        chosen = {item["metadata"]["name"]: item["metadata"]["version"]
+                  for item in json.loads(report.stdout)["install"]}
+        assert chosen.get("openpipe-art", _art_version(art_latest)) == version
+
+
+def test_every_keyword_of_arts_backend_train_is_known_at_both_ends(art_latest):
+    """The real LocalBackend.train signatures (read from each release's source: importing them needs ART's GPU
+    stack): every keyword art-sky does not take is a TypeError today, so each must be in art-sky's table."""
+    probe = ("import ast, importlib.util, json; tree = ast.parse(open(importlib.util.find_spec('art').submodule_search_"
+             "locations[0] + '/local/backend.py').read()); print(json.dumps([a.arg for n in ast.walk(tree) if isinstance(n,"
+             " ast.AsyncFunctionDef) and n.name == 'train' for a in n.args.kwonlyargs]))")
+    for python in (sys.executable, art_latest):
+        keywords = set(json.loads(subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
+                                                 check=True).stdout)) - {"verbose"}
+        assert keywords <= set(KEYWORDS), f"ART {_art_version(python)}: {sorted(keywords - set(KEYWORDS))}"
+        version = _art_version(python)
+        assert all(releases._key(KEYWORDS[k].since) <= releases._key(version) for k in keywords)
+    assert set(KEYWORDS) - {"verbose"} <= keywords  # nothing in the table that the newest release lacks
+
+
+def check_latest(seen: dict, server_root: Path, frontend_root: Path) -> None:
+    """What the ART 0.5.20+ program saw and left (multiply_art_0520.py), on any backend."""
+    assert seen["steps"] == [1, 2, 3] and seen["result_is_art"]
+    assert seen["litellm"][1] > 0  # litellm_completion_params(): ART's extra_body accepted, the ids came back
+    assert seen["trained_tokens"][0] > 0  # ART's own client's rollouts trained on the engine's ids
+    sequences, gradient_steps = seen["gradient_steps"]
+    assert sequences > 0 and gradient_steps == math.ceil(sequences / 4)  # grad_accumulation_sequences=4
+    assert seen["captured_exchanges"] == 2 and seen["captured_exact_tokens"] > 0  # art.trajectory(...) trained
+    assert seen["leased"] == ["multiply@1", "multiply@1"]  # the lease pinned the name, step 1 served it
+    assert seen["kept_while_leased"] == [1, 3] and seen["kept_after_lease"] == [3]
+    assert seen["step_after_sft"] == 4
+    assert seen["unsaved"] == [5, None] and seen["get_step"] == 5  # trained and served, no checkpoint
+    assert seen["second_run_step"] == 0  # a new run_name: a new lineage
+    assert seen["pipeline_step"] == 3  # PipelineTrainer's max_steps
+    evals = seen["pipeline_eval_models"]  # its eval, each under an exact lease of the step it evaluates
+    assert evals and len(set(evals)) == len(evals) and all(m in ("piped@2", "piped@3") for m in evals)
+    run_a = server_root / "art-latest" / "models" / "run-a"
+    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["0003", "0004", "0005"]
+    assert not (run_a / "checkpoints" / "0005" / "training_state" / "optimizer.pt").exists()
+    lora = json.loads((run_a / "checkpoints" / "0004" / "adapter_config.json").read_text())
+    assert (lora["r"], lora["lora_alpha"]) == (4, 8)  # ART's lora_config
+    assert sorted(p.name for p in (server_root / "art-latest" / "models" / "run-b" / "checkpoints").iterdir()) == \
+        ["0000"]
+    assert not (server_root / "art-latest" / "models" / "multiply").exists()  # keyed by run_name, as ART keys it
+    frontend = frontend_root / "art-latest" / "models" / "run-a"
+    assert any("val/reward" in e for e in history(frontend))  # ART's model.log, read by its delete_checkpoints
+    assert list((frontend / "trajectories" / "train").glob("*.parquet"))
+
+
+@pytest.mark.slow
+def test_art_latest_program_on_local_backend(art_latest, tmp_path):
+    seen = run_program("multiply_art_0520", tmp_path, f"art_sky.LocalBackend(python={sys.executable!r})",
+                       python=art_latest)
+    check_latest(seen, tmp_path / ".art", tmp_path / ".art")
+
+
+@pytest.mark.slow
+def test_art_latest_program_on_ssh_backend(art_latest, sshd, tmp_path, art_sky_home):  # noqa: F811
+    remote = tmp_path / "remote"
+    seen = run_program("multiply_art_0520", tmp_path, _ssh_backend(sshd, remote), python=art_latest)
+    check_latest(seen, remote / "art", tmp_path / ".art")
+
+
 # -- ART's keywords, internal config and trajectories, translated ----------------------------------------------
+def train_config(config, kwargs):
+    return train_options(config, kwargs)[0]
+
+
 def test_art_train_keywords_map_to_train_config():
     assert train_config(None, {}) == TrainConfig(loss_fn="cispo", epsilon=1.0, epsilon_high=4.0)  # ART's defaults
     config = train_config(None, {"learning_rate": 1e-4, "loss_fn": "ppo", "kl_penalty_coef": 0.1,
@@ -123,8 +243,8 @@ def test_art_train_keywords_map_to_train_config():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"adam_params": {"beta1": 0.8}}, "adam_params"),
-    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
-    ({"save_checkpoint": False}, "save_checkpoint"),
+    ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
+    ({"save_checkpoint": "no"}, "save_checkpoint"),
     ({"kl_penalty_reference_step": 3}, "kl_penalty_reference_step"),
     ({"loss_fn": "dro"}, "loss_fn"),
     ({"learning_rate": -1.0}, "learning_rate"),

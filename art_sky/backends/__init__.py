@@ -6,7 +6,7 @@ from __future__ import annotations
 from art_sky import clusters
 from art_sky.settings import Settings
 
-from .art_protocol import TrainResult
+from art_sky.art_compat.training import TrainResult
 from .base import Backend
 from .cluster import ClusterBackend
 from .local import LocalBackend

@@ -1,9 +1,9 @@
 """`Backend`: the HTTP client of a cluster server. Every backend (local, SSH host, SkyPilot) is this plus a way
 to get the server running; after that they share this one code path.
 
-It serves art-sky's own client and openpipe-art 0.5's: it implements ART's Backend protocol (`register`,
-`_prepare_backend_for_training`, `_model_inference_name`, `_get_step`, `_delete_checkpoint_files`,
-`train(model, groups, **kwargs) -> TrainResult`, `_train_sft`, `close`), translating with art_protocol.py.
+It serves art-sky's own client and openpipe-art's: `register` and `train` take either's models and keywords, and
+the rest of ART's Backend protocol (`_prepare_backend_for_training`, `exact_adapter_lease`, `_train_sft`, ...)
+comes from art_sky/art_compat/protocol.py, where ART compatibility lives.
 """
 
 from __future__ import annotations
@@ -47,10 +47,13 @@ from art_sky.wire import (
     WireGroup,
 )
 
+from art_sky.art_compat import releases
+from art_sky.art_compat.capture import conversations
+from art_sky.art_compat.models import chat_template_kwargs, register_request
+from art_sky.art_compat.protocol import ArtProtocol
+from art_sky.art_compat.training import StepOptions, TrainResult, train_options, train_result
 from art_sky.client.pipeline import check_bound, drop_stale, group_versions
-from art_sky.client.trajectories import wire_groups, wire_trajectory
-
-from .art_protocol import TrainResult, model_config, sft_settings, train_config
+from art_sky.client.trajectories import wire_groups
 
 if TYPE_CHECKING:  # the backend serves the client's models; the client knows backends only by a protocol
     from art_sky.client import Model, TrainableModel
@@ -61,7 +64,14 @@ STREAM_IDLE = 60.0  # seconds without a line on a training stream before the con
 # sends one at least every 10 s)
 
 
-class Backend:
+class _Default:
+    """`max_steps_off_policy` not given: its default depends on whose model trains."""
+
+
+DEFAULT = _Default()
+
+
+class Backend(ArtProtocol):
     """Talks to a cluster server at `base_url` with `api_key`. Subclasses start the server in `_start()`.
 
     `settings` (default: read now from the environment and .env) are this backend's for its whole life.
@@ -120,29 +130,13 @@ class Backend:
         await self._ensure_started()
         if not getattr(model, "trainable", False):
             return None
-        request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
-                                  config=model_config(model), request_id=uuid.uuid4().hex)
+        releases.check(self, model)
+        request = register_request(model, uuid.uuid4().hex)
         info = ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
                                                             retry_for=self.settings.train_retry_timeout))
         self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
         self._at_step[model.name] = info.step
         return info
-
-    async def _prepare_backend_for_training(self, model: TrainableModel, config: Any = None) -> tuple[str, str]:
-        """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses."""
-        if config:
-            raise ConfigError("register(_openai_client_config=...) is not supported by art-sky: the engine runs on "
-                              "the cluster server, set with ART_SKY_* variables there")
-        await self.register(model)  # idempotent: ART registered it a moment ago
-        assert self.api_key is not None
-        return self.inference_base_url, self.api_key
-
-    def _model_inference_name(self, model: Model, step: int | None = None) -> str:
-        """The model's name serves its newest step; `name@step` an earlier one."""
-        return model.name if step is None else f"{model.name}@{step}"
-
-    async def _get_step(self, model: Model) -> int:
-        return (await self.model_info(model)).step
 
     async def models(self) -> list[ModelInfo]:
         """Every model the server has registered, with its step (what `art-sky status` shows)."""
@@ -179,14 +173,6 @@ class Backend:
         """The price the machine's provider knows; a plain server's machine has none."""
         return None
 
-    # ART's hooks for `model.log(groups, split="train")`: it times the steps between its calls and, with a price,
-    # adds `costs/gpu` (ART's LocalBackend does the same for the GPUs it knows).
-    def supports_automatic_train_step_metrics(self) -> bool:
-        return True
-
-    def automatic_gpu_cost_per_hour_usd(self, model: Any) -> float | None:
-        return self.settings.hourly_cost if self.settings.hourly_cost is not None else (self._price or (None,))[0]
-
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]:
         await self._ensure_started()
         return [CheckpointInfo.model_validate(c) for c in
@@ -194,10 +180,6 @@ class Backend:
 
     async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]:
         return await self._delete(model, DeleteCheckpointsRequest(best_checkpoint_metric=best_checkpoint_metric))
-
-    async def _delete_checkpoint_files(self, model: Model, steps_to_keep: list[int]) -> None:
-        """ART's `delete_checkpoints` picks the steps (from its own history); the server deletes the rest."""
-        await self._delete(model, DeleteCheckpointsRequest(keep_steps=steps_to_keep))
 
     async def _delete(self, model: Model, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
         await self._ensure_started()
@@ -243,26 +225,30 @@ class Backend:
 
     async def train(self, model: TrainableModel, trajectory_groups: Iterable[Any], *,
                     config: TrainConfig | None = None, verbose: bool = False, wait: bool = True,
-                    max_steps_off_policy: int = 1, **kwargs: Any) -> TrainResult | asyncio.Task[TrainResult]:
-        """One training step on these groups (art-sky's or openpipe-art's), ART 0.5's `backend.train`: ART's
-        keywords (`learning_rate`, `loss_fn`, `epsilon`, `kl_penalty_coef`, ...; see art_protocol.py) or
-        art-sky's `config=TrainConfig(...)`. Inference goes on with the previous step while it trains (where the
+                    max_steps_off_policy: int | None | _Default = DEFAULT,
+                    **kwargs: Any) -> TrainResult | asyncio.Task[TrainResult]:
+        """One training step on these groups (art-sky's or openpipe-art's), ART's `backend.train`: ART's keywords
+        (`learning_rate`, `loss_fn`, `importance_sampling_level`, `save_checkpoint`, ...; see
+        art_sky/art_compat/training.py) or art-sky's `config=TrainConfig(...)`. Inference goes on with the previous step while it trains (where the
         engine can: /health's serves_while_training); progress streams from the server.
 
         `wait=False` returns at once with an asyncio.Task of the TrainResult, so the next batch can be gathered
         while this one trains; a model's steps train in the order they were asked for, and `close()` waits for
         them (`close(force=True)` cancels them). Groups sampled more than
-        `max_steps_off_policy` steps behind the step they train at are dropped and counted (client/pipeline.py).
-        Bad input raises here, before anything is sent."""
-        config = train_config(config, kwargs)
+        `max_steps_off_policy` steps behind the step they train at are dropped and counted (client/pipeline.py): 1
+        by default for art-sky's models, None (no bound, as ART's backends) for ART's, whose loops (ART's
+        PipelineTrainer) bound it themselves. Bad input raises here, before anything is sent."""
+        config, options = train_options(config, kwargs)
+        if isinstance(max_steps_off_policy, _Default):
+            max_steps_off_policy = None if releases.is_art_object(model) else 1
         bound = check_bound(max_steps_off_policy)
-        trajectory_groups = list(trajectory_groups)
-        groups = wire_groups(trajectory_groups)
+        trajectory_groups = [conversations(group) for group in trajectory_groups]
+        groups = wire_groups(trajectory_groups, chat_template_kwargs(model))
         if not groups:
             raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
         versions = group_versions(trajectory_groups, groups)
         step = asyncio.create_task(self._train_in_turn(self._steps.get(model.name), model, groups, versions, bound,
-                                                       config, verbose))
+                                                       config, options, verbose))
         self._steps[model.name] = step
 
         def forget(done: asyncio.Task) -> None:
@@ -273,7 +259,7 @@ class Backend:
         return await step if wait else step
 
     async def _train_in_turn(self, previous: asyncio.Task | None, model: TrainableModel, groups: list[WireGroup],
-                             versions: list[int | None], bound: int, config: TrainConfig,
+                             versions: list[int | None], bound: int | None, config: TrainConfig, options: StepOptions,
                              verbose: bool) -> TrainResult:
         """After the model's previous step (whose errors are its caller's), the groups still within the staleness
         bound at the step the model is now at (as registering, `get_step()` and the last step told this backend;
@@ -284,40 +270,20 @@ class Backend:
         if current is None:
             current = await self._get_step(model)
         kept, staleness = drop_stale(groups, versions, current, bound)
-        if staleness["discarded_stale_groups"]:
+        if staleness["discarded_stale_groups"]:  # never without a bound
             log.warning("%s: dropped %d group(s) sampled more than %d step(s) before step %d (or behind it without "
                         "logprobs)", model.name, int(staleness["discarded_stale_groups"]), bound, current)
         if not kept:
-            return TrainResult(step=current, metrics=staleness | {"num_trajectories": 0.0})
+            return train_result(current, staleness | {"num_trajectories": 0.0})
+        request = TrainRequest(groups=kept, config=config, save_checkpoint=options.save_checkpoint)
         try:
-            result = await self._stream_step(model, "train", TrainRequest(groups=kept, config=config), verbose)
+            result = await self._stream_step(model, "train", request, verbose)
         except BaseException:
             self._at_step.pop(model.name, None)  # the step may have committed on the server all the same
             raise
         assert result.step is not None
         self._at_step[model.name] = result.step
-        return TrainResult(step=result.step, metrics=result.metrics | staleness, totals=result.totals)
-
-    async def _train_sft(self, model: TrainableModel, trajectories: Iterable[Any], config: Any,
-                         dev_config: dict | None = None, verbose: bool = False) -> AsyncIterator[dict[str, float]]:
-        """ART's SFT on the model's LoRA: next-token loss on the assistant turns, one optimizer step per batch
-        of `config.batch_size` trajectories ("auto": 2, as ART's LocalBackend), one training step per call.
-        Yields each batch's metrics with ART's names."""
-        batch_size, rates = sft_settings(config, dev_config)
-        wired = [wire_trajectory(t, f"trajectory {i}") for i, t in enumerate(trajectories)]
-        if not wired:
-            raise ConfigError("_train_sft() got no trajectories")
-        try:
-            request = SFTRequest(trajectories=wired, batch_size=batch_size, learning_rates=rates)
-        except ValueError as exc:
-            raise ConfigError(f"train_sft: {exc}") from exc
-        result = await self._stream_step(model, "sft", request, verbose)
-        for batch in result.batches:
-            yield {"loss/train": batch["loss"], "loss/learning_rate": batch["learning_rate"],
-                   "loss/grad_norm": batch["grad_norm"], "data/step_trainer_tokens": batch["trained_tokens"],
-                   "data/step_num_trajectories": result.metrics["num_trajectories"],
-                   "data/step_num_dropped_trajectories": result.metrics["num_dropped_trajectories"],
-                   "data/step_num_gradient_steps": float(len(result.batches))}
+        return train_result(result.step, result.metrics | staleness, result.checkpoint_path, result.totals)
 
     async def _stream_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
                            verbose: bool) -> TrainProgress:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -40,9 +41,12 @@ def _source_checkout() -> Path | None:
 
 
 def _build_from_source(source: Path, dest: Path) -> Path:
+    """pip's wheel of the checkout: with this environment's setuptools where it has one (no download), else in an
+    isolated build environment pip makes (a Python 3.12+ venv has no setuptools)."""
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir",
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir",
              tmp, str(source)], check=False, capture_output=True, text=True, timeout=300)
         wheels = list(Path(tmp).glob("art_sky-*.whl"))
         if result.returncode != 0 or len(wheels) != 1:

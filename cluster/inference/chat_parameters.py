@@ -28,6 +28,12 @@ IGNORED = frozenset({
     "prompt_cache_retention",
 })
 
+# Vendor extensions some clients always send, with the keys that change nothing here: NVIDIA Dynamo's `nvext`
+# (ART 0.5.21+ asks for `extra_fields: ["engine_data"]`, response fields art-sky does not add, and may carry
+# `annotations`, labels for Dynamo's tracing). They are accepted and not forwarded; any other key of theirs (a
+# sampling option: `nvext.top_k`, `nvext.ignore_eos`, ...) is refused by name.
+VENDOR: dict[str, frozenset[str]] = {"nvext": frozenset({"extra_fields", "annotations"})}
+
 # Values that ask for nothing, so an engine that does not implement the parameter honours them trivially
 # (LangChain and others send some of these by default).
 NO_OP: dict[str, Any] = {
@@ -36,12 +42,12 @@ NO_OP: dict[str, Any] = {
 }
 
 # The portable engine (cluster/inference/portable_engine.py): OpenAI's sampling parameters, tools, streaming and the
-# vLLM extras ART's client sends (return_tokens_as_token_ids, return_token_ids) or benchmarks use (ignore_eos,
-# top_k).
+# vLLM extras ART's client sends (return_tokens_as_token_ids, return_token_ids, chat_template_kwargs) or benchmarks
+# use (ignore_eos, top_k).
 PORTABLE = frozenset({
     "model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
     "logprobs", "top_logprobs", "tools", "tool_choice", "stream", "stream_options", "return_tokens_as_token_ids",
-    "return_token_ids", "ignore_eos", "top_k",
+    "return_token_ids", "ignore_eos", "top_k", "chat_template_kwargs",
     "response_format", "parallel_tool_calls",  # constrained with llguidance (cluster/inference/constraints.py)
 })
 
@@ -52,7 +58,10 @@ def refused(body: dict[str, Any], honoured: frozenset[str] | set[str], engine: s
     for name, value in body.items():
         if name in honoured or name in IGNORED or value is None or (name in NO_OP and value == NO_OP[name]):
             continue
-        (unsupported if name in OPENAI else unknown).append(name)
+        if name in VENDOR and isinstance(value, dict):
+            unsupported += [f"{name}.{key}" for key in value if key not in VENDOR[name]]
+            continue
+        (unsupported if name in OPENAI or name in VENDOR else unknown).append(name)
     problems = []
     if unsupported:
         problems.append(f"{_names(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported by "
@@ -63,8 +72,8 @@ def refused(body: dict[str, Any], honoured: frozenset[str] | set[str], engine: s
     if not problems:
         return None
     return (f"{'; '.join(problems)}: remove {'it' if len(unsupported + unknown) == 1 else 'them'} from the request "
-            f"(art-sky refuses what it would otherwise silently ignore). See the README's list of supported "
-            "parameters")
+            f"(art-sky refuses what it would otherwise silently ignore). See the supported "
+            "parameters in docs/guides/openai-clients.md")
 
 
 def honoured_only(body: dict[str, Any], honoured: frozenset[str] | set[str]) -> dict[str, Any]:

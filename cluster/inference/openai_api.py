@@ -87,6 +87,19 @@ class Served:
         """The adapter's name: the step it serves, `name@step`."""
         return f"{self.state.name}@{self.step}"
 
+    def label(self, completion: dict) -> dict:
+        """A completion's choices labelled with the step that sampled them: `art_sky_step` (a rollout's policy
+        version) and ART's `policy_token_spans` (0.5.20+'s exact provenance, which its PipelineTrainer's eval
+        checks: one adapter samples a whole completion here, so one span covers each choice's tokens)."""
+        for choice in completion.get("choices", []):
+            choice["art_sky_step"] = self.step
+            tokens = len(choice.get("token_ids") or [])
+            if tokens:
+                choice["policy_token_spans"] = [{
+                    "start_token": 0, "end_token": tokens, "generation_id": completion.get("id") or self.name,
+                    "policy_version": self.step, "lora_slot": self.name, "update_seq": self.step}]
+        return completion
+
 
 @dataclass
 class SSE:

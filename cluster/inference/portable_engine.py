@@ -142,9 +142,7 @@ class PortableEngine:
         done.add_done_callback(lambda _: hold.release())  # once the job has left the sampler, never before
         if not request.stream:
             completion = await asyncio.shield(done)
-            for choice in completion["choices"]:
-                choice["art_sky_step"] = served.step  # which adapter sampled it: a rollout's policy version
-            return json.dumps(completion | {"model": served.name}).encode()
+            return json.dumps(served.label(completion) | {"model": served.name}).encode()
 
         async def close() -> None:
             job.cancelled = True  # the sampler drops this job's rows at its next token
@@ -159,9 +157,10 @@ class PortableEngine:
         tools = _tools_shown(request)
         grammar = grammar_for(request)
         try:
-            prompt = prompt_ids(state.tokenizer, request.message_dicts(), tools)
+            prompt = prompt_ids(state.tokenizer, request.message_dicts(), tools, request.chat_template_kwargs)
         except TokenizationError as exc:
-            raise OpenAIError(400, str(exc), param="messages") from exc
+            raise OpenAIError(400, str(exc), param="chat_template_kwargs" if "chat_template_kwargs" in str(exc)
+                              else "messages") from exc
         except Exception as exc:  # the model's own template code: whatever it raises means "cannot render this"
             raise OpenAIError(400, f"the model's chat template cannot render these messages: {exc!r}",
                               param="messages") from exc

@@ -158,10 +158,9 @@ class VllmEngine:
                 finish()
                 completion = json.loads(content)
                 for choice in completion.get("choices", []):
-                    choice["art_sky_step"] = served.step  # which adapter sampled it: a rollout's policy version
                     if completion.get("prompt_token_ids") is not None:
                         choice["prompt_token_ids"] = completion["prompt_token_ids"]
-                return json.dumps(completion).encode()
+                return json.dumps(served.label(completion)).encode()
         except BaseException:
             finish()
             raise

@@ -180,7 +180,11 @@ class PeftTrainer:
                 ref = _token_logprobs(self._logits(policy.model, ids, start), ids[:, start:])
         parts = grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
                                epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
-                               loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
+                               loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef,
+                               kl_penalty_source=config.kl_penalty_source,
+                               importance_sampling_level=config.importance_sampling_level,
+                               old_policy=config.old_logprobs,
+                               truncated_importance_sampling=config.truncated_importance_sampling)
         return parts, (entropies * trained).sum()
 
 

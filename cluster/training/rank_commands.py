@@ -52,6 +52,7 @@ class RankCommand(BaseModel):
     learning_rates: list[float] = []
     max_grad_norm: float = 1.0
     directory: str | None = None
+    optimizer: bool = True  # save: the optimizer's state too (not for a step trained with save_checkpoint=False)
 
 
 class RankReply(BaseModel):

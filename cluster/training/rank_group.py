@@ -245,9 +245,10 @@ class RankWeights:
         if generation == self.group.generation:  # else the ranks restarted and reloaded the last commit
             self.group.request(RankCommand(kind="restore", name=self.state.name))
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, optimizer: bool = True) -> None:
         try:
-            self.group.request(RankCommand(kind="save", name=self.state.name, directory=str(directory)))
+            self.group.request(RankCommand(kind="save", name=self.state.name, directory=str(directory),
+                                           optimizer=optimizer))
         except RankError as exc:
             if exc.intact:  # the step says the checkpoint could not be written, and why
                 raise OSError(str(exc)) from exc

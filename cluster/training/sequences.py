@@ -17,6 +17,7 @@ engine sampled from (another length than the engine reported: a request made wit
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +95,7 @@ def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_id
         at = f"{where}messages_and_choices[{index}]"
         prompt_text = None
         if item.prompt_token_ids is None or item.token_ids is None:
-            prompt_text = _render(tokenizer, messages, history.tools, True, at)
+            prompt_text = _render(tokenizer, messages, history, True, at)
         if item.prompt_token_ids is None:
             prompt = encode(tokenizer, prompt_text)
             if item.token_ids is not None and item.prompt_tokens not in (None, len(prompt)):
@@ -116,7 +117,7 @@ def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_id
             else:
                 built.rerendered_tokens += len(sampled)
         else:
-            sampled = _rerendered(tokenizer, messages, item, history.tools, prompt_text, eos_ids, at)
+            sampled = _rerendered(tokenizer, messages, item, history, prompt_text, eos_ids, at)
             logprobs = None
             built.rerendered_tokens += len(sampled)
         _check_vocabulary(prompt, vocab_size, at, "prompt")
@@ -134,32 +135,46 @@ def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_id
         current.extend(sampled, trained=True, logprobs=logprobs)
 
 
-def sft_sequence(tokenizer: Any, trajectory: WireTrajectory, max_length: int) -> Sequence:
-    """ART's SFT sequence: the whole conversation rendered by the chat template; the tokens of every assistant
-    turn (a choice or a written assistant message, with its end-of-turn marker) are trained, the rest masked."""
+def sft_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
+                  assistant_turns: str = "all") -> list[Sequence]:
+    """ART's SFT: the conversation rendered by the chat template, the tokens of its assistant turns trained (a
+    choice or a written assistant message, with its end-of-turn marker; `assistant_turns` "last": the final one
+    only, the earlier ones context), the rest masked.
+
+    Each trained turn is what the template writes for it after the context it renders before it (the conversation
+    so far and as much of the generation prompt as the turn's own rendering keeps: a generation prompt that opens an
+    empty think block, say, gives way to the turn's reasoning). Turns share a sequence while each context starts with
+    the sequence so far, token for token; a template that rewrites earlier turns once a later one is added (one that
+    drops past reasoning, moves the system message) starts a sequence for that turn."""
+    history = trajectory.histories()[0]
     messages = [item.message() for item in trajectory.items]
-    ids: list[int] = []
-    trained: list[bool] = []
-    rendered_upto = ""
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = render(tokenizer, messages[:index], trajectory.tools, generation_prompt=True)
-        full = render(tokenizer, messages[: index + 1], trajectory.tools, generation_prompt=False)
-        if not prompt.startswith(rendered_upto) or not full.startswith(prompt):
-            raise TokenizationError(
-                f"the chat template renders earlier turns differently once item {index} is added, so its assistant "
-                "turn cannot be located; use a model whose template keeps earlier turns unchanged")
-        context, turn = encode(tokenizer, prompt[len(rendered_upto):]), encode(tokenizer, full[len(prompt):])
-        ids += context + turn
-        trained += [False] * len(context) + [True] * len(turn)
-        rendered_upto = full
-    if not any(trained):
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if assistant_turns == "last":
+        turns = turns[-1:]
+    if not turns:
         raise TokenizationError("trajectory has no assistant turn to learn from: SFT trains on assistant messages")
-    if len(ids) > max_length:
-        raise TokenizationError(f"trajectory is {len(ids)} tokens, longer than the model's max_seq_length "
-                                f"{max_length}: shorten it or register the model with a larger max_seq_length")
-    return Sequence(ids, trained, [math.nan] * len(ids))
+    sequences: list[Sequence] = []
+    current: Sequence | None = None
+    for index in turns:
+        at = f"messages_and_choices[{index}]"
+        prompt = _render(tokenizer, messages[:index], history, True, at)
+        full = _render(tokenizer, messages[:index + 1], history, False, at)
+        start = len(os.path.commonprefix([prompt, full]))
+        if start == len(full):
+            raise TokenizationError(f"{at}: the chat template renders nothing for this assistant turn")
+        context, turn = encode(tokenizer, full[:start]), encode(tokenizer, full[start:])
+        shared = len(current.token_ids) if current is not None else 0
+        if current is None or context[:shared] != current.token_ids:
+            current, shared = Sequence(), 0
+            sequences.append(current)
+        current.extend(context[shared:], trained=False)
+        current.extend(turn, trained=True)
+    for sequence in sequences:
+        if len(sequence.token_ids) > max_length:
+            raise TokenizationError(f"a sequence is {len(sequence.token_ids)} tokens, longer than the model's "
+                                    f"max_seq_length {max_length}: shorten it or register the model with a larger "
+                                    "max_seq_length")
+    return sequences
 
 
 def _old_logprobs(choice: WireChoice) -> list[float]:
@@ -168,11 +183,11 @@ def _old_logprobs(choice: WireChoice) -> list[float]:
     return [lp if lp is not None and math.isfinite(lp) else math.nan for lp in choice.logprobs]
 
 
-def _rerendered(tokenizer: Any, messages: list[dict], choice: WireChoice, tools: list[dict] | None,
+def _rerendered(tokenizer: Any, messages: list[dict], choice: WireChoice, history: WireHistory,
                 prompt_text: str, eos_ids: set[int], at: str) -> list[int]:
     """A choice without sampled ids: the template's text for the turn, up to and including the end-of-turn token the
     model samples (what follows it, a newline say, is the template's)."""
-    after = _render(tokenizer, [*messages, choice.message()], tools, False, at)
+    after = _render(tokenizer, [*messages, choice.message()], history, False, at)
     if not after.startswith(prompt_text):
         raise TokenizationError(
             f"{at}: this choice came without sampled token ids and the chat template renders its turn differently "
@@ -183,9 +198,10 @@ def _rerendered(tokenizer: Any, messages: list[dict], choice: WireChoice, tools:
     return ids[:end]
 
 
-def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, at: str) -> str:
+def _render(tokenizer: Any, messages: list[dict], history: WireHistory, generation_prompt: bool, at: str) -> str:
+    """The template's text, with the history's tools and chat template arguments (as its turns were sampled)."""
     try:
-        return render(tokenizer, messages, tools, generation_prompt)
+        return render(tokenizer, messages, history.tools, generation_prompt, history.chat_template_kwargs)
     except Exception as exc:  # the model's own template code: any error it raises means "cannot render this"
         raise TokenizationError(f"{at}: the chat template cannot render the messages before it: {exc}") from exc
 

@@ -94,7 +94,7 @@ class Ranks:
             assert model.snapshot is not None, "restore without a snapshot"
             weights.restore(model.model, model.optimizer, model.snapshot)
             return RankReply(kind="done")
-        return self._save(model, Path(command.directory or ""))
+        return self._save(model, Path(command.directory or ""), command.optimizer)
 
     def _load(self, command: RankCommand) -> Sharded:
         from peft import get_peft_model, set_peft_model_state_dict
@@ -174,14 +174,15 @@ class Ranks:
         idle = [Sequence([pad, pad], [False, False], [float("nan")] * 2)]  # no trained token: a zero loss
         return batches[self.rank] + [idle] * (most - len(batches[self.rank]))
 
-    def _save(self, sharded: Sharded, directory: Path) -> RankReply:
+    def _save(self, sharded: Sharded, directory: Path, with_optimizer: bool = True) -> RankReply:
         adapter = {name: _full(p).cpu() for name, p in sharded.model.named_parameters() if p.requires_grad}
-        optimizer = weights.optimizer_state(sharded.model, sharded.optimizer)
+        optimizer = weights.optimizer_state(sharded.model, sharded.optimizer) if with_optimizer else None
         if not self.leads:
             return RankReply(kind="done")
         try:
             sharded.model.save_pretrained(directory, selected_adapters=[ADAPTER], state_dict=adapter)
-            weights.save_optimizer(optimizer, directory)
+            if optimizer is not None:
+                weights.save_optimizer(optimizer, directory)
         except OSError as exc:  # every rank's shards are as trained: the server restores the snapshot
             return RankReply(kind="error", intact=True,
                              message=f"the trainer's leading rank could not write {directory}: {exc.strerror or exc}")

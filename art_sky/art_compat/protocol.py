@@ -1,0 +1,139 @@
+"""ART's Backend protocol (`art.backend.Backend`) on art-sky's backends: the methods an `art.TrainableModel`, ART's
+`PipelineTrainer` and ART's helpers call, over the cluster server's requests. Every art-sky backend mixes this in
+(art_sky/backends/base.py), so an ART program changes one line.
+
+`register` and `train` are art-sky's own (both clients call them; art_sky/backends/base.py); the rest is here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+from art_sky.client.trajectories import wire_trajectory
+from art_sky.errors import ConfigError
+from art_sky.wire import DeleteCheckpointsRequest, Lease, LeaseRequest, ModelInfo, SFTRequest, TrainProgress
+
+from .capture import legacy
+from .models import chat_template_kwargs, sft_settings
+
+if TYPE_CHECKING:
+    from art_sky.settings import Settings
+
+# The steps leases pin, per model name, in this task and the tasks it starts (as ART's own LocalBackend pins them):
+# inside `async with backend.adapter_lease(model, step)`, `model.get_inference_name()` is `name@step`.
+_pinned: ContextVar[dict[str, int]] = ContextVar("art_sky_pinned_steps", default={})
+
+
+class ArtProtocol:
+    """ART's Backend protocol, for a `Backend` (its `_request`, `register`, `model_info`, `_stream_step`)."""
+
+    if TYPE_CHECKING:  # what the backend this is mixed into provides
+        api_key: str | None
+        settings: Settings
+        _price: tuple[float | None] | None
+
+        @property
+        def inference_base_url(self) -> str: ...
+
+        async def _ensure_started(self) -> None: ...
+
+        async def _request(self, method: str, path: str, *, json: object = None, idempotent: bool | None = None,
+                           retry_for: float | None = None) -> Any: ...
+
+        async def register(self, model: Any) -> ModelInfo | None: ...
+
+        async def model_info(self, model: Any) -> ModelInfo: ...
+
+        async def _delete(self, model: Any, body: DeleteCheckpointsRequest) -> Any: ...
+
+        async def _stream_step(self, model: Any, route: str, request: Any, verbose: bool) -> TrainProgress: ...
+
+    async def _prepare_backend_for_training(self, model: Any, config: Any = None) -> tuple[str, str]:
+        """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses."""
+        if config:
+            raise ConfigError("register(_openai_client_config=...) is not supported by art-sky: the engine runs on "
+                              "the cluster server, set with ART_SKY_* variables there")
+        await self.register(model)  # idempotent: ART registered it a moment ago
+        assert self.api_key is not None
+        return self.inference_base_url, self.api_key
+
+    def _model_inference_name(self, model: Any, step: int | None = None) -> str:
+        """The model's name serves its newest step; `name@step` an earlier one, or the step a lease pins."""
+        if step is None:
+            step = _pinned.get().get(model.name)
+        return model.name if step is None else f"{model.name}@{step}"
+
+    async def _get_step(self, model: Any) -> int:
+        return (await self.model_info(model)).step
+
+    async def _delete_checkpoint_files(self, model: Any, steps_to_keep: list[int]) -> None:
+        """ART's `delete_checkpoints` picks the steps (from its own history); the server deletes the rest (never the
+        current step nor a leased one)."""
+        await self._delete(model, DeleteCheckpointsRequest(keep_steps=steps_to_keep))
+
+    # ART's hooks for `model.log(groups, split="train")`: it times the steps between its calls and, with a price,
+    # adds `costs/gpu` (ART's LocalBackend does the same for the GPUs it knows).
+    def supports_automatic_train_step_metrics(self) -> bool:
+        return True
+
+    def automatic_gpu_cost_per_hour_usd(self, model: Any) -> float | None:
+        return self.settings.hourly_cost if self.settings.hourly_cost is not None else (self._price or (None,))[0]
+
+    @asynccontextmanager
+    async def exact_adapter_lease(self, model: Any, step: int) -> AsyncIterator[None]:
+        """ART's (0.5.20+): while held, `name@step` is served by exactly that step (`model.get_inference_name()`
+        names it inside the block) and its checkpoint is not deleted."""
+        async with self.adapter_retention_lease(model, step), _pin(model.name, step):
+            yield
+
+    @asynccontextmanager
+    async def adapter_lease(self, model: Any, step: int) -> AsyncIterator[None]:
+        """ART's: inference inside the block samples step `step` (art-sky serves every step by its exact adapter, so
+        this is `exact_adapter_lease`)."""
+        async with self.exact_adapter_lease(model, step):
+            yield
+
+    @asynccontextmanager
+    async def adapter_retention_lease(self, model: Any, step: int) -> AsyncIterator[None]:
+        """ART's: step `step`'s checkpoint is kept while held (the server refuses a step it does not have)."""
+        await self._ensure_started()
+        lease = Lease.model_validate(await self._request("POST", f"/art/models/{model.name}/leases",
+                                                         json=LeaseRequest(step=step).model_dump()))
+        try:
+            yield
+        finally:
+            await self._request("DELETE", f"/art/models/{model.name}/leases/{lease.id}", idempotent=True)
+
+    async def _train_sft(self, model: Any, trajectories: Iterable[Any], config: Any,
+                         dev_config: dict | None = None, verbose: bool = False) -> AsyncIterator[dict[str, float]]:
+        """ART's SFT on the model's LoRA: next-token loss on the assistant turns (`assistant_turns` "all" or
+        "last"), one optimizer step per batch of `config.batch_size` trajectories ("auto": 2, as ART's
+        LocalBackend), one training step per call. Yields each batch's metrics with ART's names."""
+        batch_size, rates, turns = sft_settings(config, dev_config)
+        defaults = chat_template_kwargs(model)
+        wired = [wire_trajectory(legacy(t), f"trajectory {i}", defaults) for i, t in enumerate(trajectories)]
+        if not wired:
+            raise ConfigError("_train_sft() got no trajectories")
+        try:
+            request = SFTRequest(trajectories=wired, batch_size=batch_size, learning_rates=rates, assistant_turns=turns)
+        except ValueError as exc:
+            raise ConfigError(f"train_sft: {exc}") from exc
+        result = await self._stream_step(model, "sft", request, verbose)
+        for batch in result.batches:
+            yield {"loss/train": batch["loss"], "loss/learning_rate": batch["learning_rate"],
+                   "loss/grad_norm": batch["grad_norm"], "data/step_trainer_tokens": batch["trained_tokens"],
+                   "data/step_num_trajectories": result.metrics["num_trajectories"],
+                   "data/step_num_dropped_trajectories": result.metrics["num_dropped_trajectories"],
+                   "data/step_num_gradient_steps": float(len(result.batches))}
+
+
+@asynccontextmanager
+async def _pin(name: str, step: int) -> AsyncIterator[None]:
+    token = _pinned.set(_pinned.get() | {name: step})
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
