@@ -428,11 +428,12 @@ async def test_both_engines_take_what_arts_own_client_sends(portable, vllm):
                                                      logprobs=True, extra_body=ART_EXTRA_BODY)
         counts = [len(choice.model_extra["token_ids"]) for choice in reply.choices]
         assert reply.usage.completion_tokens == sum(counts), backend
+        step = await model.get_step()  # the portable model trained in the tests above
         for choice, count in zip(reply.choices, counts):
             assert all(t.token.startswith("token_id:") for t in choice.logprobs.content)
             spans = choice.model_extra["policy_token_spans"]
             assert [(span["start_token"], span["end_token"], span["policy_version"]) for span in spans] == \
-                [(0, count, 0)]
+                [(0, count, step)]
         with pytest.raises(openai.BadRequestError, match=r"'nvext\.top_k' is not supported"):
             await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=1,
                                                  extra_body={"nvext": {"top_k": 5, "extra_fields": []}})
