@@ -17,10 +17,25 @@ from pydantic import BaseModel, SecretStr, field_serializer
 from art_sky.errors import ConfigError
 from art_sky.files import atomic_write
 from art_sky.layout import ServerLayout
+from art_sky.provisioners.sky_task import ClusterSpec
 from art_sky.remote.ssh import SSHTarget
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 Kind = Literal["local", "ssh", "sky"]
+
+
+class RecoveryStatus(BaseModel):
+    """What a SkyPilot cluster's recovery is doing or did (art_sky/backends/recovery.py), written by the process
+    whose loop runs it: `art-sky status` shows `recovering` while that process lives."""
+
+    state: Literal["recovering", "recovered", "failed"]
+    reason: str  # what SkyPilot said became of the cluster, or why recovery failed
+    since: float  # unix time the cluster was found lost
+    pid: int  # the process recovering it
+    recoveries: int = 0
+    downtime_s: float = 0.0  # every recovery's, from the loss to the loop going on
+    steps_replayed: int = 0
+    lost_gpu_hours: float = 0.0
 
 
 class ClusterRecord(BaseModel):
@@ -32,6 +47,10 @@ class ClusterRecord(BaseModel):
     port: int  # the server's port on the machine
     pid: int
     api_key: SecretStr
+    spec: ClusterSpec | None = None  # a SkyPilot cluster's task as asked (its secrets too): what a relaunch launches
+    recover: bool | Literal["from-scratch"] = False  # a SkyPilot cluster is relaunched when it is lost
+    server_job: int | None = None  # the SkyPilot job that runs the server (another one: it was relaunched)
+    recovery: RecoveryStatus | None = None
 
     @field_serializer("api_key", when_used="json")
     def _reveal(self, value: SecretStr) -> str:

@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     train_stall_timeout: float = Field(
         900.0, gt=0, description="seconds a training step may go without progress before train() raises, naming "
                                  "what the server is doing (a warning comes at a third of it)")
+    recover_after: float = Field(
+        15.0, gt=0, description="seconds a SkyPilot cluster's server may go unanswered before SkyPilot is asked "
+                                "whether the cluster was lost (preempted, stopped, its job ended), with recovery on")
+    recover_timeout: float = Field(
+        1800.0, gt=0, description="seconds recovery may take to bring a lost SkyPilot cluster back (launch, server, "
+                                  "models restored) before it gives up and tears the cluster down")
     wandb_api_key: SecretStr | None = Field(
         None, validation_alias=AliasChoices("WANDB_API_KEY", "wandb_api_key"),
         description="Weights & Biases' key (WANDB_API_KEY): set, each model logs its steps to a W&B run")

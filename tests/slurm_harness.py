@@ -318,3 +318,28 @@ def down_clusters(prefix: str) -> None:
     for record in asyncio.run(provisioner.status()):
         if record.name.startswith(prefix):
             asyncio.run(provisioner.down(record.name))
+
+
+def preempt(name_prefix: str) -> list[str]:
+    """End the live Slurm jobs whose name starts with `name_prefix` (`scancel`), as a spot preemption ends a
+    cluster's VM; returns their ids."""
+    result = _run("squeue", "-h", "-o", "%i %j %t", check=False, timeout=10)
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()]
+    ids = [job for job, name, state in rows if name.startswith(name_prefix) and state != "CG"]
+    if ids:
+        _run("scancel", *ids)
+    return ids
+
+
+def set_partition(partition: str, state: str) -> None:
+    """Make a Slurm partition INACTIVE (it refuses new jobs: a cloud without capacity) or UP again."""
+    _run("scontrol", "update", f"PartitionName={partition}", f"State={state}")
+
+
+def wait_jobs_gone(ids: list[str], timeout: float = 60) -> None:
+    """Until Slurm lists none of these jobs (a cancelled job's processes are reaped, KillWait at most)."""
+    def gone() -> bool:
+        listed = _run("squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.split()
+        return not set(ids) & set(listed)
+
+    _wait(f"Slurm jobs {', '.join(ids)} to end", gone, timeout)

@@ -83,6 +83,39 @@ def test_reconnects_when_the_server_goes_silent(sshd, echo_port, art_sky_home): 
                 os.kill(pid, signal.SIGKILL)
 
 
+class _Reverse(socketserver.BaseRequestHandler):
+    def handle(self):
+        while data := self.request.recv(65536):
+            self.request.sendall(data[::-1])
+
+
+def test_a_held_tunnel_keeps_its_port_and_forwards_to_its_new_target_once_released(sshd, echo_port,  # noqa: F811
+                                                                                    art_sky_home):  # noqa: F811
+    """As a relaunched cluster is reached: the local port stays, connections made meanwhile wait and then reach
+    the new remote port."""
+    other = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Reverse)
+    other.daemon_threads = True
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with Tunnel(sshd.target(), echo_port, Settings(), reconnect_wait=1.0) as tunnel:
+            port = tunnel.local_port
+            assert roundtrip(port) == b"HELLO"
+            tunnel.hold()
+            answer: list[bytes] = []
+            waiting = threading.Thread(target=lambda: answer.append(roundtrip(port, b"held")))
+            waiting.start()
+            waiting.join(3)  # longer than reconnect_wait: a hold is not a dropped connection that times out
+            assert waiting.is_alive() and not answer
+            tunnel.retarget(sshd.target(), other.server_address[1])
+            tunnel.release()
+            waiting.join(10)
+            assert answer == [b"dleh"] and tunnel.local_port == port
+            assert roundtrip(port, b"new") == b"wen"
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
 def test_through_a_proxy_command(sshd, echo_port, art_sky_home):  # noqa: F811
     """As SkyPilot's clusters are reached: ProxyCommand with %h/%p, here an `ssh -W` through the same sshd."""
     proxy = (f"ssh -i {sshd.client_key} -p {sshd.port} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "

@@ -194,17 +194,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def test_a_two_node_cluster_trains_on_both_nodes_and_serves_from_both(tmp_path):
-    head_port = free_port()
-    head = SkyNode(tmp_path, 0, head_port)
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """The head node of the two nodes below, shared by the tests in turn: each starts its own worker node, sharing
+    the head's HOME (the second test's worker replaces the first test's, lost)."""
+    root = tmp_path_factory.mktemp("nodes")
+    node = SkyNode(root, 0, free_port())
+    yield node
+    node.stop()
+
+
+async def test_a_two_node_cluster_trains_on_both_nodes_and_serves_from_both(head):
+    head_port = head.server.port
     worker = None
     try:
-        assert head.server.port == head_port  # the head listens where the other nodes look for it
+        assert head.url.endswith(f":{head_port}")  # the head listens where the other nodes look for it
         async with httpx.AsyncClient(base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"},
                                      timeout=300) as http:
             health = (await http.get("/health")).json()
             assert (health["trainer"], health["trainer_ranks"]) == ("sharded", 2)
-            worker = SkyNode(tmp_path, 1, head_port)  # SkyPilot starts every node's script at once
+            worker = SkyNode(head.home.parent, 1, head_port)  # SkyPilot starts every node's script at once
             assert (await http.post("/art/models", json=MODEL)).status_code == 200  # ranks on both nodes load it
             await asyncio.to_thread(wait_fleet, head.node, lambda f: len(f) == 2 and f[1]["steps"] == {"tiny": 0},
                                     "the worker node's replica serving tiny@0")
@@ -231,9 +240,8 @@ async def test_a_two_node_cluster_trains_on_both_nodes_and_serves_from_both(tmp_
             assert [r["url"] for r in await asyncio.to_thread(
                 wait_fleet, head.node, lambda f: len(f) == 1, "the lost node's replica gone")] == ["local"]
     finally:
-        for node in (worker, head):
-            if node is not None:
-                node.stop()
+        if worker is not None:
+            worker.stop()
 
 
 async def test_a_node_that_never_joins_has_the_cluster_torn_down(tmp_path, monkeypatch):
@@ -270,3 +278,60 @@ async def test_a_node_that_never_joins_has_the_cluster_torn_down(tmp_path, monke
         for node in (replica, head):
             if node is not None:
                 node.stop()
+
+
+async def test_node_lost_mid_step_the_loop_goes_on_with_the_head_within_30_s(head):
+    """A replacement for the worker node lost above joins, and the trainer's ranks take it in (torchrun's elastic
+    range). Then every process of it is SIGKILLed while a step trains on both nodes: the step rolls back, the
+    client trains it again (same request id), and the ranks go on with the head alone instead of waiting
+    ART_SKY_SERVER_START_TIMEOUT (600 s) for the lost node: the step is training again within 30 s of the loss.
+    The loop finishes its steps, each trained once."""
+    import time
+
+    import art_sky as art
+    from art_sky.checkpoints import CheckpointDir
+
+    worker = SkyNode(head.home.parent, 1, head.server.port)
+    backend = art.Backend(base_url=head.url, api_key=API_KEY)
+    try:
+        model = art.TrainableModel(name="tiny", project="nodes", base_model="art-sky/tiny",
+                                   config=art.ModelConfig(max_seq_length=512))
+        await model.register(backend)
+        client = model.openai_client()
+        prompt = [{"role": "user", "content": "hi"}]
+
+        async def group(seed: int) -> art.TrajectoryGroup:
+            sampled = await client.chat.completions.create(model=model.get_inference_name(), messages=prompt, n=6,
+                                                           max_tokens=24, temperature=1.0, seed=seed)
+            return art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*prompt, c], reward=float(i % 2))
+                                        for i, c in enumerate(sampled.choices)])
+
+        start = await model.get_step()  # where the test above left it
+        config = art.TrainConfig(learning_rate=1e-3)
+        assert (await model.train([await group(1)], config=config))["step"] == start + 1
+        assert len(worker.trainer_ranks()) == 1  # the step's ranks span both nodes again
+
+        step = asyncio.ensure_future(model.train([await group(2)], config=config))
+        while (await backend.model_info(model)).activity.phase != "training":
+            await asyncio.sleep(0.05)
+        node = psutil.Process(worker.process.pid)
+        lost = [node, *node.children(recursive=True)]  # the replica server, torchrun, the ranks: the whole node
+        lost_at = time.time()
+        for process in lost:
+            process.kill()
+        training_again = None
+        while training_again is None and not step.done():
+            activity = (await backend.model_info(model)).activity
+            if activity.phase == "training" and activity.since > lost_at:
+                training_again = activity.since - lost_at
+            await asyncio.sleep(0.2)
+        assert (await step)["step"] == start + 2
+        assert training_again is not None and training_again < 30, training_again  # not 600 s
+        assert (await model.train([await group(3)], config=config))["step"] == start + 3
+        assert [r.url for r in (await backend.health()).fleet] == ["local"]
+        checkpoints = CheckpointDir(Path(head.layout.art_path), "nodes", "tiny")
+        ids = [checkpoints.record(s).request_id for s in range(1, start + 4)]
+        assert len(set(ids)) == start + 3  # each step trained once, from its own request
+    finally:
+        await backend.close()
+        worker.stop(signal.SIGKILL)

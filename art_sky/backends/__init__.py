@@ -16,12 +16,16 @@ from .ssh import SSHBackend
 KINDS: dict[str, type[ClusterBackend]] = {"local": LocalBackend, "ssh": SSHBackend, "sky": SkyPilotBackend}
 
 
-def attach(name: str, *, local_port: int = 0, settings: Settings | None = None) -> ClusterBackend:
+def attach(name: str, *, local_port: int = 0, settings: Settings | None = None,
+           recover: bool = True) -> ClusterBackend:
     """The backend of the recorded cluster `name` (what `art-sky up` or `initialize_cluster` started), whatever its
     kind: the one place a record's kind picks its backend. `close()` leaves the server running; `down()` (or
-    `art-sky down`) stops it."""
+    `art-sky down`) stops it. A SkyPilot cluster recorded with recovery is relaunched by this backend when it is
+    lost, unless `recover=False` (the CLI's commands: the loop's own process recovers it)."""
     settings = settings or Settings()
     record = clusters.load(settings.home, name)
+    if not recover:
+        record = record.model_copy(update={"recover": False})
     return KINDS[record.kind].from_record(record, local_port=local_port, settings=settings)
 
 

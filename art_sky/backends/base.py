@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # the backend serves the client's models; the client knows ba
 
 log = logging.getLogger("art_sky")
 _RETRIES = 5  # idempotent requests survive a dropped connection (a reconnecting tunnel) this many times
+RESTARTED_STEP_RETRIES = 2  # a step answered 503 (rolled back, the trainer's ranks restarting) is retried this often
 STREAM_IDLE = 60.0  # seconds without a line on a training stream before the connection counts as lost (the server
 # sends one at least every 10 s)
 
@@ -172,6 +173,12 @@ class Backend(ArtProtocol):
     async def _provider_price(self) -> float | None:
         """The price the machine's provider knows; a plain server's machine has none."""
         return None
+
+    async def _recovered(self, cause: Exception) -> bool:
+        """A request lost its connection (`cause`): True once the server is back on a relaunched machine (retry
+        now, afresh), False to retry as usual; raises when the machine is lost for good. Only a SkyPilot cluster
+        with recovery relaunches (backends/recovery.py)."""
+        return False
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]:
         await self._ensure_started()
@@ -293,8 +300,9 @@ class Backend(ArtProtocol):
         connection lost on the way (a tunnel drop, a server restarting) is retried with that id, with backoff, for
         up to ART_SKY_TRAIN_RETRY_TIMEOUT seconds: the server trains one id once, follows the step still running,
         or answers with the step it committed. A server that restarted without the model has it registered again
-        first. A step whose progress stops for ART_SKY_TRAIN_STALL_TIMEOUT seconds raises TrainingStalledError,
-        naming what the server is doing."""
+        first. A step answered 503 (rolled back: the trainer's ranks restarted, e.g. a node was lost) is trained
+        again, RESTARTED_STEP_RETRIES times at most. A step whose progress stops for ART_SKY_TRAIN_STALL_TIMEOUT
+        seconds raises TrainingStalledError, naming what the server is doing."""
         await self._ensure_started()
         returned = self._returned.get(model.name)
         clock = StepClock(gather_s=time.monotonic() - returned if returned is not None else None,
@@ -304,12 +312,15 @@ class Backend(ArtProtocol):
         bar = tqdm(desc=f"{route} {model.name}", unit="batch", disable=not verbose)
         stall = _StallWatch(model.name, self.settings.train_stall_timeout)
         lost: Exception | None = None  # why the previous attempt did not finish
+        restarts = 0  # attempts answered 503 (retried a few times, not for ever: a step may fail that way each time)
         try:
             for attempt in itertools.count():
                 try:
                     return await self._follow_step(model, route, request, bar, stall)
                 except _Lost as exc:
                     lost, wait = exc.__cause__ or exc, min(0.5 * 2**attempt, 10.0)
+                    if await self._recovered(lost):  # the cluster was lost and is back: retry at once, time anew
+                        deadline, wait = time.monotonic() + self.settings.train_retry_timeout, 0.0
                 except NotFoundError as exc:
                     if lost is None or "not registered" not in exc.message:
                         raise
@@ -317,11 +328,17 @@ class Backend(ArtProtocol):
                                 model.name)
                     await self.register(model)  # restored from its newest checkpoint; then the step is retried
                     wait = 0.0
+                except ServerError as exc:
+                    if exc.status_code != 503 or restarts >= RESTARTED_STEP_RETRIES:
+                        raise
+                    restarts += 1  # the trainer's ranks restarted (a node lost): the step rolled back, train it again
+                    lost, wait = exc, 1.0
                 if time.monotonic() + wait > deadline:
                     break
                 if wait:
-                    log.warning("%s: connection to the cluster server lost during %s (%s); retrying request %s in "
-                                "%.1fs", model.name, route, lost, request.request_id, wait)
+                    log.warning("%s: %s during %s (%s); retrying request %s in %.1fs", model.name,
+                                "the step was rolled back" if isinstance(lost, ServerError) else
+                                "connection to the cluster server lost", route, lost, request.request_id, wait)
                     await asyncio.sleep(wait)
         finally:
             bar.close()
@@ -407,6 +424,9 @@ class Backend(ArtProtocol):
                 break
             except httpx.TransportError as exc:
                 if attempt >= retries and time.monotonic() >= deadline:
+                    if (retries or retry_for) and await self._recovered(exc):
+                        deadline = time.monotonic() + (retry_for or 0)  # on the relaunched cluster, once more
+                        continue
                     raise BackendUnavailableError(
                         f"cannot reach the cluster server at {self.base_url} ({exc!r}): is it running and the "
                         "tunnel up? `art-sky status` tells") from exc

@@ -95,6 +95,12 @@ class ClusterBackend(Backend):
             self._machine = self.runner()
         return self._machine
 
+    def forget_machine(self) -> None:
+        """Close the machine's runner: the next lifecycle step connects anew (to a relaunched cluster)."""
+        machine, self._machine = self._machine, None
+        if machine is not None:
+            machine.close()
+
     def _attached(self, record: clusters.ClusterRecord) -> ClusterBackend:
         self.name = record.name
         self.keep_server = True
@@ -244,9 +250,7 @@ class ClusterBackend(Backend):
         await asyncio.to_thread(self._unreach)
         if stop_server:
             await self.stop_server()
-        machine, self._machine = self._machine, None
-        if machine is not None:
-            machine.close()
+        self.forget_machine()
 
 
 def _split(exc: Exception) -> tuple[str, str]:

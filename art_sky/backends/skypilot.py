@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import SecretStr
 
@@ -26,10 +29,14 @@ from art_sky.remote.runner import first_line
 from art_sky.remote.wheel import build_wheel
 from art_sky.settings import Settings, read_env_file
 from art_sky.store import server_env
-from art_sky.wire import HealthResponse
+from art_sky.wire import HealthResponse, SFTRequest, TrainProgress, TrainRequest
 
 from .cluster import Machine
+from .recovery import Recovery
 from .ssh import SSHBackend
+
+if TYPE_CHECKING:
+    from art_sky.client import Model, TrainableModel
 
 log = logging.getLogger("art_sky")
 
@@ -40,6 +47,9 @@ class SkyPilotBackend(SSHBackend):
 
     The cluster is recorded (art_sky.clusters, kind "sky", with the server's API key), so another process
     (`art-sky tunnel`, `art_sky.attach`, a second `initialize_cluster`) reuses its server.
+
+    With `recover` (recovery.py) a lost cluster is launched again and the loop goes on: the tunnel's local port
+    (the OpenAI base URL) stays, the models are restored from the object store, a step in flight is trained once.
     """
 
     kind = "sky"
@@ -48,13 +58,18 @@ class SkyPilotBackend(SSHBackend):
 
     def __init__(self, cluster_name: str, spec: ClusterSpec | None, *, force_restart: bool = False,
                  api_key: str | None = None, source: Path | None = None, local_port: int = 0,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, recover: bool | Literal["from-scratch"] = False):
         super().__init__(keep_server=True, api_key=api_key, local_port=local_port, name=cluster_name,
                          settings=settings)
         self.cluster_name = clusters.check_name(cluster_name)
         self.spec = spec
         self.force_restart = force_restart
         self.source = source  # build the shipped wheel from this checkout instead of this client
+        self.recover = recover
+        self.server_job: int | None = None  # the SkyPilot job that runs the server (a relaunch runs another)
+        self.recovery = Recovery(self) if recover and spec is not None else None
+        if self.recovery is not None:  # a server that refuses is one being replaced: its calls wait for the hold
+            self.tunnel_refused_wait = 60.0
 
     @classmethod
     def for_cluster(
@@ -63,14 +78,15 @@ class SkyPilotBackend(SSHBackend):
         env_path: str | Path | None = None, art_sky_version: str | Path | None = None, force_restart: bool = False,
         api_key: str | None = None, template: str | Path | None = None, overrides: dict[str, Any] | None = None,
         checkpoint_uri: str | None = None, settings: Settings | None = None, num_nodes: int = 1,
-        base_model: str | None = None,
+        base_model: str | None = None, recover: bool | Literal["from-scratch"] | None = None,
     ) -> SkyPilotBackend:
         """The backend `initialize_cluster` starts (and `art-sky up` uses), not started yet; arguments as there.
         What cannot train (`num_nodes` < 1, more trainer GPUs than a node has, `base_model`'s shards too big for the
-        GPUs) is refused here, before anything is rented."""
+        GPUs) or recover (no object store) is refused here, before anything is rented."""
         settings = settings or Settings()
         version, source = _version_or_source(art_sky_version)
         secrets = server_env(settings, checkpoint_uri) | read_env_file(env_path)
+        recover = recovery_mode(recover, spot, secrets.get("ART_SKY_CHECKPOINT_URI"))
         trainer_gpus = secrets.get("ART_SKY_TRAINER_GPUS", "1")  # what the server will see: the env file's
         try:
             trainer_gpus = int(trainer_gpus)
@@ -84,7 +100,7 @@ class SkyPilotBackend(SSHBackend):
         recorded_key = _recorded_key(settings.home, cluster_name)
         known_key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None) or recorded_key
         return cls(cluster_name, spec, force_restart=force_restart or known_key is None, api_key=known_key,
-                   source=source, settings=settings)
+                   source=source, settings=settings, recover=recover)
 
     @classmethod
     async def initialize_cluster(cls, *, cluster_name: str, **arguments: Any) -> SkyPilotBackend:
@@ -105,6 +121,9 @@ class SkyPilotBackend(SSHBackend):
         and the store credentials set here travel as SkyPilot secrets, and a new cluster resumes from the store.
         `api_key`: the server's key (default ART_SKY_API_KEY, then the cluster's record); a reused server whose
         key this process does not know is restarted with a fresh one. `template`, `overrides`: the task YAML.
+        `recover`: relaunch the cluster when it is lost and go on (recovery.py); default on with `spot=True` where
+        there is an object store. It needs one (the new cluster resumes from it): True without one is refused,
+        "from-scratch" relaunches anyway, from step 0.
         """
         backend = cls.for_cluster(cluster_name=cluster_name, **arguments)
         await backend._ensure_started()
@@ -112,10 +131,17 @@ class SkyPilotBackend(SSHBackend):
         return backend
 
     async def check_server(self) -> HealthResponse:
-        """As every backend's, and on several nodes, until every node's replica has joined the head's fleet. A node
-        that never joins (lost during `up`) has the whole cluster torn down: nothing is left billing for a cluster
-        that cannot work."""
-        health = await super().check_server()
+        """As every backend's, and on several nodes, until every node's replica has joined the head's fleet. Then,
+        with recovery on, the cluster is watched."""
+        health = await self.wait_for_nodes(await super().check_server(), lambda: self._request("GET", "/health"))
+        if self.recovery is not None:
+            self.recovery.watch()
+        return health
+
+    async def wait_for_nodes(self, health: HealthResponse, ask: Callable[[], Awaitable[Any]]) -> HealthResponse:
+        """`health`, or `ask()`'s again every few seconds, once every node's replica has joined the head's fleet. A
+        node that never joins (lost during `up`) has the whole cluster torn down: nothing is left billing for a
+        cluster that cannot work."""
         nodes = self.spec.num_nodes if self.spec is not None else 1
         deadline = asyncio.get_running_loop().time() + self.settings.server_start_timeout
         while nodes > 1:
@@ -130,15 +156,46 @@ class SkyPilotBackend(SSHBackend):
                     f"down: nothing is left billing. Read `sky logs {self.cluster_name}` of a new launch, or ask "
                     "for fewer nodes")
             await asyncio.sleep(5)
-            health = HealthResponse.model_validate(await self._request("GET", "/health"))
+            health = HealthResponse.model_validate(await ask())
         return health
+
+    async def register(self, model: TrainableModel):
+        info = await super().register(model)
+        if self.recovery is not None and info is not None:
+            self.recovery.registered(model)  # registered again, restored from the store, on a relaunched cluster
+        return info
+
+    async def _stream_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
+                           verbose: bool) -> TrainProgress:
+        """As every backend's; with recovery on, the request is kept until the store has its step (to train it
+        again on a relaunched cluster) and the result says what recovery did (`cluster/*` metrics)."""
+        if self.recovery is None:
+            return await super()._stream_step(model, route, request, verbose)
+        request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex})
+        sent = time.monotonic()
+        self.recovery.sent(request.request_id)
+        try:
+            result = await super()._stream_step(model, route, request, verbose)
+        finally:
+            self.recovery.done(request.request_id)
+        self.recovery.trained(model, route, request, result, time.monotonic() - sent)
+        return result.model_copy(update={"metrics": result.metrics | self.recovery.metrics()})
+
+    async def _recovered(self, cause: Exception) -> bool:
+        return self.recovery is not None and await self.recovery.lost(cause)
+
+    async def close(self, force: bool = False) -> None:
+        if self.recovery is not None:
+            await self.recovery.stop()
+        await super().close(force)
 
     @property
     def where(self) -> str:
         return f"SkyPilot cluster {self.cluster_name}"
 
-    async def _launch(self, api_key: str) -> ServerLayout:
-        """Make sure the cluster's server job runs, then read where its files are (`~/art-sky` of the job)."""
+    async def _launch(self, api_key: str, on_request: Callable[[str], None] | None = None) -> ServerLayout:
+        """Make sure the cluster's server job runs, then read where its files are (`~/art-sky` of the job).
+        `on_request` gets SkyPilot's launch request id (to cancel it)."""
         if self.spec is None:
             raise ConfigError(f"no task for {self.cluster_name}: use SkyPilotBackend.initialize_cluster(...)")
         with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
@@ -147,8 +204,9 @@ class SkyPilotBackend(SSHBackend):
                 wheel = await asyncio.to_thread(build_wheel, Path(tmp), self.source)
                 spec = spec.model_copy(update={"wheel": wheel})
             task = validate_task(render_task(spec, SecretStr(api_key)))
-            await provisioner.ensure_server(self.cluster_name, task, force_restart=self.force_restart,
-                                            timeout=self.settings.server_start_timeout)
+            self.server_job = await provisioner.ensure_server(
+                self.cluster_name, task, force_restart=self.force_restart,
+                timeout=self.settings.server_start_timeout, on_request=on_request)
         self.target = await provisioner.ssh_target(self.cluster_name)
 
         home = await asyncio.to_thread(self.machine_runner().run, f'echo "$HOME/{SERVER_DIR}"', timeout=30)
@@ -162,6 +220,8 @@ class SkyPilotBackend(SSHBackend):
         """Tear the cluster down (its VM, pod or Slurm job goes away) once every checkpoint is in the store;
         `force=True` tears it down anyway. A cluster that no longer exists is only forgotten. Its record is
         removed."""
+        if self.recovery is not None:
+            await self.recovery.stop()  # torn down on purpose: not lost
         state = await provisioner.cluster_status(self.cluster_name)
         if state is None:
             done = "the SkyPilot cluster no longer exists"
@@ -201,12 +261,38 @@ class SkyPilotBackend(SSHBackend):
         row = rows.get(self.cluster_name)
         return row.hourly_cost if row is not None else None
 
+    def record(self, name: str) -> clusters.ClusterRecord:
+        """As every kind's, with the task (what recovery relaunches, in this or another process) and recovery's."""
+        return super().record(name).model_copy(update={
+            "spec": self.spec, "recover": self.recover, "server_job": self.server_job,
+            "recovery": self.recovery.status if self.recovery is not None else None})
+
     @classmethod
     def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
                     settings: Settings | None = None) -> SkyPilotBackend:
-        backend = cls(record.name, None, local_port=local_port, settings=settings)
-        backend.target = record.target
+        backend = cls(record.name, record.spec, local_port=local_port, settings=settings, recover=record.recover)
+        backend.target, backend.server_job = record.target, record.server_job
         return backend._attached(record)
+
+
+def recovery_mode(recover: bool | str | None, spot: bool, store: str | None) -> bool | Literal["from-scratch"]:
+    """Whether a lost cluster is relaunched: as asked, else with spot instances (where it is safe: a store to
+    resume from). Recovery without a store would start the new cluster from step 0: refused unless asked so."""
+    if recover == "from-scratch":
+        return recover
+    if recover not in (None, True, False):
+        raise ConfigError(f"recover={recover!r}: give True, False, None (on with spot=True and an object store) "
+                          "or 'from-scratch'")
+    if recover is None:
+        if spot and not store:
+            log.warning("spot=True without an object store (ART_SKY_CHECKPOINT_URI): a preempted cluster is not "
+                        "relaunched, since a new one would start from step 0. Set a store to have it recovered")
+        return bool(spot and store)
+    if recover and not store:
+        raise ConfigError("recover=True needs an object store: a relaunched cluster resumes from it, without one it "
+                          "would start from step 0. Set ART_SKY_CHECKPOINT_URI (or checkpoint_uri=...), or pass "
+                          "recover='from-scratch' to relaunch from step 0 anyway")
+    return recover
 
 
 def _version_or_source(value: str | Path | None) -> tuple[str | None, Path | None]:

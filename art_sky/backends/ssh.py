@@ -37,6 +37,7 @@ class SSHBackend(ClusterBackend):
     """
 
     kind = "ssh"
+    tunnel_refused_wait = 0.0  # seconds a connection through the tunnel retries a server port that refuses
 
     def __init__(self, target: SSHTarget | str | None = None, *, key_path: str | Path | None = None,
                  options: BootstrapOptions | None = None, local_port: int = 0, keep_server: bool = False,
@@ -64,7 +65,8 @@ class SSHBackend(ClusterBackend):
         if self.tunnel is None or self.tunnel.remote[1] != port:
             self._unreach()
             assert self.target is not None
-            tunnel = Tunnel(self.target, port, self.settings, local_port=self.local_port)
+            tunnel = Tunnel(self.target, port, self.settings, local_port=self.local_port,
+                            refused_wait=self.tunnel_refused_wait)
             tunnel.start()
             self.tunnel = tunnel
         return self.tunnel.base_url

@@ -80,6 +80,12 @@ def up(
     model: str | None = typer.Option(None, "--model", help="the base model you will train: refused before renting "
                                                            "if its shards do not fit the GPUs", rich_help_panel=SKY),
     spot: bool = typer.Option(False, help="use spot instances", rich_help_panel=SKY),
+    recover: bool | None = typer.Option(None, "--recover/--no-recover", show_default="on with --spot and an object "
+                                        "store", help="relaunch the cluster when it is lost (preempted, stopped) and "
+                                        "go on from the object store, in the process whose loop uses it (attach)",
+                                        rich_help_panel=SKY),
+    recover_from_scratch: bool = typer.Option(False, "--recover-from-scratch", rich_help_panel=SKY,
+                                              help="with --recover and no object store: relaunch from step 0 anyway"),
     autostop: int = typer.Option(60, min=0, help="tear the cluster down after this many idle minutes; 0 never "
                                                  "(needed where the infra has no autostop, e.g. plain Slurm)",
                                  rich_help_panel=SKY),
@@ -123,13 +129,14 @@ def up(
         backend = SkyPilotBackend.for_cluster(
             cluster_name=name, gpu=parse_gpus(gpu), infra=infra, spot=spot, autostop_minutes=autostop or None,
             resources={k: v for k, v in (("cpus", cpus), ("memory", memory)) if v is not None}, env_path=env_file,
-            force_restart=force_restart, settings=settings, num_nodes=nodes, base_model=model)
+            force_restart=force_restart, settings=settings, num_nodes=nodes, base_model=model,
+            recover="from-scratch" if recover_from_scratch else recover)
     if name in clusters.all_names(settings.home):
         existing = clusters.load(settings.home, name)
         if (existing.kind, existing.where) != (backend.kind, backend.where):
             raise ConfigError(f"cluster {name!r} runs on {existing.where} ({existing.kind}): `art-sky down {name}` "
                               "first, or pick another name")
-        if not force_restart and asyncio.run(_answers(attach(name, settings=settings))):
+        if not force_restart and asyncio.run(_answers(attach(name, settings=settings, recover=False))):
             console.print(f"cluster {name!r} is already up (same version); --force-restart restarts it")
             return
     console.print(f"starting the cluster server on {backend.where} ...")  # (SkyPilot streams its own progress)
@@ -168,7 +175,7 @@ def down(name: str | None = NAME, name_option: str | None = NAME_OPTION,
     server that has already exited is forgotten at once."""
     name = cluster_name(name, name_option)
     settings = Settings()
-    backend = attach(name, settings=settings)
+    backend = attach(name, settings=settings, recover=False)
     with console.status(f"stopping {name!r} once its checkpoints are in the store ..."):
         done = asyncio.run(backend.down(force=force))
     clusters.remove(settings.home, name)
@@ -188,7 +195,7 @@ def logs(name: str | None = NAME, name_option: str | None = NAME_OPTION,
          lines: int = typer.Option(50, "--lines", "-l", min=1, help="how many lines"),
          follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C ends)")) -> None:
     """Print the last lines of the cluster server's log (it need not be running), or follow it."""
-    backend = attach(cluster_name(name, name_option))
+    backend = attach(cluster_name(name, name_option), recover=False)
     if follow:
         _exec(backend.follow_argv(lines))
     console.print(asyncio.run(_logs(backend, lines)), markup=False, highlight=False, soft_wrap=True)
@@ -204,7 +211,7 @@ async def _logs(backend: ClusterBackend, lines: int) -> str:
 def tunnel(name: str | None = NAME, name_option: str | None = NAME_OPTION,
            local_port: int = typer.Option(0, help="local port on 127.0.0.1; 0 picks one")) -> None:
     """Hold a tunnel to the cluster's server in the foreground (Ctrl-C ends it); prints base URL and API key."""
-    backend = attach(cluster_name(name, name_option), local_port=local_port)
+    backend = attach(cluster_name(name, name_option), local_port=local_port, recover=False)
 
     async def hold() -> None:
         try:
@@ -228,7 +235,7 @@ def ssh(name: str | None = NAME,
         name_option: str | None = NAME_OPTION) -> None:
     """Open a shell (or run a command: `art-sky ssh NAME -- COMMAND...`) on the cluster's machine with the system's
     ssh client."""
-    _exec(attach(cluster_name(name, name_option)).shell_argv(command or []))
+    _exec(attach(cluster_name(name, name_option), recover=False).shell_argv(command or []))
 
 
 def _exec(argv: list[str]) -> NoReturn:

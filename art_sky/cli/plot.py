@@ -46,7 +46,7 @@ def plot(
 
 
 async def _from_server(name: str, model: str, settings: Settings) -> tuple[list[dict], str]:
-    backend = attach(name, settings=settings)
+    backend = attach(name, settings=settings, recover=False)
     try:
         return await backend.history(model), f"the server of cluster {name!r}"
     finally:

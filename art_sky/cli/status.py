@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from typing import Literal
 
 from pydantic import BaseModel
@@ -25,7 +27,7 @@ from .errors import console
 
 
 class ServerReport(BaseModel):
-    state: Literal["ok", "starting", "exited", "unreachable", "error"]
+    state: Literal["ok", "starting", "exited", "unreachable", "error", "recovering"]
     detail: str  # "portable on cpu" when ok; else what is wrong and what to do, in one line
     engine: str | None = None
     trainer: str | None = None
@@ -42,16 +44,23 @@ class ClusterStatus(BaseModel):
     machine: Machine
     server: ServerReport
     models: list[ModelInfo] = []  # each with what the server is doing with it (cli/live.py renders it)
+    recovery: clusters.RecoveryStatus | None = None  # a SkyPilot cluster's relaunches (art_sky/backends/recovery.py)
 
 
 async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
     """One cluster, as its record, its machine and (if it runs) its server say."""
     try:
-        backend = attach(name, settings=settings)
+        backend = attach(name, settings=settings, recover=False)
     except ArtSkyError as exc:
         return ClusterStatus(name=name, kind="?", machine=Machine(where="?"),
                              server=ServerReport(state="error", detail=_line(exc)))
     log = backend.server.layout.log_file if backend.server else None
+    recovery = clusters.load(settings.home, name).recovery
+    if recovery is not None and recovery.state == "recovering" and _alive(recovery.pid):
+        await backend.close()  # the record's machine is the lost one: nothing to ask there
+        return ClusterStatus(name=name, kind=backend.kind, machine=await backend.machine(), recovery=recovery,
+                             server=ServerReport(state="recovering", log=log, detail=(
+                                 f"recovering for {time.time() - recovery.since:.0f} s: {recovery.reason}")))
     machine = await backend.machine()
     models: list[ModelInfo] = []  # each with what the server is doing with it (cli/live.py renders it)
     try:
@@ -79,7 +88,22 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
         server = ServerReport(state="unreachable", detail=_line(exc), log=log)
     finally:
         await backend.close()
-    return ClusterStatus(name=name, kind=backend.kind, machine=machine, server=server, models=models)
+    if recovery is not None and server.state == "ok" and recovery.recoveries:
+        server.detail += (f", {recovery.recoveries} recover{'y' if recovery.recoveries == 1 else 'ies'} "
+                          f"({recovery.downtime_s:.0f} s down)")
+    return ClusterStatus(name=name, kind=backend.kind, machine=machine, server=server, models=models,
+                         recovery=recovery)
+
+
+def _alive(pid: int) -> bool:
+    """Does the process recovering a cluster still run (on this machine: recovery runs in the loop's process)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def cluster_statuses(names: list[str], settings: Settings) -> list[ClusterStatus]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ log = logging.getLogger("art_sky")
 
 SERVER_JOB = "art-sky-server"  # the template's task name, so the job's name in `sky queue`
 _ACTIVE = ("INIT", "PENDING", "SETTING_UP", "RUNNING")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # SkyPilot colours its messages for a terminal; ours are plain text
 
 
 class ClusterInfo(BaseModel):
@@ -96,7 +98,7 @@ async def _call(what: str, op: str, output: TextIO | None = None, on_request: Ca
         raise BackendUnavailableError(f"SkyPilot ({python}) stopped while trying to {what} (exit "
                                       f"{process.returncode}): {''.join(log[-20:]).strip()[-1500:]}")
     if "error" in reply:
-        raise _translate(what, SkyError(reply["error"], reply["message"]))
+        raise _translate(what, SkyError(reply["error"], _ANSI.sub("", reply["message"])))
     return reply["result"]
 
 
@@ -149,27 +151,31 @@ async def check_infra(task: dict[str, Any]) -> None:
                           f"credentials and run `{sky_cli()} check {cloud}`, or pick an enabled infra")
 
 
-async def cluster_status(cluster_name: str) -> str | None:
-    """The cluster's status (UP, INIT, STOPPED), or None when there is no such cluster."""
-    records = await _call(f"look up {cluster_name}", "status", names=[cluster_name])
+async def cluster_status(cluster_name: str, refresh: bool = False) -> str | None:
+    """The cluster's status (UP, INIT, STOPPED), or None when there is no such cluster. `refresh` asks the infra
+    (a preempted or ended cluster is then gone, or INIT with a node lost) rather than SkyPilot's table."""
+    records = await _call(f"look up {cluster_name}", "status", names=[cluster_name], refresh=refresh)
     return records[0]["status"] if records else None
 
 
-async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restart: bool, timeout: float) -> None:
+async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restart: bool, timeout: float,
+                        on_request: Callable[[str], None] | None = None) -> int:
     """Launch the cluster with the server task, or on an UP cluster make sure the server job runs (a new one on
-    `force_restart`); return once the job runs."""
+    `force_restart`); return the job's id once it runs. `on_request` gets the launch request's id (to cancel
+    it)."""
     await check_infra(task)
     if await cluster_status(cluster_name) != "UP":
         if task.get("num_nodes", 1) > 1:  # a node lost on the way leaves the others billing: tear them all down
             try:
-                job_id = (await _call(f"launch {cluster_name}", "launch", config=task,
+                job_id = (await _call(f"launch {cluster_name}", "launch", on_request=on_request, config=task,
                                       cluster=cluster_name))["job_id"]
                 await _wait_running(cluster_name, job_id, timeout)
             except BaseException as exc:
                 await _down_after(cluster_name, exc)
                 raise
-            return
-        job_id = (await _call(f"launch {cluster_name}", "launch", config=task, cluster=cluster_name))["job_id"]
+            return job_id
+        job_id = (await _call(f"launch {cluster_name}", "launch", on_request=on_request, config=task,
+                              cluster=cluster_name))["job_id"]
     else:
         jobs = [j for j in await server_jobs(cluster_name) if j["status"] in _ACTIVE]
         if jobs and not force_restart:
@@ -181,6 +187,7 @@ async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restar
             job_id = (await _call(f"start the server on {cluster_name}", "exec", config=task,
                                   cluster=cluster_name))["job_id"]
     await _wait_running(cluster_name, job_id, timeout)
+    return job_id
 
 
 async def server_jobs(cluster_name: str) -> list[dict[str, Any]]:

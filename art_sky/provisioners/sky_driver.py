@@ -66,6 +66,13 @@ def hourly_cost(handle) -> float | None:
         return None
 
 
+def refresh_mode(refresh: bool):
+    """FORCE asks the cloud (or Slurm) what became of the cluster; NONE reads SkyPilot's own table."""
+    from sky.utils import common
+
+    return common.StatusRefreshMode.FORCE if refresh else common.StatusRefreshMode.NONE
+
+
 def run(op: str, args: dict):
     from sky.client import sdk
 
@@ -82,7 +89,7 @@ def run(op: str, args: dict):
                  "resources": r.get("resources_str") or "-", "accelerators": r.get("accelerators") or None,
                  "uptime_s": now - r["launched_at"] if r.get("launched_at") else None,
                  "hourly_cost": hourly_cost(r.get("handle"))}
-                for r in request(sdk.status, args["names"])]
+                for r in request(sdk.status, args["names"], refresh=refresh_mode(args.get("refresh", False)))]
     if op == "launch":
         job_id, handle = request(sdk.launch, task(args["config"]), cluster_name=args["cluster"], stream=True)
         resources = handle.launched_resources

@@ -3,6 +3,10 @@
 Nothing on the cluster listens beyond its own 127.0.0.1. When the SSH connection drops, a watchdog reconnects
 with exponential backoff; connections accepted meanwhile wait for it, and requests cut mid-flight fail with
 a connection error that the HTTP client retries (idempotent ones), so a drop costs a pause, not a run.
+
+The local port outlives the cluster behind it: while a lost cluster is replaced (art_sky/backends/recovery.py)
+the tunnel is held (accepted connections wait), then `retarget` points it at the new cluster and `release` lets
+them through, so a base URL handed out once (an OpenAI client's) stays valid.
 """
 
 from __future__ import annotations
@@ -27,18 +31,23 @@ class Tunnel:
 
     def __init__(self, target: SSHTarget, remote_port: int, settings: Settings, *, local_port: int = 0,
                  remote_host: str = "127.0.0.1", keepalive: float = 15.0, reconnect_wait: float = 60.0,
-                 max_backoff: float = 30.0):
+                 max_backoff: float = 30.0, refused_wait: float = 0.0):
         self.target = target
         self.settings = settings
         self.keepalive = keepalive  # seconds between liveness probes, and the wait for each answer
         self.remote = (remote_host, remote_port)
         self.reconnect_wait = reconnect_wait
+        self.refused_wait = refused_wait  # how long a connection retries a remote port that refuses (a server gone,
+        # whose cluster is about to be replaced: a hold begins meanwhile); 0 closes it at once
         self.max_backoff = max_backoff
         self.reconnects = 0  # how many times the SSH connection was re-established
         self._requested_port = local_port
         self._client: paramiko.SSHClient | None = None
         self._listener: socket.socket | None = None
         self._up = threading.Event()
+        self._open = threading.Event()  # cleared while held: connections wait, nothing reconnects
+        self._open.set()
+        self._connecting = threading.Lock()  # one SSH connection made at a time (the watchdog's, or `retarget`'s)
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -94,6 +103,24 @@ class Tunnel:
         for thread in self._threads:  # daemons that end within a poll (0.5 s) of `_closed`: never a long wait,
             thread.join(timeout=1)  # so Ctrl-C on `art-sky tunnel` ends it promptly even on a loaded machine
 
+    def hold(self) -> None:
+        """Connections accepted from now on wait (until `release`, or `close` drops them), and a lost SSH
+        connection is not reconnected: the cluster behind the tunnel is being replaced."""
+        self._open.clear()
+
+    def retarget(self, target: SSHTarget, remote_port: int) -> None:
+        """Forward to `remote_port` on `target` from now on, on the same local port: connect there (SSHError if it
+        cannot) and drop the old connection."""
+        with self._connecting:
+            self.target, self.remote = target, (self.remote[0], remote_port)
+        if not self._connect():
+            raise SSHError(f"the tunnel to {target} was closed or retargeted while connecting")
+        log.info("tunnel 127.0.0.1:%d now -> %s -> %s:%d", self.local_port, self.target, *self.remote)
+
+    def release(self) -> None:
+        """Let the connections waiting since `hold` through."""
+        self._open.set()
+
     def __enter__(self) -> Tunnel:
         self.start()
         return self
@@ -101,19 +128,29 @@ class Tunnel:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _connect(self) -> None:
-        client = connect(self.target, self.settings)
+    def _connect(self) -> bool:
+        """Connect to the target; False when the tunnel was closed or retargeted meanwhile (that connection is
+        dropped: a slow attempt to a lost cluster never holds up the switch to its replacement)."""
+        target = self.target
+        client = connect(target, self.settings)
         _no_delay(getattr(client.get_transport(), "sock", None))
-        old, self._client = self._client, client
+        with self._connecting:
+            if self._closed.is_set() or target is not self.target:
+                client.close()
+                return False
+            old, self._client = self._client, client
         if old is not None:
             old.close()
         self._up.set()
+        return True
 
     def _watchdog(self) -> None:
         """Reconnect with exponential backoff whenever the SSH connection is found dead or silent."""
         delay = 0.5
         next_probe = time.monotonic() + self.keepalive
         while not self._closed.wait(0.5):
+            if not self._open.is_set():
+                continue  # held: the cluster is being replaced, and `retarget` connects to the new one
             if self.connected and time.monotonic() >= next_probe:
                 next_probe = time.monotonic() + self.keepalive
                 if not self._answers(self.keepalive) and not self._closed.is_set():
@@ -124,17 +161,17 @@ class Tunnel:
                 continue
             self._up.clear()
             log.warning("SSH connection to %s lost; reconnecting", self.target)
-            while not self._closed.is_set():
+            while not self._closed.is_set() and self._open.is_set():
                 try:
-                    self._connect()
+                    if self._connect():
+                        self.reconnects += 1
+                        log.info("SSH connection to %s re-established", self.target)
                 except SSHError as exc:
                     log.warning("reconnect to %s failed (%s); next try in %.1fs", self.target, exc, delay)
                     self._closed.wait(delay)
                     delay = min(delay * 2, self.max_backoff)
                     continue
-                self.reconnects += 1
                 delay = 0.5
-                log.info("SSH connection to %s re-established", self.target)
                 break
 
     def _answers(self, timeout: float) -> bool:
@@ -164,17 +201,32 @@ class Tunnel:
             thread.start()
 
     def _open_channel(self, peer: tuple[str, int]) -> paramiko.Channel | None:
-        """A channel to the remote port, waiting up to `reconnect_wait` for a dropped connection to come back."""
-        if not self._up.wait(self.reconnect_wait) or self._closed.is_set():
-            return None
-        transport = self._client.get_transport() if self._client else None
-        if transport is None:
-            return None
-        try:
-            return transport.open_channel("direct-tcpip", self.remote, peer, timeout=30)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            log.warning("cannot open a channel to %s:%d on %s: %r", *self.remote, self.target, exc)
-            return None
+        """A channel to the remote port: after a hold (however long), and up to `reconnect_wait` for a dropped
+        connection to come back; None when there is none to be had (the client sees its connection closed)."""
+        deadline = time.monotonic() + self.reconnect_wait
+        refused_since: float | None = None
+        while not self._closed.is_set():
+            if not self._open.is_set():
+                self._open.wait(0.5)
+                deadline, refused_since = time.monotonic() + self.reconnect_wait, None
+                continue
+            if not self._up.wait(0.5):
+                if time.monotonic() > deadline:
+                    return None
+                continue
+            transport = self._client.get_transport() if self._client else None
+            try:
+                return transport.open_channel("direct-tcpip", self.remote, peer, timeout=30)
+            except (paramiko.SSHException, OSError, EOFError, AttributeError) as exc:
+                if transport is not None and transport.is_active():  # nothing listens at the remote port
+                    refused_since = refused_since or time.monotonic()
+                    if time.monotonic() - refused_since >= self.refused_wait:
+                        log.warning("cannot open a channel to %s:%d on %s: %r", *self.remote, self.target, exc)
+                        return None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.5)  # the connection died under us: the watchdog notices and reconnects (or a hold begins)
+        return None
 
     def _forward(self, conn: socket.socket, peer: tuple[str, int]) -> None:
         """One forwarded connection: this thread copies the channel to the socket, a second one the socket to the

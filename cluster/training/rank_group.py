@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ log = logging.getLogger("art_sky.cluster")
 # keys outlive a restart and the next round's ranks read the dead round's addresses (they hang or fail to connect).
 # PYTHONSAFEPATH: the ranks (`python -m`) import art-sky as installed, not a folder of that name where they start.
 RANKS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONSAFEPATH": "1"}
+NODE_HEARTBEAT = 2  # seconds between a node's heartbeats at the rendezvous
+LAST_CALL = 3  # seconds a rendezvous with enough nodes waits for more (every live node's agent rejoins well within)
+WORKER_WAIT = 86400  # seconds a worker's torchrun waits for the head's rendezvous (it is there once the head trains)
 
 
 _REPEATABLE = {"snapshot", "load", "drop"}  # commands that change nothing a restart does not redo: sent again
@@ -73,6 +77,7 @@ class RankGroup:
             endpoint=f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}", run_id=secrets.token_hex(8),
             nodes=settings.nodes, ranks_per_node=ranks_per_node, max_restarts=settings.trainer_max_restarts)
         self.generation = 0  # moves on when the ranks fail and when the leader connects (again)
+        self.min_nodes = 1  # the fewest nodes the ranks go on with: the nodes the largest model needs (its shards)
         self.loaded: dict[str, Callable[[], RankCommand]] = {}
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
@@ -185,22 +190,23 @@ class RankGroup:
         """A failure that restarts the ranks: which node was lost (the fleet's word), and what happens next."""
         lost = self.lost_nodes()
         node = f" A worker node was lost, and its ranks with it: {lost}." if lost else ""
-        waiting = f" (on all {self.rendezvous.nodes} nodes)" if self.rendezvous.nodes > 1 else ""
-        return (f"{what}.{node} torchrun restarts the ranks, which reload the last committed step; the next step "
-                f"waits for them{waiting} up to {self.settings.server_start_timeout:.0f} s "
-                "(ART_SKY_SERVER_START_TIMEOUT): train again")
+        nodes = " (on the nodes that remain)" if self.rendezvous.nodes > 1 else ""
+        return (f"{what}.{node} torchrun restarts the ranks{nodes}, which reload the last committed step; the next "
+                f"step waits for them up to {self.settings.server_start_timeout:.0f} s (ART_SKY_SERVER_START_TIMEOUT):"
+                " train again")
 
     def _start(self) -> None:
         address = self._listener.address
         env = os.environ | self.env | RANKS_ENV | {LEADER_ENV: f"{address[0]}:{address[1]}", KEY_ENV: self.key.hex()}
         log.info("starting the trainer's ranks: %d per node on %d node(s), rendezvous at %s", self.ranks_per_node,
                  self.rendezvous.nodes, self.rendezvous.endpoint)
-        self._process = subprocess.Popen(torchrun(self.rendezvous), env=env, stdin=subprocess.DEVNULL,
+        self._process = subprocess.Popen(torchrun(self.rendezvous, self.min_nodes), env=env, stdin=subprocess.DEVNULL,
                                          start_new_session=True, preexec_fn=_ends_with_parent)
 
     def _not_ready(self) -> str:
-        waiting = (f" (waiting for {self.rendezvous.nodes - 1} worker node(s) to join the rendezvous at "
-                   f"{self.rendezvous.endpoint})" if self.rendezvous.nodes > 1 else "")
+        waiting = (f" (the models' shards need {self.min_nodes} of the cluster's {self.rendezvous.nodes} nodes: "
+                   f"waiting for lost ones to be replaced, at the rendezvous at {self.rendezvous.endpoint})"
+                   if self.min_nodes > 1 else "")
         return (f"the trainer's ranks did not start within {self.settings.server_start_timeout:.0f} s{waiting}: "
                 "see the server log for torchrun's output")
 
@@ -288,6 +294,10 @@ class ShardedTrainer:
             raise ConfigError(f"{request.base_model} does not fit this cluster: {problem}. Start a cluster with more "
                               "trainer GPUs (ART_SKY_TRAINER_GPUS, more nodes) or larger ones, or train a smaller "
                               "model")
+        if self.capacity:  # after losing nodes, the ranks go on only with enough of them for this model's shards
+            needed = next(n for n in range(1, self.capacity.nodes + 1)
+                          if replace(self.capacity, nodes=n).problem(base_parameters(model)) is None)
+            self.group.min_nodes = max(self.group.min_nodes, needed)
         return model, tokenizer
 
     def load_weights(self, state: ModelState, step_dir: Path | None) -> RankWeights:
@@ -344,11 +354,19 @@ class WorkerRanks:
                 self._closed.wait(2.0)
 
 
-def torchrun(rendezvous: TrainerRendezvous) -> list[str]:
-    """The same torchrun on every node: the head's also tells its leading rank where the server listens (env)."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rendezvous.nodes}",
+def torchrun(rendezvous: TrainerRendezvous, min_nodes: int | None = None) -> list[str]:
+    """The same torchrun on every node; the head's (`min_nodes` given) hosts the rendezvous and tells its leading
+    rank where the server listens (env). Several nodes meet in torchrun's elastic range: a node lost (no heartbeat
+    for 3 * NODE_HEARTBEAT s) leaves the group, which goes on after LAST_CALL s with the nodes that remain, down to
+    the head's `min_nodes` (fewer: it waits for a replacement); a node that joins (again) is taken in at once (the
+    group restarts, reloading the last commit). A worker waits for the head's rendezvous as long as it takes."""
+    head = min_nodes is not None
+    nodes = f"{min_nodes or 1}:{rendezvous.nodes}" if rendezvous.nodes > 1 else "1"
+    conf = f"is_host={int(head)},last_call_timeout={LAST_CALL},keep_alive_interval={NODE_HEARTBEAT}," + \
+        ("keep_alive_max_attempt=3" if head else f"keep_alive_max_attempt=3,read_timeout={WORKER_WAIT}")
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
             f"--nproc-per-node={rendezvous.ranks_per_node}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.run_id}",
+            f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.run_id}", f"--rdzv-conf={conf}",
             f"--max-restarts={rendezvous.max_restarts}", "-m", "art_sky.cluster.training.sharded"]
 
 
