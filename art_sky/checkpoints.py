@@ -173,14 +173,63 @@ class CheckpointDir:
         return len(later)
 
     def history(self) -> list[dict]:
+        """history.jsonl's lines (one cut short by a crash mid-write left out)."""
         try:
             lines = (self.model_dir / HISTORY).read_text().splitlines()
         except OSError:
             return []
-        return [json.loads(line) for line in lines if line.strip()]
+        return [entry for line in lines if isinstance(entry := _json(line), dict)]
+
+    def has_step_line(self, record: StepRecord) -> bool:
+        """Does history.jsonl hold the line step `record.step` committed with (the one written as it committed,
+        which adds the step's timing to the record's, or the record's own)?"""
+        return record.history is not None and any(
+            holds(entry, record.history) for entry in self.history() if entry.get("step") == record.step)
+
+    def remove_duplicate_history(self) -> int:
+        """Remove the lines history.jsonl holds twice, keeping the first: a line identical to an earlier one, and
+        a copy of a step's record line after a line that already holds it (servers used to write the newest step's
+        again at every start). The file is replaced whole; returns how many lines were removed."""
+        path = self.model_dir / HISTORY
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            return 0
+        records = {step: record.history for step in self.steps()
+                   if (record := self.record(step)) is not None and record.history is not None}
+        kept: list[str] = []
+        seen: list[dict] = []
+
+        def again(entry: dict) -> bool:
+            step = entry.get("step")
+            return entry in seen or (isinstance(step, int) and entry == records.get(step) and any(
+                holds(earlier, entry) for earlier in seen if earlier.get("step") == step))
+
+        for line in lines:
+            entry = _json(line)  # a line that is not an object is not ours to judge: kept as it is
+            if isinstance(entry, dict):
+                if again(entry):
+                    continue
+                seen.append(entry)
+            kept.append(line)
+        if len(kept) < len(lines):
+            atomic_write(path, "".join(line + "\n" for line in kept))
+        return len(lines) - len(kept)
 
 
 _SECTIONS = {"reward", "loss", "offpolicy", "pipeline", "throughput", "costs", "time", "data", "train", "val", "test"}
+
+
+def _json(line: str) -> object:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def holds(line: dict, entry: dict) -> bool:
+    """`line` says all that `entry` says (when each was recorded aside)."""
+    return all(line.get(key) == value for key, value in entry.items() if key != "recorded_at")
 
 
 def history_entry(step: int, split: str, metrics: dict[str, float]) -> dict:

@@ -5,7 +5,8 @@
   `manifest.json` over all of them), `history.jsonl` beside `checkpoints/`. The object store uses the same relative
   keys under its prefix.
 - A cluster server's run files in its run directory: `server.pid`, `port.json` (`{"port": N, "pid": P}` once it
-  listens), `server.log` (the previous start's is `server.log.1`).
+  listens), `server.log` (the previous start's is `server.log.1`), and `server.lock`, which the server holds while it
+  runs (a second server on the same run files is refused).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ STEP_RECORD = f"{TRAINING_STATE}/step.json"
 PID_FILE = "server.pid"
 PORT_FILE = "port.json"
 LOG_FILE = "server.log"
+LOCK_FILE = "server.lock"
 
 
 def step_name(step: int) -> str:

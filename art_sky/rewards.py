@@ -5,7 +5,9 @@ group's trajectories relative to each other and its scores become their rewards.
 The judge is any OpenAI-compatible model litellm reaches: an OpenAI model ("openai/o3"), any litellm id, or the
 cluster's own endpoint, a base model registered next to the trained one (pass that model, or its
 `litellm_completion_params()` in `extra_litellm_params`). Its reply is constrained to the scores' JSON schema
-(response_format), which both engines enforce. Needs litellm (`pip install "art-sky[rewards]"`).
+(response_format), which both engines enforce as compact JSON. The schema bounds every field (an explanation of at most
+MAX_EXPLANATION characters, a score in hundredths), so a reply's length has a bound RULER computes and asks for as
+max_tokens: a judge that follows the schema always finishes. Needs litellm (`pip install "art-sky[rewards]"`).
 """
 
 from __future__ import annotations
@@ -34,16 +36,33 @@ class JudgeError(ArtSkyError):
     """The judge could not be reached or did not answer with scores; the group's rollouts are unchanged."""
 
 
+MAX_EXPLANATION = 200  # characters
+
+
 class TrajectoryScore(BaseModel):
     trajectory_id: str
-    explanation: str = Field(max_length=300, description="A short description of the trajectory's performance.")
+    explanation: str = Field(max_length=MAX_EXPLANATION,
+                             description="A short description of the trajectory's performance.")
     score: float = Field(ge=0, le=1, description="A score between 0 and 1.")
 
 
+def reply_bound(count: int) -> int:
+    """The most tokens a judge's reply for `count` trajectories can take: its longest compact JSON in bytes (each
+    explanation character at its longest in UTF-8, a space after each separator; no tokenizer spends less than a
+    byte on a token), and the end."""
+    item = {"trajectory_id": str(count), "explanation": "\U0001F600" * MAX_EXPLANATION, "score": 0.25}
+    return len(json.dumps({"scores": [item] * count}, ensure_ascii=False).encode()) + 1
+
+
+_SCORES = [0, *(round(i / 100, 2) for i in range(1, 100)), 1]  # hundredths: a score is at most 4 characters
+
+
 def _response_format(count: int) -> dict:
-    """The judge's reply: exactly one score per trajectory sent, its id one of theirs (ART's fields, bounded)."""
+    """The judge's reply: exactly one score per trajectory sent, its id one of theirs (ART's fields, bounded: the
+    score one of the hundredths, which every grammar backend and OpenAI's strict mode enforce)."""
     item = TrajectoryScore.model_json_schema() | {"additionalProperties": False}
-    item["properties"] = item["properties"] | {"trajectory_id": {"enum": [str(i) for i in range(1, count + 1)]}}
+    item["properties"] = item["properties"] | {"trajectory_id": {"enum": [str(i) for i in range(1, count + 1)]},
+                                               "score": item["properties"]["score"] | {"enum": _SCORES}}
     schema = {"type": "object", "additionalProperties": False, "required": ["scores"], "properties": {"scores": {
         "type": "array", "minItems": count, "maxItems": count, "items": item}}}
     return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
@@ -80,10 +99,12 @@ async def ruler(message_lists: list[list[dict]], judge_model: Any = "openai/o3",
         params = judge_model.litellm_completion_params() | params
         judge_model = params.pop("model")
     url = params.get("base_url") or params.get("api_base") or "the provider's default URL"
+    count = len(message_lists)
+    if "max_tokens" not in params and "max_completion_tokens" not in params:
+        params["max_tokens"] = reply_bound(count)
     try:
         response = await litellm.acompletion(model=judge_model, messages=_judge_prompt(message_lists, tools, rubric),
-                                             response_format=_response_format(len(message_lists)), caching=False,
-                                             **params)
+                                             response_format=_response_format(count), caching=False, **params)
     except Exception as exc:  # litellm's errors (openai's classes), whose class does not say "unreachable" (a
         # refused connection comes back as its InternalServerError): the cause chain does
         if not isinstance(exc, openai.APIError) and not _unreachable(exc):
@@ -94,8 +115,11 @@ async def ruler(message_lists: list[list[dict]], judge_model: Any = "openai/o3",
     content = response.choices[0].message.content or ""
     if debug:
         log.info("RULER judge %s answered: %s", judge_model, content)
+    if response.choices[0].finish_reason == "length":
+        raise JudgeError(_cut(judge_model, url, response, params, count))
     try:
-        scores = [TrajectoryScore.model_validate(s) for s in json.loads(content)["scores"]]
+        # strict=False: a control character in an explanation (vLLM's xgrammar lets a weak judge write one raw)
+        scores = [TrajectoryScore.model_validate(s) for s in json.loads(content, strict=False)["scores"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise JudgeError(f"RULER's judge {judge_model!r} at {url} did not answer with scores ({exc}): "
                          f"{content[:300]!r}") from exc
@@ -103,6 +127,23 @@ async def ruler(message_lists: list[list[dict]], judge_model: Any = "openai/o3",
         raise JudgeError(f"RULER's judge {judge_model!r} gave {len(scores)} scores for {len(message_lists)} "
                          "trajectories")
     return scores
+
+
+def _cut(judge_model: str, url: str, response: Any, params: dict[str, Any], count: int) -> str:
+    """Why a judge's reply stopped before its JSON ended: the max_tokens asked for, or the judge's context."""
+    asked = params.get("max_tokens") or params.get("max_completion_tokens")
+    usage = getattr(response, "usage", None)
+    written = getattr(usage, "completion_tokens", None)
+    start = f"RULER's judge {judge_model!r} at {url} was cut off before its scores' JSON ended"
+    if written is not None and asked is not None and written < asked:
+        return (f"{start}: by its context window, after {written} tokens (its prompt: "
+                f"{getattr(usage, 'prompt_tokens', '?')} tokens). Give the judge a longer context (max_seq_length) "
+                "or judge smaller groups")
+    bound = reply_bound(count)
+    todo = ("leave max_tokens out of extra_litellm_params (RULER then asks for that many) or raise it"
+            if asked < bound else "the judge did not keep to the scores' schema: use a judge that enforces "
+            "response_format")
+    return f"{start}: by max_tokens={asked}; a reply for {count} trajectories takes at most {bound} tokens: {todo}"
 
 
 def _unreachable(exc: BaseException | None) -> bool:

@@ -78,6 +78,10 @@ class Settings(BaseSettings):
     vllm_start_timeout: float = Field(600.0, description="seconds to wait for the vLLM child server to be ready")
     vllm_max_loras: int = Field(4, ge=1, description="adapters an engine keeps loaded at once: the newest "
                                 "step of each model plus older name@step ones (vLLM's --max-loras)")
+    vllm_compact_json: bool = Field(True, description="vLLM's constrained JSON without free whitespace (as the "
+                                    "portable engine's), with its xgrammar backend, which refuses a few schema "
+                                    "features (multipleOf, uniqueItems); false: vLLM's auto backend, whose JSON "
+                                    "may carry any whitespace")
     tool_parser: str = Field("", description="how tool calls are read from replies, by vLLM's parser names (hermes, "
                              "llama3_json, mistral; vLLM has more); empty: from the model's chat template; none: "
                              "not read")

@@ -6,12 +6,16 @@ Both sides import this one module, so a field added here is added everywhere. Op
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
+import urllib.parse
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_HOSTNAME = r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 TOKEN_ID_LIMIT = 2**31  # no vocabulary is larger; each model's own size is checked when its sequences are built
 TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
@@ -113,6 +117,34 @@ class JoinRequest(_Strict):
                                  "private network")
     node: str = Field(min_length=1, max_length=256, description="the node's name, shown by /health and status")
     engine: str = Field(min_length=1, max_length=64, description="the replica's engine: the head's, or refused")
+    rank: int | None = Field(None, ge=1, le=65535, description="the worker node's rank in the cluster (--node-rank): "
+                                                              "one replica per rank, a second one is refused")
+    pid: int | None = Field(None, ge=1, le=2**31, description="the replica server's pid on its node, to name it")
+
+    @field_validator("url")
+    @classmethod
+    def _an_address_with_a_port(cls, url: str) -> str:
+        """HOST:PORT the head can connect to: a name (with a letter: `0` or `10.1` are numbers a resolver reads
+        as addresses) or an IP address that is not 0.0.0.0 or ::, and a port."""
+        parts = urllib.parse.urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        host = parts.hostname or ""
+        if not port or parts.username is not None or parts.password is not None:
+            raise ValueError(f"{url!r} is not http://HOST:PORT: the replica's address on the cluster's private "
+                             "network and its port")
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            if not re.fullmatch(_HOSTNAME, host) or not re.search(r"[A-Za-z]", host):
+                raise ValueError(f"{host!r} in {url!r} is neither a host name nor an IP address") from None
+        else:
+            if address.is_unspecified or address.is_multicast:
+                raise ValueError(f"{host} in {url!r} is not an address the head can connect to: name the "
+                                 "replica's address on the cluster's private network (--advertise)")
+        return url
 
 
 class JoinReply(_Strict):
@@ -128,6 +160,8 @@ class FleetReplica(BaseModel):
 
     url: str = Field(description="'local' for the head's own engine, else the replica server's URL")
     node: str
+    rank: int | None = Field(None, description="the worker node's rank (--node-rank); None: the head, or not given")
+    pid: int | None = Field(None, description="the replica server's pid on its node")
     outstanding: int = Field(0, description="completions routed to it and not finished (its load)")
     completions: int = Field(0, description="completions it has served since it joined")
     steps: dict[str, int] = Field({}, description="model name -> the step it serves (`name@step`); a model not "
@@ -287,6 +321,10 @@ class WireChoice(_Strict):
     prompt_shared: int = Field(
         0, ge=0, description="leading prompt ids equal to the previous choice's prompt + sampled ids (in the same "
                              "history), not repeated on the wire")
+    prompt_tokens: int | None = Field(
+        None, ge=0, lt=TOKEN_ID_LIMIT, description="how many prompt tokens the engine sampled this turn from (its "
+                                                   "usage), where the prompt ids did not come along: a prompt "
+                                                   "rendered again at another length is not the one sampled from")
     step: int | None = Field(
         None, ge=0, description="the adapter step that sampled this turn (the completion's `art_sky_step`): the "
                                 "rollout's policy version, which bounds its staleness; None: not known")

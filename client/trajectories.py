@@ -184,7 +184,8 @@ def wire_item(item: Any) -> WireChoice | WireMessage:
         if len(choices) != 1:
             raise ConfigError(f"a completion with {len(choices)} choices: put the one the conversation continued "
                               "with in messages_and_choices (completion.choices[i])")
-        return _wire_choice(choices[0], _field(item, "prompt_token_ids"), _step_of_model(_field(item, "model")))
+        return _wire_choice(choices[0], _field(item, "prompt_token_ids"), _step_of_model(_field(item, "model")),
+                            _field(_field(item, "usage"), "prompt_tokens"))
     if _field(item, "message") is not None:
         return _wire_choice(item)
     if isinstance(item, Mapping):
@@ -260,7 +261,8 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None, step: int | None = None) -> WireChoice:
+def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None, step: int | None = None,
+                 prompt_tokens: int | None = None) -> WireChoice:
     message = _field(choice, "message")
     extra = _field(choice, "provider_specific_fields") or {}  # where litellm keeps fields it does not know
     step = _first(_field(choice, "art_sky_step"), _field(extra, "art_sky_step"), step)
@@ -270,7 +272,7 @@ def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None, step: i
     fields = _message_fields(message)
     return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
                       reasoning_content=fields.get("reasoning_content"), token_ids=token_ids, logprobs=logprobs,
-                      prompt_token_ids=None if prompt is None else list(prompt),
+                      prompt_token_ids=None if prompt is None else list(prompt), prompt_tokens=_count(prompt_tokens),
                       step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None)
 
 
@@ -321,8 +323,15 @@ def _from_langchain(message: Any) -> WireChoice | WireMessage:
     reasoning = (getattr(message, "additional_kwargs", None) or {}).get("reasoning_content")
     logprobs = (getattr(message, "response_metadata", None) or {}).get("logprobs") or {}
     token_ids, values = _sampled(None, logprobs.get("content"))
+    usage = getattr(message, "usage_metadata", None) or {}  # its prompt is rendered again: its length is a check
     return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
-                      reasoning_content=reasoning, token_ids=token_ids, logprobs=values)
+                      reasoning_content=reasoning, token_ids=token_ids, logprobs=values,
+                      prompt_tokens=_count(usage.get("input_tokens")))
+
+
+def _count(value: Any) -> int | None:
+    """A token count a client reported, if it is one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _field(obj: Any, name: str) -> Any:

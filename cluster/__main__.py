@@ -12,6 +12,7 @@ that refuses it ends it, saying why.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from art_sky.files import atomic_write
-from art_sky.layout import ServerLayout
+from art_sky.layout import LOCK_FILE, ServerLayout
 from art_sky.settings import Settings
 
 
@@ -42,7 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--advertise", metavar="HOST",
                         help="with --join: the address the head reaches this replica at (default: --host, or this "
                              "node's address when --host binds every interface)")
+    parser.add_argument("--node-rank", type=int, metavar="RANK",
+                        help="with --join: this node's rank in the cluster (1 and up; SkyPilot's SKYPILOT_NODE_RANK): "
+                             "the head refuses a second replica of a rank its fleet has")
     args = parser.parse_args(argv)
+    if args.node_rank is not None and (not args.join or args.node_rank < 1):
+        sys.exit("--node-rank is a worker node's (with --join): 1 and up (the head is rank 0)")
     settings = Settings()
     if settings.api_key is None:
         sys.exit("ART_SKY_API_KEY is not set: the server refuses to start without an API key")
@@ -53,14 +59,16 @@ def main(argv: list[str] | None = None) -> None:
         layout = ServerLayout(run_dir=str(args.run_dir.resolve()), art_path=str(args.art_path.resolve()))
         _take_run_dir(layout, args.detach)
     _serve(settings, list(dict.fromkeys(args.host or ["127.0.0.1"])), args.port, args.art_path, layout,
-           args.exit_with, args.join, args.advertise)
+           args.exit_with, args.join, args.advertise, args.node_rank)
 
 
 def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
     """Start the run files afresh (the last log kept as server.log.1), record this server's pid, log to server.log.
-    Detached: fork; the parent records the child's pid and exits, the child leads a new session."""
+    Detached: fork; the parent records the child's pid and exits, the child leads a new session. Run files another
+    server holds are left alone: this one exits, naming it."""
     run = Path(layout.run_dir)
     run.mkdir(parents=True, exist_ok=True)
+    _hold(layout)
     Path(layout.port_file).unlink(missing_ok=True)
     log = Path(layout.log_file)
     if log.exists():
@@ -84,8 +92,44 @@ def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
     sys.stdout.reconfigure(line_buffering=True)
 
 
+def _hold(layout: ServerLayout) -> None:
+    """Lock the run directory for this server's life (the lock file stays open; the kernel lets go when the server
+    ends, however it ends, kill -9 included). Held by another server: exit, naming it (its pid and port)."""
+    fd = os.open(Path(layout.run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        held = True
+    except OSError:  # a filesystem without locks (some NFS mounts): a live server's pid file says it is held
+        held = _running_server(layout)
+    if held:
+        sys.exit(f"the run directory {layout.run_dir} belongs to a cluster server that is running "
+                 f"({_describe(layout)}): stop it first (`art-sky down`, or kill its pid), or start this one with "
+                 "another --run-dir")
+
+
+def _describe(layout: ServerLayout) -> str:
+    """The running server of a run directory, as its run files name it: pid and port."""
+    try:
+        found = json.loads(Path(layout.port_file).read_text())
+        return f"pid {found['pid']}, port {found['port']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pid = Path(layout.pid_file).read_text().strip() if Path(layout.pid_file).exists() else "unknown"
+        return f"pid {pid}, not listening yet"
+
+
+def _running_server(layout: ServerLayout) -> bool:
+    try:
+        pid = int(Path(layout.pid_file).read_text())
+        return _alive(pid) and b"art_sky.cluster" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+
+
 def _serve(settings: Settings, hosts: list[str], port: int, art_path: Path, layout: ServerLayout | None,
-           exit_with: int | None = None, join: str | None = None, advertise: str | None = None) -> None:
+           exit_with: int | None = None, join: str | None = None, advertise: str | None = None,
+           node_rank: int | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -141,7 +185,8 @@ def _serve(settings: Settings, hosts: list[str], port: int, art_path: Path, layo
     where = advertise or (host if host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname()))
     url = f"http://{f'[{where}]' if ':' in where else where}:{bound}"
     membership = Membership(join, settings.api_key.get_secret_value(),
-                            JoinRequest(url=url, node=socket.gethostname(), engine=app.state.engine))
+                            JoinRequest(url=url, node=socket.gethostname(), engine=app.state.engine, rank=node_rank,
+                                        pid=os.getpid()))
     refused: list[str] = []
 
     def join_when_listening() -> None:

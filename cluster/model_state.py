@@ -287,13 +287,15 @@ def _drop_unsaved(checkpoints: CheckpointDir, unsaved: list[int], restored: int)
 
 
 def _complete_history(state: ModelState) -> None:
-    """A step commits with its history line in its record; history.jsonl gets the line just after. A server killed
-    between the two left the line out: it is added now."""
+    """A step commits with its history line in its record; history.jsonl gets the line just after (with the step's
+    timing added). A server killed between the two left the line out: it is added now, once. Lines that earlier
+    servers wrote twice are removed, the first of each kept."""
+    removed = state.checkpoints.remove_duplicate_history()
+    if removed:
+        log.warning("history of %s: removed %d line(s) written twice by earlier restarts; the first of each kept",
+                    state.name, removed)
     record = state.checkpoints.record(state.step)
-    if record is None or record.history is None:
-        return
-    if not any(entry.get("step") == state.step and entry.get("recorded_at") == record.history.get("recorded_at")
-               for entry in state.checkpoints.history()):
+    if record is not None and record.history is not None and not state.checkpoints.has_step_line(record):
         state.checkpoints.append_history(record.history)
         log.info("history of %s: added step %d's line, which a stopped server had not written", state.name,
                  state.step)

@@ -99,6 +99,8 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     registration = asyncio.Lock()  # one model loads at a time; inference goes on meanwhile
     bearer, has_key, authorized = api_key_auth(api_key)
     fleet = Fleet(engine, api_key)  # what /v1 and the steps see: this node's engine and the joined replicas
+    if isinstance(trainer, ShardedTrainer):  # a rank lost with a node: the fleet says which node
+        trainer.group.lost_nodes = fleet.lost
 
     def committed(state: ModelState) -> None:
         record = state.record(state.step)  # on disk or being written

@@ -119,8 +119,8 @@ def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress:
     except BaseException as exc:
         state.weights.restore(before)
         if isinstance(exc, Exception):
-            raise StepError(f"training {state.name} failed and was rolled back: the model is as it was at step "
-                            f"{state.step}. {exc}") from exc
+            raise StepError(f"training {state.name} step {step} failed and was rolled back: the model is as it "
+                            f"was at step {state.step}. {exc}") from exc
         raise
     return Trained(result, requests)
 

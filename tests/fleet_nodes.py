@@ -41,9 +41,10 @@ class Node:
 
 
 def start_node(root: Path, name: str, *, join: str | None = None, core: int | None = None,
-               env: dict[str, str] | None = None, key: str = API_KEY, port: int | None = None) -> Node:
-    """A head (or, with `join`, a replica of the head at that URL) under `root/name` (on `port`), ready to answer
-    /health."""
+               env: dict[str, str] | None = None, key: str = API_KEY, port: int | None = None,
+               rank: int | None = None) -> Node:
+    """A head (or, with `join`, a replica of the head at that URL, of node rank `rank`) under `root/name` (on
+    `port`), ready to answer /health."""
     layout = ServerLayout(run_dir=str(root / name / "run"), art_path=str(root / name / "art"))
     python = sys.executable
     if core is not None:
@@ -53,7 +54,8 @@ def start_node(root: Path, name: str, *, join: str | None = None, core: int | No
     runner = LocalRunner()
     lifecycle.start(runner, layout, python=python, env={"ART_SKY_API_KEY": key} | (env or {}),
                     exit_with=os.getpid(),
-                    args=(("--join", join) if join else ()) + (("--port", str(port)) if port else ()))
+                    args=(("--join", join) if join else ()) + (("--port", str(port)) if port else ())
+                    + (("--node-rank", str(rank)) if rank else ()))
     server = lifecycle.wait_ready(runner, layout, timeout=180, reach=lambda port: f"http://127.0.0.1:{port}",
                                   stop_on_timeout=True)
     return Node(layout, server)

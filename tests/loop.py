@@ -28,9 +28,11 @@ async def rollout_and_train(backend: art_sky.Backend, *, project: str, limit: fl
 
 
 def trajectory(choice: dict, reward: float) -> dict:
-    """A trainable trajectory (wire form) from a sampled choice with token-id logprobs, after the prompt "hi"."""
+    """A trainable trajectory (wire form) from a sampled choice with token-id logprobs, after the prompt "hi": the
+    engine's prompt and sampled ids, so it trains exactly."""
     ids = [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]]
     return {"items": [{"role": "user", "content": "hi"},
                       {"kind": "choice", "content": choice["message"]["content"], "token_ids": ids,
-                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
+                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]],
+                       "prompt_token_ids": choice["prompt_token_ids"]}],
             "reward": reward}

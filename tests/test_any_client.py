@@ -107,10 +107,39 @@ async def test_langchain(model):
     # LangChain keeps no token ids: its AIMessages are re-rendered...
     rerendered = await train(model, lambda reward: rollout(reward, chat()))
     assert rerendered["trained_tokens_exact"] == 0
-    # ...unless the logprobs it keeps name them (vLLM's return_tokens_as_token_ids)
+    # ...unless the logprobs it keeps name the sampled ones (vLLM's return_tokens_as_token_ids); its prompt is still
+    # rendered again, so its turns count as re-rendered (exact needs the engine's prompt ids too)
     with_ids = chat(logprobs=True, extra_body={"return_tokens_as_token_ids": True})
-    exact = await train(model, lambda reward: rollout(reward, with_ids))
-    assert exact["trained_tokens_rerendered"] == 0
+    sampled = await train(model, lambda reward: rollout(reward, with_ids))
+    assert sampled["trained_tokens_exact"] == 0 and sampled["trained_tokens_rerendered"] > 0
+
+
+async def test_a_langchain_turn_sampled_with_tools_does_not_train_without_them(model, caplog):
+    """An AIMessage with its sampled ids trains in a prompt rendered again from the messages: sampled with tools, a
+    Trajectory without tools= would render another prompt. Its length differs from the one the engine reported, so
+    the trajectory is skipped, named in a warning; with the tools given it trains."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "look a word up", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
+    llm = ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
+                     max_tokens=4, logprobs=True, extra_body={"return_tokens_as_token_ids": True}).bind_tools(tools)
+
+    async def rollout(reward: float, with_tools: bool) -> art.Trajectory:
+        messages = [HumanMessage("What is 2 + 2?")]
+        messages.append(await llm.ainvoke(messages))
+        return art.Trajectory(messages_and_choices=messages, reward=reward, tools=tools if with_tools else None)
+
+    with caplog.at_level("WARNING"):
+        without = await model.train(await art.gather_trajectory_groups(
+            [art.TrajectoryGroup(rollout(reward, False) for reward in REWARDS)], pbar_desc=None),
+            config=art.TrainConfig(learning_rate=1e-3))
+    assert without["num_trajectories_skipped"] == len(REWARDS) and without["trained_tokens"] == 0
+    assert "group 0, trajectory 0" in caplog.text and "a request with tools whose Trajectory has no tools=" in \
+        caplog.text
+    given = await train(model, lambda reward: rollout(reward, True))
+    assert given["num_trajectories_skipped"] == 0 and given["trained_tokens_rerendered"] > 0
 
 
 async def test_dict_assistant_turns_train_when_allowed(model, caplog):
@@ -150,10 +179,12 @@ async def test_langchain_structured_output_on_the_portable_engine(model):
 
 async def test_ruler_with_the_clusters_own_endpoint_as_judge(model):
     """RULER (art.rewards.ruler_score_group, ART's signature) judged by a base model registered next to the trained
-    one on the same server: its reply is constrained to the scores' schema, so even the untrained tiny model returns
-    a scored group, which trains. An unreachable judge is an error naming it and its URL; the rollouts are kept."""
-    judge = art.TrainableModel(name="judge", project="any", base_model="art-sky/tiny",
-                               config=art.ModelConfig(max_seq_length=2048))
+    one on the same server: its reply is constrained to the scores' schema (compact, every field bounded) and RULER
+    asks for as many tokens as the longest such reply takes, so even the untrained tiny model returns a scored group
+    whatever it samples, which trains. A reply cut by a smaller max_tokens says so; an unreachable judge is an error
+    naming it and its URL; the rollouts are kept."""
+    judge = art.TrainableModel(name="judge", project="any", base_model="art-sky/tiny",  # room for the longest reply
+                               config=art.ModelConfig(max_seq_length=1024 + art.rewards.reply_bound(2)))
     await judge.register(model._backend)
     client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
 
@@ -162,13 +193,16 @@ async def test_ruler_with_the_clusters_own_endpoint_as_judge(model):
         return art.Trajectory(messages_and_choices=[*QUESTION, completion.choices[0]], reward=0.0)
 
     group = art.TrajectoryGroup([await rollout(), await rollout()])
-    scored = await art.rewards.ruler_score_group(group, judge, {"seed": 1, "max_tokens": 900},
-                                                 rubric="Score correct answers higher.")
+    scored = await art.rewards.ruler_score_group(group, judge, rubric="Score correct answers higher.")
     assert [t.metrics["independent_reward"] for t in scored.trajectories] == [0.0, 0.0]
     assert all(0 <= t.reward <= 1 and t.metrics["ruler_score"] == t.reward for t in scored.trajectories)
     assert all(t.reward == 0.0 for t in group.trajectories), "the group passed in is unchanged"
     metrics = await model.train([scored], config=art.TrainConfig(learning_rate=1e-3))
     assert metrics["num_trajectories_skipped"] == 0
+
+    with pytest.raises(art.rewards.JudgeError, match=r"cut off before its scores' JSON ended: by max_tokens=8; a "
+                       rf"reply for 2 trajectories takes at most {art.rewards.reply_bound(2)} tokens"):
+        await art.rewards.ruler_score_group(group, judge, {"max_tokens": 8})
 
     params = {"api_base": "http://127.0.0.1:9/v1", "api_key": "none", "num_retries": 0}
     with pytest.raises(art.rewards.JudgeError, match=r"'openai/absent' at http://127.0.0.1:9/v1 cannot be reached"):

@@ -266,3 +266,41 @@ asyncio.run(main())
 
     asyncio.run(start_and_close())
     assert list((tmp_path / "art" / "run").iterdir()) == []
+
+
+@pytest.mark.slow
+async def test_history_holds_one_line_per_step_whatever_the_restarts(tmp_path, caplog):
+    """Each start checks that the newest step's history line is there: after kill -9 and after graceful restarts,
+    with a step between them and without, history.jsonl holds one line per step; a file an older server filled with
+    copies is repaired at the next start (the first line of each step kept), saying how many it removed."""
+    from fleet_nodes import start_node
+
+    art_path = tmp_path / "server" / "art"
+    checkpoints = CheckpointDir(art_path, "faults", "tiny")
+
+    def lines_per_step() -> dict[int, int]:
+        steps = [entry["step"] for entry in checkpoints.history()]
+        return {step: steps.count(step) for step in sorted(set(steps))}
+
+    node = start_node(tmp_path, "server")  # a server process, killed with -9 after its step
+    try:
+        with node.client() as client:
+            assert client.post("/art/models", json={"name": "tiny", "project": "faults",
+                                                    "base_model": "art-sky/tiny"}).status_code == 200
+            assert json.loads(client.post("/art/models/tiny/train", json=group()).text.splitlines()[-1])["step"] == 1
+    finally:
+        node.kill()
+    async with app_client(art_path):  # restarted: the step's line is there already
+        pass
+    async with app_client(art_path) as client:
+        assert lines_per_step() == {1: 1}
+        assert (await train(client, group()))["step"] == 2
+    async with app_client(art_path):
+        assert lines_per_step() == {1: 1, 2: 1}
+    # as an older server left it: the newest step's record line again after each of three starts
+    with open(checkpoints.model_dir / "history.jsonl", "a") as history:
+        history.write(3 * (json.dumps(checkpoints.record(2).history) + "\n"))
+    with caplog.at_level("WARNING", logger="art_sky.cluster"):
+        async with app_client(art_path):
+            assert lines_per_step() == {1: 1, 2: 1}
+    assert "history of tiny: removed 3 line(s) written twice by earlier restarts" in caplog.text

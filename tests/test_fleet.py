@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,7 +39,7 @@ def nodes(tmp_path_factory) -> tuple[Node, Node]:
     try:
         with head.client() as client:
             assert client.post("/art/models", json=MODEL).status_code == 200
-        replica = start_node(root, "replica", join=head.url)
+        replica = start_node(root, "replica", join=head.url, rank=1)
         wait_fleet(head, lambda f: len(f) == 2 and f[1]["steps"] == {"tiny": 0}, "the replica serving tiny@0")
         yield head, replica
     finally:
@@ -131,8 +133,9 @@ async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
             unreachable.json()["detail"]
         other_engine = await http.post("/fleet/join", json=join | {"engine": "vllm"}, headers=auth)
         assert other_engine.status_code == 409 and "ART_SKY_ENGINE" in other_engine.json()["detail"]
-        not_a_url = await http.post("/fleet/join", json=join | {"url": "127.0.0.1:80/x"}, headers=auth)
-        assert not_a_url.status_code == 422 and "url" in not_a_url.json()["detail"]
+        for url in ("127.0.0.1:80/x", "http://0", "http://0.0.0.0:80", "http://node-b", "http://[::1:80"):
+            not_a_url = await http.post("/fleet/join", json=join | {"url": url}, headers=auth)
+            assert not_a_url.status_code == 422 and "url" in not_a_url.json()["detail"], (url, not_a_url.text)
     try:  # it listens, then the head refuses it and it exits: which of the two the readiness wait sees varies
         stranger = start_node(tmp_path, "stranger", join=head.url, key="not-the-head-key").layout
     except BackendUnavailableError:
@@ -147,6 +150,33 @@ async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
         assert time.monotonic() < deadline, "the refused replica did not exit"
         time.sleep(0.2)
     assert len(fleet(head)) == 2
+
+
+async def test_a_node_has_one_replica_and_its_run_files_one_server(nodes):
+    """A second replica of a node rank the fleet has is refused (409), naming the one that serves it; a second
+    server on a run directory whose server runs exits before touching its files, naming that server."""
+    head, replica = nodes
+    async with client(head) as http:
+        second = await http.post("/fleet/join", json={"url": head.url, "node": "again", "engine": "portable",
+                                                      "rank": 1, "pid": 4242})
+    assert second.status_code == 409, second.text
+    assert second.json()["detail"].startswith(f"node rank 1 is in the fleet already: the replica at {replica.url} "
+                                              f"on {socket.gethostname()} (pid {replica.server.pid}) serves it")
+    assert [(r["url"], r["rank"]) for r in fleet(head)] == [("local", None), (replica.url, 1)]
+
+    run = Path(replica.layout.run_dir)
+    log = Path(replica.layout.log_file).read_bytes()
+    files = {path.name: path.read_bytes() for path in run.iterdir() if path.name != "server.log"}
+    started = subprocess.run([sys.executable, "-m", "art_sky.cluster", "--run-dir", str(run), "--art-path",
+                              replica.layout.art_path, "--join", head.url, "--node-rank", "1"],
+                             env=os.environ | {"ART_SKY_API_KEY": API_KEY}, capture_output=True, text=True,
+                             timeout=120)
+    assert started.returncode != 0
+    assert f"the run directory {run} belongs to a cluster server that is running (pid {replica.server.pid}, " \
+           f"port {replica.server.port})" in started.stderr
+    assert {path.name: path.read_bytes() for path in run.iterdir() if path.name != "server.log"} == files
+    assert Path(replica.layout.log_file).read_bytes().startswith(log)  # not rotated: the first one's, still growing
+    assert lifecycle.status(LocalRunner(), replica.layout).state == "listening" and len(fleet(head)) == 2
 
 
 def test_a_replica_started_before_its_head_joins_once_the_head_answers(tmp_path):

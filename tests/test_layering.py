@@ -37,6 +37,9 @@ RULES = [
     *((helper, ("art_sky.cluster.inference.portable_engine", "art_sky.cluster.inference.vllm_engine",
                 "art_sky.cluster.training", "art_sky.cluster.server"))
       for helper in ("art_sky.cluster.inference.constraints", "art_sky.cluster.inference.tool_parsers")),
+    # how the server stops the children it starts: for the engines and trainers, knowing none of them
+    ("art_sky.cluster.processes", ("art_sky.cluster.inference", "art_sky.cluster.training", "art_sky.cluster.node",
+                                   "art_sky.cluster.server", "art_sky.cluster.steps", "art_sky.cluster.replica")),
     # Inside the server: engines and trainers do not know each other; what composes them (the server, a step's
     # transaction, node/ choosing what runs) sits above both; node/placement is data both read. Unsloth's trainer is the one exception: its model
     # runs vLLM inside (fast_inference), sized as the vLLM engine sizes its LoRA slots.

@@ -84,8 +84,9 @@ def test_art_programs_on_local_backend(tmp_path):
     echo = run_program("echo", tmp_path)
     assert echo["get_step"] == 2
     assert "adam_params" in echo["refused"] and echo["refused"].startswith("ConfigError")
+    # the seeded replies of step 1 (the untrained model's, the same every run) differ in length: it trains
     trained = [m for m in echo["metrics"] if m.get("trained_tokens", 0) > 0]
-    assert trained and all(m["kl"] >= 0 for m in trained)
+    assert echo["metrics"][0] in trained and all(m["kl"] >= 0 for m in trained)
 
 
 @pytest.mark.slow

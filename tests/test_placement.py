@@ -208,6 +208,18 @@ def test_vllm_command_beside_the_trainer_on_one_gpu():
     assert "CUDA_VISIBLE_DEVICES" not in env  # the one GPU the server process uses too
 
 
+def test_vllm_writes_compact_json_unless_told_otherwise():
+    """Constrained JSON without free whitespace, as the portable engine's: a named backend (vLLM's auto refuses the
+    option); ART_SKY_VLLM_COMPACT_JSON=false leaves vLLM's auto backend."""
+    def structured(settings: Settings) -> str | None:
+        args, _ = vllm_command(settings, choose(node(1), settings, vllm=True), "/m", REQUEST, 8001, 16, True, True,
+                               KEY)
+        return args[args.index("--structured-outputs-config") + 1] if "--structured-outputs-config" in args else None
+
+    assert json.loads(structured(Settings())) == {"backend": "xgrammar", "disable_any_whitespace": True}
+    assert structured(Settings(vllm_compact_json=False)) is None
+
+
 def test_vllm_sleeps_only_beside_the_trainer(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_engine, "device", lambda: torch.device("cuda"))
     dedicated = choose(node(8), Settings(), vllm=True)

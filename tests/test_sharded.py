@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 
 import psutil
@@ -117,11 +118,26 @@ async def test_a_rank_killed_mid_step_rolls_the_step_back_and_it_trains_again(tm
         assert second["step"] == 2 and "the step was rolled back during train" in caplog.text
         await backend.flush_checkpoints()
         assert sorted(p.name for p in steps_dir.iterdir()) == ["0000", "0001", "0002"]
+        # the 503 in the cluster's words: which step rolled back, which rank saw what, what happens next; gloo's own
+        # text stays in the server log
+        assert "training agent step 2 failed and was rolled back: the model is as it was at step 1" in caplog.text
+        assert re.search(r"rank \d \(on .+\) lost its connection to the other ranks during train|the trainer's ranks "
+                         r"stopped during train: the leading rank's connection closed", caplog.text), caplog.text
+        assert "reload the last committed step" in caplog.text and "pair.cc" not in caplog.text
+        assert "()" not in caplog.text
         restarted = ranks_of(backend.server.pid)
         assert set(restarted) == {0, 1} and restarted[1].pid != ranks[1].pid
         assert load_file(steps_dir / "0001" / "adapter_model.safetensors").keys() == at_one.keys()
         at_two = load_file(steps_dir / "0002" / "adapter_model.safetensors")
         assert any(not torch.equal(at_two[name], at_one[name]) for name in at_one)
+
+        # a rank lost between steps (a worker node that left and joined again): the group restarts as the next
+        # step begins, which waits for the new ranks instead of failing
+        restarted[1].send_signal(signal.SIGKILL)
+        caplog.clear()
+        third = await model.train(groups, TrainConfig(learning_rate=1e-3))
+        assert third["step"] == 3 and ranks_of(backend.server.pid)[1].pid != restarted[1].pid
+        assert "rolled back" not in caplog.text, "the step waited for the ranks: nothing to retry"
     finally:
         await backend.close(force=True)
 

@@ -1,6 +1,6 @@
 """Constrained decoding on the portable engine, with llguidance (the grammar library vLLM uses) and vLLM's grammars:
 `response_format` json_object / json_schema, `tool_choice` named (the reply is that tool's arguments) and required
-(the reply is a JSON list of calls), so both engines answer the same parameters alike.
+(the reply is a JSON list of calls), so both engines answer the same parameters alike. The JSON is compact on both.
 
 The mask changes which token is drawn, never how it is recorded: a sampled token's logprob stays the model's own
 log-softmax (the quantity the trainer recomputes), and its id is the id sampled.
@@ -22,8 +22,10 @@ from art_sky.wire import ChatCompletionRequest
 
 from .openai_api import OpenAIError
 
-# vLLM's llguidance options: JSON may have any whitespace between its tokens (vLLM's default)
-_JSON_OPTIONS = {"whitespace_flexible": True}
+# Compact JSON (`,` and `:`, no whitespace between tokens), as OpenAI's structured outputs and vLLM's
+# `disable_any_whitespace` (cluster/inference/vllm_engine.py sets it): free whitespace lets a weak model pad a reply
+# until max_tokens cuts it, while a schema that bounds its strings, numbers and arrays bounds the whole reply.
+_JSON_OPTIONS = {"whitespace_flexible": False}
 _BITS = torch.arange(32, dtype=torch.int32)
 
 

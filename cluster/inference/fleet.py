@@ -22,8 +22,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -49,6 +51,7 @@ HEALTH_EVERY = 2.0  # seconds between the head's health checks of each replica
 HEALTH_TIMEOUT = 5.0
 MISSES = 3  # health checks in a row a replica may miss before it leaves
 LOAD_TIMEOUT = 900.0  # a replica loading a model or a step (its base model may download first)
+LOST_WITHIN = 60.0  # seconds a replica that left is named as a lost node (its trainer ranks went with it)
 T = TypeVar("T")
 
 
@@ -61,6 +64,8 @@ class Replica:
     url: str  # "local": the head's own engine
     node: str
     session: aiohttp.ClientSession | None = None  # aiohttp, as the vLLM proxy: a node's few cores go to sampling
+    rank: int | None = None  # the worker node's rank: one replica per rank
+    pid: int | None = None
     steps: dict[str, int] = field(default_factory=dict)  # model name -> the step it serves
     outstanding: int = 0
     completions: int = 0
@@ -69,7 +74,7 @@ class Replica:
     syncing: asyncio.Task | None = None
 
     def describe(self) -> FleetReplica:
-        return FleetReplica(url=self.url, node=self.node, outstanding=self.outstanding,
+        return FleetReplica(url=self.url, node=self.node, rank=self.rank, pid=self.pid, outstanding=self.outstanding,
                             completions=self.completions, steps=dict(self.steps))
 
 
@@ -85,6 +90,7 @@ class Fleet:
         self._lock = threading.Lock()  # a replica's step set vs. a step's list of replicas to load it on
         self._loop: asyncio.AbstractEventLoop | None = None
         self._monitor: asyncio.Task | None = None
+        self._departures: list[tuple[float, Replica, str]] = []  # (when, who, why) replicas left, the latest
 
     # -- the Engine protocol: the head's engine's, and every replica kept in step ----------------------------
 
@@ -240,7 +246,7 @@ class Fleet:
                 accepted = health.status == 200 and (await health.json()).get("engine") is not None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             await session.close()
-            raise HTTPException(502, f"the head cannot reach the replica at {request.url} ({exc!r}): start the "
+            raise HTTPException(502, f"the head cannot reach the replica at {request.url} ({_said(exc)}): start the "
                                      "replica with --host on an address of the cluster's private network that "
                                      "the head reaches, and open its port between the nodes") from exc
         if not accepted:
@@ -248,22 +254,67 @@ class Fleet:
             raise HTTPException(502, f"the replica at {request.url} did not accept this head's API key: start it "
                                      "with the head's ART_SKY_API_KEY")
         self._loop = asyncio.get_running_loop()
+        try:
+            await self._one_per_rank(request)
+        except HTTPException:
+            await session.close()
+            raise
         for old in [r for r in self.remotes if r.url == request.url]:
             self._leave(old, "it joined again")
-        replica = Replica(request.url, request.node, session)
+        replica = Replica(request.url, request.node, session, request.rank, request.pid)
         self.replicas.append(replica)
         log.info("replica %s on %s joined the fleet (%d replicas)", replica.url, replica.node, len(self.replicas))
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch())
         self._sync(replica)
 
+    async def _one_per_rank(self, request: JoinRequest) -> None:
+        """A node has one replica: one of the same rank elsewhere that still answers refuses the join (409, naming
+        it); one that does not answer is gone, and the newcomer replaces it."""
+        for other in [r for r in self.remotes if request.rank is not None and r.rank == request.rank
+                      and r.url != request.url]:
+            try:
+                async with other.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
+                    alive = r.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                alive = False
+            if not alive:
+                self._leave(other, f"node rank {request.rank} joined again at {request.url}")
+                continue
+            raise HTTPException(409, f"node rank {request.rank} is in the fleet already: the replica at {other.url} "
+                                     f"on {other.node} (pid {other.pid}) serves it. One replica per node: stop that "
+                                     f"one first, or start this one with its own --node-rank")
+
     def describe(self) -> list[FleetReplica]:
         return [r.describe() for r in self.replicas]
+
+    def lost(self) -> str:
+        """(A worker thread.) The worker nodes that are gone, in words: their replicas left the fleet in the last
+        LOST_WITHIN s, or do not answer now. Where a trainer rank was lost, this says with which node."""
+        now = time.monotonic()
+        gone = [f"{_named(r)} left the fleet {now - at:.1f} s earlier ({why})"
+                for at, r, why in self._departures if now - at < LOST_WITHIN]
+        if self._loop is not None and self.remotes:
+            silent = asyncio.run_coroutine_threadsafe(self._silent(), self._loop).result(HEALTH_TIMEOUT + 5)
+            gone += [f"{_named(r)} does not answer" for r in silent]
+        return "; ".join(gone)
+
+    async def _silent(self) -> list[Replica]:
+        async def silent(replica: Replica) -> bool:
+            try:
+                async with replica.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
+                    return r.status != 200
+            except (aiohttp.ClientError, TimeoutError):
+                return True
+
+        replicas = self.remotes
+        return [r for r, quiet in zip(replicas, await asyncio.gather(*(silent(r) for r in replicas))) if quiet]
 
     def _leave(self, replica: Replica, reason: str) -> None:
         """(Event loop.) The replica leaves: its requests in flight end at once (retried where they can be)."""
         if replica not in self.replicas:
             return
+        self._departures = [*self._departures[-20:], (time.monotonic(), replica, reason)]
         self.replicas.remove(replica)
         replica.gone.set()
         log.warning("replica %s on %s left the fleet: %s", replica.url, replica.node, reason)
@@ -279,11 +330,11 @@ class Fleet:
             async with replica.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
                 r.raise_for_status()
         except aiohttp.ClientConnectorError as exc:  # nothing listens there any more
-            self._leave(replica, f"it refuses connections ({exc})")
+            self._leave(replica, f"it refuses connections ({_said(exc)})")
         except (aiohttp.ClientError, TimeoutError) as exc:
             replica.misses += 1
             if replica.misses >= MISSES:
-                self._leave(replica, f"it did not answer /health {MISSES} times in a row ({exc!r})")
+                self._leave(replica, f"it did not answer /health {MISSES} times in a row ({_said(exc)})")
         else:
             replica.misses = 0
 
@@ -359,6 +410,11 @@ def install(app: FastAPI, fleet: Fleet, dependencies: list, states: dict[str, Mo
     app.include_router(router)
 
 
+def _named(replica: Replica) -> str:
+    rank = f"node rank {replica.rank}" if replica.rank is not None else "the worker node"
+    return f"{rank} ({replica.node}, its replica {replica.url})"
+
+
 def _counted(replica: Replica, result: bytes | SSE) -> bytes | SSE:
     """The replica's load drops once the completion is done (a stream: closed)."""
     if not isinstance(result, SSE):
@@ -396,7 +452,21 @@ async def _until_gone(replica: Replica, awaitable: Awaitable[T]) -> T:
     try:
         return task.result()
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ReplicaError(f"replica {replica.url} on {replica.node} failed: {exc!r}") from exc
+        raise ReplicaError(f"replica {replica.url} on {replica.node} failed: {_said(exc)}") from exc
+
+
+def _said(exc: BaseException) -> str:
+    """A transport failure in words (aiohttp's own text names sockets and SSL contexts)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, no route, a name that does not resolve
+        error = exc.os_error
+        return os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror or str(error)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "it closed the connection"
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return "no answer in time"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "its answer was cut off"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _raise_for(replica: Replica, status: int, content: bytes) -> None:

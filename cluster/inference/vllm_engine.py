@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from art_sky.wire import RegisterRequest
 
 from ..model_state import ModelState, device, resolve_base_model
 from ..node.placement import Placement, base_parameters
+from ..processes import stop_group
 from .gate import Hold
 from .openai_api import SSE, OpenAIError, Served
 from .tool_parsers import parser_name
@@ -116,14 +116,9 @@ class VllmEngine:
         if self._http is not None:
             self._http.close()
             self._http = None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        _signal_group(process, signal.SIGTERM)
-        try:
-            process.wait(10)  # within the 15 s LocalBackend gives the server to stop
-        except subprocess.TimeoutExpired:
-            _signal_group(process, signal.SIGKILL)
-            process.wait()
+        stop_group(process)  # its engine's processes too
         log.info("vLLM stopped")
 
     # -- the OpenAI route: a streaming proxy ---------------------------------------------------------------------
@@ -330,6 +325,12 @@ class VllmEngine:
                               f"See {self.log_path}")
 
 
+# Constrained JSON without free whitespace, as the portable engine's (cluster/inference/constraints.py): vLLM honours
+# it with a named backend only, not "auto"; xgrammar, because vLLM's tool calls need its structural tags (guidance
+# refuses them). A schema feature xgrammar lacks (multipleOf, uniqueItems, some string formats) is then a 400.
+_COMPACT_JSON = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+
 def vllm_command(settings: Settings, placement: Placement, source: str, request: RegisterRequest, port: int,
                  lora_rank: int, on_cuda: bool, sleep_mode: bool, api_key: str,
                  chat_template: str | dict | None = None) -> tuple[list[str], dict[str, str]]:
@@ -348,6 +349,8 @@ def vllm_command(settings: Settings, placement: Placement, source: str, request:
         "--dtype", "auto" if on_cuda else "float32",
         "--disable-uvicorn-access-log",
     ]
+    if settings.vllm_compact_json:
+        args += ["--structured-outputs-config", json.dumps(_COMPACT_JSON)]
     parser = parser_name(settings.tool_parser, chat_template)
     if parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
@@ -376,13 +379,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _error(text: str) -> dict:

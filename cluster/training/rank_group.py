@@ -37,6 +37,7 @@ from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 from ..checkpoint_writer import StagedFiles
 from ..model_state import ADAPTER, ModelState, load_peft, load_shape
 from ..node.placement import base_parameters
+from ..processes import stop_group
 from .activations import refuse_unfit
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
@@ -53,6 +54,9 @@ RANKS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONSAFEPATH": "1"}
 NODE_HEARTBEAT = 2  # seconds between a node's heartbeats at the rendezvous
 LAST_CALL = 3  # seconds a rendezvous with enough nodes waits for more (every live node's agent rejoins well within)
 WORKER_WAIT = 86400  # seconds a worker's torchrun waits for the head's rendezvous (it is there once the head trains)
+
+
+_REPEATABLE = {"snapshot", "load", "drop"}  # commands that change nothing a restart does not redo: sent again
 
 
 class RankError(ArtSkyError):
@@ -85,29 +89,44 @@ class RankGroup:
         self._lock = threading.Lock()  # one command at a time
         self._closed = False
         self._fresh = False  # a new connection: the models are loaded again before the next command
+        # what the server knows of a worker node lost with the ranks (its fleet's word), or ""
+        self.lost_nodes: Callable[[], str] = lambda: ""
         threading.Thread(target=self._accept, daemon=True, name="rank-leader").start()
 
     def request(self, command: RankCommand, progress: Progress = lambda done, total: None) -> RankReply:
         """Run `command` on every rank; RankError if a rank fails (the group restarts, unless the reply says the
-        ranks are intact). Blocking: a worker thread."""
+        ranks are intact). A command that changes nothing (a step's snapshot, a load) whose ranks restarted under
+        it, as when a worker node rejoins, waits for the new ranks and runs again. Blocking: a worker thread."""
         with self._lock:
-            connection = self._ready()
-            try:
-                connection.send_bytes(command.model_dump_json().encode())
-                while True:
-                    reply = RankReply.model_validate_json(connection.recv_bytes())
-                    if reply.kind == "progress":
-                        progress(reply.done, reply.total)
-                    elif reply.kind == "error":
-                        if not reply.intact:
-                            self._lost(connection)
-                        raise RankError(reply.message, reply.intact)
-                    else:
+            retried = False
+            while True:
+                connection = self._ready()
+                try:
+                    reply = self._exchange(connection, command, progress)
+                except (EOFError, OSError) as exc:
+                    self._lost(connection)
+                    failure, cause = f"the trainer's ranks stopped during {command.kind}: {self._what_stopped()}", exc
+                else:
+                    if reply.kind != "error":
                         return reply
-            except (EOFError, OSError) as exc:
-                self._lost(connection)
-                raise RankError(f"the trainer's ranks stopped during {command.kind} ({exc or 'connection closed'});"
-                                " torchrun restarts them from the last committed step: see the server log") from exc
+                    if reply.intact:
+                        raise RankError(reply.message, intact=True)
+                    self._lost(connection)
+                    failure, cause = reply.message, None
+                if command.kind in _REPEATABLE and not retried:  # the group was restarting as it was sent
+                    retried = True
+                    log.warning("the trainer's ranks restarted under %s (%s): sending it again once they are back",
+                                command.kind, failure)
+                    continue
+                raise RankError(self._said(failure)) from cause
+
+    @staticmethod
+    def _exchange(connection: Connection, command: RankCommand, progress: Progress) -> RankReply:
+        """Send `command`; its progress lines go to `progress`; its last reply (done or error) is returned."""
+        connection.send_bytes(command.model_dump_json().encode())
+        while (reply := RankReply.model_validate_json(connection.recv_bytes())).kind == "progress":
+            progress(reply.done, reply.total)
+        return reply
 
     def close(self) -> None:
         """Stop the ranks (asked first, then torchrun's process group)."""
@@ -115,20 +134,15 @@ class RankGroup:
         with self._connected:
             connection, self._connection = self._connection, None
             self._connected.notify_all()
+        asked = False
         if connection is not None:
             try:
                 connection.send_bytes(RankCommand(kind="stop").model_dump_json().encode())
+                asked = True
             except OSError:
                 pass
-        if self._process is not None and self._process.poll() is None:
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, signal.SIGTERM)
-                try:
-                    self._process.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(self._process.pid, signal.SIGKILL)
+        if self._process is not None:
+            stop_group(self._process, asked=asked)
         self._listener.close()
 
     def _ready(self) -> Connection:
@@ -151,18 +165,39 @@ class RankGroup:
             connection, fresh = self._connection, self._fresh
             self._fresh = False
         if fresh:
-            for name, load in list(self.loaded.items()):
-                log.info("trainer ranks (generation %d): loading %s again", self.generation, name)
-                self._send(connection, load())
+            try:
+                for name, load in list(self.loaded.items()):
+                    log.info("trainer ranks (generation %d): loading %s again", self.generation, name)
+                    self._send(connection, load())
+            except (EOFError, OSError):  # they restarted again meanwhile: wait for the next ones
+                self._lost(connection)
+                return self._ready()
         return connection
 
     def _send(self, connection: Connection, command: RankCommand) -> None:
-        connection.send_bytes(command.model_dump_json().encode())
-        while (reply := RankReply.model_validate_json(connection.recv_bytes())).kind == "progress":
-            pass
+        reply = self._exchange(connection, command, lambda done, total: None)
         if reply.kind == "error":
             self._lost(connection)
-            raise RankError(reply.message)
+            raise RankError(self._said(f"reloading {command.name} on the trainer's restarted ranks failed: "
+                                       f"{reply.message}"))
+
+    def _what_stopped(self) -> str:
+        """Which part of the group stopped, as far as the server can tell."""
+        code = self._process.poll() if self._process is not None else None
+        if code is not None:
+            return (f"torchrun on this node exited (code {code}): its {self.rendezvous.max_restarts} restarts "
+                    "(ART_SKY_TRAINER_MAX_RESTARTS) are used up, or it could not start; the next command starts it "
+                    "again")
+        return "the leading rank's connection closed (a rank stopped, on this node or another)"
+
+    def _said(self, what: str) -> str:
+        """A failure that restarts the ranks: which node was lost (the fleet's word), and what happens next."""
+        lost = self.lost_nodes()
+        node = f" A worker node was lost, and its ranks with it: {lost}." if lost else ""
+        nodes = " (on the nodes that remain)" if self.rendezvous.nodes > 1 else ""
+        return (f"{what}.{node} torchrun restarts the ranks{nodes}, which reload the last committed step; the next "
+                f"step waits for them up to {self.settings.server_start_timeout:.0f} s (ART_SKY_SERVER_START_TIMEOUT):"
+                " train again")
 
     def _start(self) -> None:
         address = self._listener.address
@@ -322,13 +357,8 @@ class WorkerRanks:
 
     def close(self) -> None:
         self._closed.set()
-        process = self._process
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        if self._process is not None:
+            stop_group(self._process)
         self._thread.join(15)
 
     def _run(self) -> None:

@@ -9,7 +9,9 @@ starts with the sequence so far, token for token; otherwise the turn starts a se
 
 Only sampled tokens are trained: the ids the engine sampled where the client kept them (old logprobs from the engine,
 NaN where it reported none: the loss's on-policy path), else the template's rendering of the turn (ART's fallback)
-with no old logprobs.
+with no old logprobs. A turn counts as exact only where both its prompt ids and its sampled ids are the engine's; a
+turn whose prompt was rendered again counts as re-rendered, and is skipped where it provably is not the prompt the
+engine sampled from (another length than the engine reported: a request made with tools, trained without them).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class Built:
     """What one trajectory becomes: its sequences, and where their trained tokens came from."""
 
     sequences: list[Sequence]
-    exact_tokens: int  # trained tokens that are the ids the engine sampled
-    rerendered_tokens: int  # trained tokens rendered by the chat template (the choice came without sampled ids)
+    exact_tokens: int  # trained tokens the engine sampled, in the prompt it sampled them from (both its ids)
+    rerendered_tokens: int  # trained tokens whose turn or prompt the chat template rendered again
 
 
 def build_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int, vocab_size: int,
@@ -96,6 +98,12 @@ def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_id
             prompt_text = _render(tokenizer, messages, history, True, at)
         if item.prompt_token_ids is None:
             prompt = encode(tokenizer, prompt_text)
+            if item.token_ids is not None and item.prompt_tokens not in (None, len(prompt)):
+                raise TokenizationError(
+                    f"{at}: the engine sampled this turn from a prompt of {item.prompt_tokens} tokens, but the "
+                    f"messages before it render to {len(prompt)}: the trajectory is not what was sampled (a request "
+                    "with tools whose Trajectory has no tools=?). Give the Trajectory what the request had, or keep "
+                    "the openai Choice (its prompt ids come along)")
         else:
             if item.prompt_shared > len(previous):
                 raise TokenizationError(
@@ -104,7 +112,10 @@ def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_id
             prompt = previous[:item.prompt_shared] + item.prompt_token_ids
         if item.token_ids is not None:
             sampled, logprobs = item.token_ids, _old_logprobs(item)
-            built.exact_tokens += len(sampled)
+            if item.prompt_token_ids is not None:
+                built.exact_tokens += len(sampled)
+            else:
+                built.rerendered_tokens += len(sampled)
         else:
             sampled = _rerendered(tokenizer, messages, item, history, prompt_text, eos_ids, at)
             logprobs = None

@@ -20,6 +20,7 @@ every rank (small beside the base), and the leader writes them in PEFT's layout.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,6 +48,9 @@ from .weights import ADAPTER
 LEADER_ENV = "ART_SKY_RANK_LEADER"  # host:port of the server's socket; set on the head node's torchrun alone
 KEY_ENV = "ART_SKY_RANK_KEY"  # the socket's key (hex), beside it
 CONTROL_TIMEOUT = timedelta(days=365)  # commands may be hours apart (the rollouts between steps)
+# what a collective says when a peer is gone (gloo's transport, NCCL's watchdog, a store): another rank stopped
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport", "Timed out",
+              "timed out", "NCCL communicator was aborted", "ProcessGroupNCCL")
 
 
 @dataclass
@@ -250,10 +254,21 @@ def main() -> None:
         try:
             reply = ranks.run(command, lambda done, total: send(RankReply(kind="progress", done=done, total=total)))
         except Exception as exc:
-            send(RankReply(kind="error", message=f"rank {ranks.rank}: {type(exc).__name__}: {exc}"))
-            raise  # torchrun restarts every rank; the server reloads the committed checkpoints
+            send(RankReply(kind="error", message=_failure(ranks.rank, command.kind, exc)))
+            raise  # torchrun restarts every rank; the server reloads the committed checkpoints (the log: the detail)
         send(reply)
     dist.destroy_process_group()
+
+
+def _failure(rank: int, kind: str, exc: Exception) -> str:
+    """A rank's failure in the cluster's words: a collective that lost its peers (gloo's or NCCL's text stays in
+    the log) says that another rank or node stopped."""
+    where = f"rank {rank} (on {socket.gethostname()})"
+    text = str(exc)
+    if isinstance(exc, dist.DistError) or any(sign in text for sign in _LOST_PEER):
+        return (f"{where} lost its connection to the other ranks during {kind}: another rank stopped, or its node "
+                "was lost")
+    return f"{where} failed during {kind}: {type(exc).__name__}: {text}"
 
 
 def _connect(address: str | None) -> Connection:

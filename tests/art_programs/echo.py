@@ -21,12 +21,12 @@ class EchoEnvironment:
         return len(message) * 0.1
 
 
-async def rollout(model: art.TrainableModel, env: EchoEnvironment) -> art.Trajectory:
+async def rollout(model: art.TrainableModel, env: EchoEnvironment, seed: int) -> art.Trajectory:
     client = model.openai_client()
     messages = [{"role": "system", "content": "You are an agent in an echo environment."},
                 {"role": "user", "content": env.reset()}]
     completion = await client.chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_completion_tokens=8, logprobs=True)
+        model=model.get_inference_name(), messages=messages, max_completion_tokens=8, logprobs=True, seed=seed)
     choice = completion.choices[0]
     aside = [{"role": "user", "content": "Summarise your plan."}]
     summary = await client.chat.completions.create(
@@ -43,9 +43,10 @@ async def main() -> None:
     await model.register(backend)
     env = EchoEnvironment()
     seen: dict = {"metrics": []}
-    for _ in range(2):
+    for step in range(2):  # each rollout its own seed: the untrained model writes the same every run
         groups = await art.gather_trajectory_groups(
-            [art.TrajectoryGroup(rollout(model, env) for _ in range(4)) for _ in range(2)], pbar_desc="gather")
+            [art.TrajectoryGroup(rollout(model, env, 8 * step + 4 * g + i) for i in range(4)) for g in range(2)],
+            pbar_desc="gather")
         result = await backend.train(model, groups, learning_rate=1e-4, loss_fn="ppo", kl_penalty_coef=0.1)
         seen["metrics"].append(result.metrics)
     try:

@@ -1,0 +1,61 @@
+"""Stopping a child the server started (vLLM's server, torchrun and its ranks, on the head and on a worker node): each
+leads a process group of its own (`start_new_session=True`), and one sequence stops every one of them, with the same
+grace, whatever of the group is left: SIGTERM to the group, SIGKILL to what remains of it after the grace, the child
+reaped. A group already gone, or a child that ended while the rest of its group lives on, is no error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+STOP_GRACE = 10.0  # seconds a child's group has to end after SIGTERM (or after being asked): within the 15 s the
+# laptop gives the server itself (art_sky.remote.lifecycle.STOP_GRACE)
+
+
+def stop_group(process: subprocess.Popen, *, asked: bool = False, grace: float = STOP_GRACE) -> None:
+    """Stop `process`'s group and reap it. `asked`: the child was told to stop (a command it reads) and gets `grace`
+    seconds to end on its own first. Blocking: up to three times `grace` with `asked`, twice without."""
+    if asked:
+        _ended(process, grace)
+    if not _signal(process, signal.SIGTERM) or _ended(process, grace):
+        return
+    _signal(process, signal.SIGKILL)
+    _ended(process, grace)
+
+
+def _ended(process: subprocess.Popen, within: float) -> bool:
+    """Has every process of the group ended within `within` s (the child reaped)?"""
+    deadline = time.monotonic() + within
+    while True:
+        process.poll()  # reaps the child once it has ended
+        if not _running(process.pid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _running(group: int) -> bool:
+    """Does a process of the group still run? A zombie does not: an orphan's lingers where nothing reaps it (a
+    container's first process may not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
+
+
+def _signal(process: subprocess.Popen, sig: int) -> bool:
+    """Send `sig` to the child's group; False when none of it is left."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True

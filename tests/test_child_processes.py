@@ -1,0 +1,59 @@
+"""The one way the server stops a child it started (cluster/processes.py): vLLM's server, torchrun and its ranks each
+lead a process group, and the whole group ends, politely if it can, killed if it must, and a group already gone is
+no error."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from art_sky.cluster.processes import stop_group
+
+# A child that starts a grandchild in its group, both deaf to SIGTERM (a stuck engine), then waits.
+DEAF = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                        "print(flush=True); time.sleep(60)"])
+time.sleep(60)
+"""
+
+
+def group_alive(pgid: int) -> bool:
+    """A process of the group runs (a zombie does not count: here nothing may reap an orphan's)."""
+    return any(ps.split()[1] == str(pgid) and not ps.split()[0].startswith("Z") for ps in subprocess.run(
+        ["ps", "-eo", "stat=,pgid="], capture_output=True, text=True, check=True).stdout.splitlines())
+
+
+def start(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE)
+
+
+def test_a_group_deaf_to_sigterm_is_killed_whole_after_the_grace():
+    child = start(DEAF)
+    child.stdout.readline()  # the grandchild is up
+    began = time.monotonic()
+    stop_group(child, grace=0.5)
+    assert 0.5 <= time.monotonic() - began < 5
+    assert child.returncode == -signal.SIGKILL and not group_alive(child.pid)
+
+
+def test_a_child_asked_to_stop_ends_on_its_own_and_is_not_signalled():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], start_new_session=True,
+                             stdin=subprocess.PIPE)
+    child.stdin.close()  # what "stop" is to this child
+    stop_group(child, asked=True, grace=30)
+    assert child.returncode == 0 and not group_alive(child.pid)
+
+
+def test_what_is_left_of_a_group_whose_leader_ended_is_stopped_and_a_gone_group_is_no_error():
+    leader = start("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; print(flush=True); "
+                   "time.sleep(60)'], stdout=sys.stdout)")
+    leader.stdout.readline()
+    leader.wait()
+    assert group_alive(leader.pid)  # its child lives on in the group
+    stop_group(leader, grace=5)
+    assert not group_alive(leader.pid)
+    stop_group(leader, grace=5)  # nothing left: no error
