@@ -12,13 +12,22 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "Backend": "art_sky.backends", "LocalBackend": "art_sky.backends", "SSHBackend": "art_sky.backends",
-    "SkyPilotBackend": "art_sky.backends", "TrainResult": "art_sky.backends", "attach": "art_sky.backends",
+    "Backend": "art_sky.backends",
+    "LocalBackend": "art_sky.backends",
+    "SSHBackend": "art_sky.backends",
+    "SkyPilotBackend": "art_sky.backends",
+    "TrainResult": "art_sky.backends",
+    "attach": "art_sky.backends",
     "BootstrapOptions": "art_sky.remote.install",
-    "Model": "art_sky.client", "ModelConfig": "art_sky.client", "TrainableModel": "art_sky.client",
-    "TrainConfig": "art_sky.client", "TrainSFTConfig": "art_sky.client", "Trajectory": "art_sky.client",
+    "Model": "art_sky.client",
+    "ModelConfig": "art_sky.client",
+    "TrainableModel": "art_sky.client",
+    "TrainConfig": "art_sky.client",
+    "TrainSFTConfig": "art_sky.client",
+    "Trajectory": "art_sky.client",
     "TrajectoryGroup": "art_sky.client",
-    "gather_trajectory_groups": "art_sky.client", "pipeline": "art_sky.client",
+    "gather_trajectory_groups": "art_sky.client",
+    "pipeline": "art_sky.client",
 }
 __all__ = sorted(_PUBLIC) + ["__version__", "dev", "rewards"]
 

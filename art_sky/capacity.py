@@ -30,9 +30,25 @@ ACTIVATION_SHARE = 0.9  # of a trainer GPU: the weights' shard and a micro-batch
 
 # GiB of memory per accelerator, as SkyPilot names them (the common training GPUs).
 GPU_MEMORY_GIB = {
-    "H100": 80, "H100-MEGA": 80, "H100-SXM": 80, "H200": 141, "B200": 180, "GH200": 96, "A100-80GB": 80,
-    "A100": 40, "L40S": 48, "L40": 48, "L4": 24, "A10G": 24, "A10": 24, "A6000": 48, "RTX6000-Ada": 48, "V100": 16,
-    "V100-32GB": 32, "T4": 16, "MI300X": 192,
+    "H100": 80,
+    "H100-MEGA": 80,
+    "H100-SXM": 80,
+    "H200": 141,
+    "B200": 180,
+    "GH200": 96,
+    "A100-80GB": 80,
+    "A100": 40,
+    "L40S": 48,
+    "L40": 48,
+    "L4": 24,
+    "A10G": 24,
+    "A10": 24,
+    "A6000": 48,
+    "RTX6000-Ada": 48,
+    "V100": 16,
+    "V100-32GB": 32,
+    "T4": 16,
+    "MI300X": 192,
 }
 
 _SIZE = re.compile(r"(?<![A-Za-z0-9.])(?:(\d+)x)?(\d+(?:\.\d+)?)([BbMm])(?![A-Za-z])")
@@ -62,12 +78,16 @@ class Layout:
         gib = self.gpu_memory_bytes / 2**30
         per_rank = weights / self.trainer_ranks
         if per_rank > TRAINER_SHARE * self.gpu_memory_bytes:
-            return (f"its {weights / 2**30:.0f} GiB of bf16 weights over {self.trainer_ranks} trainer GPU(s) are "
-                    f"{per_rank / 2**30:.0f} GiB per GPU, more than {TRAINER_SHARE:.0%} of a {gib:.0f} GiB GPU")
+            return (
+                f"its {weights / 2**30:.0f} GiB of bf16 weights over {self.trainer_ranks} trainer GPU(s) are "
+                f"{per_rank / 2**30:.0f} GiB per GPU, more than {TRAINER_SHARE:.0%} of a {gib:.0f} GiB GPU"
+            )
         if not self.shared and weights / self.engine_gpus > ENGINE_SHARE * self.gpu_memory_bytes:
-            return (f"vLLM's copy ({weights / 2**30:.0f} GiB of bf16 weights) over a node's {self.engine_gpus} "
-                    f"inference GPU(s) is {weights / self.engine_gpus / 2**30:.0f} GiB per GPU, more than "
-                    f"{ENGINE_SHARE:.0%} of a {gib:.0f} GiB GPU")
+            return (
+                f"vLLM's copy ({weights / 2**30:.0f} GiB of bf16 weights) over a node's {self.engine_gpus} "
+                f"inference GPU(s) is {weights / self.engine_gpus / 2**30:.0f} GiB per GPU, more than "
+                f"{ENGINE_SHARE:.0%} of a {gib:.0f} GiB GPU"
+            )
         return None
 
     def largest(self) -> float:
@@ -93,8 +113,12 @@ class Shape:
         hidden, heads = config.hidden_size, config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, hidden, getattr(config, "intermediate_size", None) or 4 * hidden,
-                   kv_heads * head_dim)
+        return cls(
+            config.num_hidden_layers,
+            hidden,
+            getattr(config, "intermediate_size", None) or 4 * hidden,
+            kv_heads * head_dim,
+        )
 
 
 def activation_bytes(shape: Shape, tokens: int, checkpointing: bool) -> float:
@@ -108,8 +132,9 @@ def activation_bytes(shape: Shape, tokens: int, checkpointing: bool) -> float:
     return shape.layers * layer
 
 
-def activation_problem(shape: Shape, parameters: float, ranks: int, gpu_memory_bytes: int, tokens: int,
-                       checkpointing: bool) -> str | None:
+def activation_problem(
+    shape: Shape, parameters: float, ranks: int, gpu_memory_bytes: int, tokens: int, checkpointing: bool
+) -> str | None:
     """Why a micro-batch of `tokens` cannot train beside the weights' shard on trainer GPUs of `gpu_memory_bytes`,
     with the arithmetic; None when it fits."""
     weights = parameters * BF16_BYTES / ranks
@@ -117,9 +142,11 @@ def activation_problem(shape: Shape, parameters: float, ranks: int, gpu_memory_b
     if weights + needed <= ACTIVATION_SHARE * gpu_memory_bytes:
         return None
     how = "with activation checkpointing" if checkpointing else "(ART_SKY_ACTIVATION_CHECKPOINTING=off)"
-    return (f"a micro-batch of {tokens} tokens keeps {needed / 2**30:.1f} GiB of activations {how} beside "
-            f"{weights / 2**30:.1f} GiB of bf16 weights per trainer GPU, more than {ACTIVATION_SHARE:.0%} of a "
-            f"{gpu_memory_bytes / 2**30:.0f} GiB GPU")
+    return (
+        f"a micro-batch of {tokens} tokens keeps {needed / 2**30:.1f} GiB of activations {how} beside "
+        f"{weights / 2**30:.1f} GiB of bf16 weights per trainer GPU, more than {ACTIVATION_SHARE:.0%} of a "
+        f"{gpu_memory_bytes / 2**30:.0f} GiB GPU"
+    )
 
 
 def layout(gpus_per_node: int, memory_bytes: int, nodes: int = 1, trainer_gpus: int = 1) -> Layout:
@@ -131,9 +158,11 @@ def layout(gpus_per_node: int, memory_bytes: int, nodes: int = 1, trainer_gpus: 
     if gpus_per_node <= 1:
         return Layout(memory_bytes, nodes, engine_gpus=0, trainer_gpus=1)
     if trainer_gpus >= gpus_per_node:
-        raise ConfigError(f"ART_SKY_TRAINER_GPUS={trainer_gpus} leaves none of a node's {gpus_per_node} GPUs for "
-                          f"vLLM: give the trainer at most {gpus_per_node - 1}, ask for more GPUs per node, or set "
-                          "ART_SKY_GPU_LAYOUT=shared")
+        raise ConfigError(
+            f"ART_SKY_TRAINER_GPUS={trainer_gpus} leaves none of a node's {gpus_per_node} GPUs for "
+            f"vLLM: give the trainer at most {gpus_per_node - 1}, ask for more GPUs per node, or set "
+            "ART_SKY_GPU_LAYOUT=shared"
+        )
     return Layout(memory_bytes, nodes, engine_gpus=gpus_per_node - trainer_gpus, trainer_gpus=trainer_gpus)
 
 
@@ -151,8 +180,10 @@ def accelerator(gpu: str) -> tuple[str, int, int | None]:
 def parameters_from_name(model: str) -> float | None:
     """A model's parameter count from the size in its name ('Qwen2.5-32B-Instruct': 32e9, 'Mixtral-8x7B': 56e9);
     None when its name gives none."""
-    found = [(int(experts or 1), float(size), unit.lower()) for experts, size, unit in
-             _SIZE.findall(model.rsplit("/", 1)[-1])]
+    found = [
+        (int(experts or 1), float(size), unit.lower())
+        for experts, size, unit in _SIZE.findall(model.rsplit("/", 1)[-1])
+    ]
     if not found:
         return None
     experts, size, unit = max(found, key=lambda f: f[0] * f[1] * (1e9 if f[2] == "b" else 1e6))
@@ -175,7 +206,9 @@ def check_before_renting(gpu: str | list[str] | None, nodes: int, trainer_gpus: 
             continue
         problem = planned.problem(parameters)
         if problem:
-            raise ConfigError(f"{base_model} ({parameters / 1e9:g}B parameters) does not fit {nodes} node(s) of "
-                              f"{choice}: {problem}. Ask for more GPUs per node, more nodes (the trainer shards "
-                              f"over every node's trainer GPUs: ART_SKY_TRAINER_GPUS), larger GPUs, or a smaller "
-                              "model")
+            raise ConfigError(
+                f"{base_model} ({parameters / 1e9:g}B parameters) does not fit {nodes} node(s) of "
+                f"{choice}: {problem}. Ask for more GPUs per node, more nodes (the trainer shards "
+                f"over every node's trainer GPUs: ART_SKY_TRAINER_GPUS), larger GPUs, or a smaller "
+                "model"
+            )

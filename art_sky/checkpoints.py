@@ -75,15 +75,23 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def build_manifest(directory: Path, *, project: str, model: str, step: int, base_model: str,
-                   metrics: dict[str, float] | None = None) -> Manifest:
+def build_manifest(
+    directory: Path, *, project: str, model: str, step: int, base_model: str, metrics: dict[str, float] | None = None
+) -> Manifest:
     files = {
         path.relative_to(directory).as_posix(): FileEntry(sha256=sha256_file(path), size=path.stat().st_size)
         for path in sorted(directory.rglob("*"))
         if path.is_file() and path.name != MANIFEST
     }
-    return Manifest(project=project, model=model, step=step, base_model=base_model, created_at=time.time(),
-                    files=files, metrics=metrics or {})
+    return Manifest(
+        project=project,
+        model=model,
+        step=step,
+        base_model=base_model,
+        created_at=time.time(),
+        files=files,
+        metrics=metrics or {},
+    )
 
 
 def read_manifest(step_dir: Path) -> Manifest | None:
@@ -138,16 +146,20 @@ class CheckpointDir:
         """Remove what saves and downloads killed mid-way left behind (never visible as steps: not renamed)."""
         return remove_stale_temps(self.path)
 
-    def save(self, step: int, write: Callable[[Path], None], *, base_model: str,
-             metrics: dict[str, float] | None = None) -> Manifest:
+    def save(
+        self, step: int, write: Callable[[Path], None], *, base_model: str, metrics: dict[str, float] | None = None
+    ) -> Manifest:
         """`write(tmp_dir)` writes the adapter; the manifest is added and the directory renamed into place."""
-        advice = (f"Delete old checkpoints of {self.name} in {self.path} (`await model.delete_checkpoints()` keeps "
-                  "the newest and the best) or other files on that disk, or give the machine a bigger disk; then "
-                  "try again.")
+        advice = (
+            f"Delete old checkpoints of {self.name} in {self.path} (`await model.delete_checkpoints()` keeps "
+            "the newest and the best) or other files on that disk, or give the machine a bigger disk; then "
+            "try again."
+        )
         with atomic_dir(self.step_dir(step), advice=advice) as tmp:  # replaces a stale copy (an interrupted run)
             write(tmp)
-            manifest = build_manifest(tmp, project=self.project, model=self.name, step=step,
-                                      base_model=base_model, metrics=metrics)
+            manifest = build_manifest(
+                tmp, project=self.project, model=self.name, step=step, base_model=base_model, metrics=metrics
+            )
             (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
         return manifest
 
@@ -184,7 +196,8 @@ class CheckpointDir:
         """Does history.jsonl hold the line step `record.step` committed with (the one written as it committed,
         which adds the step's timing to the record's, or the record's own)?"""
         return record.history is not None and any(
-            holds(entry, record.history) for entry in self.history() if entry.get("step") == record.step)
+            holds(entry, record.history) for entry in self.history() if entry.get("step") == record.step
+        )
 
     def remove_duplicate_history(self) -> int:
         """Remove the lines history.jsonl holds twice, keeping the first: a line identical to an earlier one, and
@@ -195,15 +208,21 @@ class CheckpointDir:
             lines = path.read_text().splitlines()
         except OSError:
             return 0
-        records = {step: record.history for step in self.steps()
-                   if (record := self.record(step)) is not None and record.history is not None}
+        records = {
+            step: record.history
+            for step in self.steps()
+            if (record := self.record(step)) is not None and record.history is not None
+        }
         kept: list[str] = []
         seen: list[dict] = []
 
         def again(entry: dict) -> bool:
             step = entry.get("step")
-            return entry in seen or (isinstance(step, int) and entry == records.get(step) and any(
-                holds(earlier, entry) for earlier in seen if earlier.get("step") == step))
+            return entry in seen or (
+                isinstance(step, int)
+                and entry == records.get(step)
+                and any(holds(earlier, entry) for earlier in seen if earlier.get("step") == step)
+            )
 
         for line in lines:
             entry = _json(line)  # a line that is not an object is not ours to judge: kept as it is
@@ -236,8 +255,10 @@ def history_entry(step: int, split: str, metrics: dict[str, float]) -> dict:
     """One line of history.jsonl in ART's own format (what ART's `model.log` writes, so ART's frontend and this
     server can share the file): flat `<split>/<metric>` keys (a key already under a section keeps its name),
     `step` and `recorded_at`."""
-    flat = {key if "/" in key and key.split("/", 1)[0] in _SECTIONS else f"{split}/{key}": value
-            for key, value in metrics.items()}
+    flat = {
+        key if "/" in key and key.split("/", 1)[0] in _SECTIONS else f"{split}/{key}": value
+        for key, value in metrics.items()
+    }
     return flat | {"step": step, "recorded_at": datetime.now().isoformat()}
 
 

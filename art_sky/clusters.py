@@ -81,8 +81,10 @@ def load(home: Path, name: str) -> ClusterRecord:
     try:
         return ClusterRecord.model_validate_json(path.read_text())
     except ValueError as exc:
-        raise ConfigError(f"the record {path} is not one this art-sky can read ({str(exc).splitlines()[0]}): stop "
-                          f"that server by hand and delete the file") from exc
+        raise ConfigError(
+            f"the record {path} is not one this art-sky can read ({str(exc).splitlines()[0]}): stop "
+            f"that server by hand and delete the file"
+        ) from exc
 
 
 def unknown(home: Path, name: str) -> ConfigError:

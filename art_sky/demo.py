@@ -20,8 +20,16 @@ from art_sky import charts
 from art_sky.client.model import TrainableModel
 from art_sky.layout import model_key
 
-PROMPTS = ["How many legs does a spider have?", "What year is it?", "Give me a number.", "Count to five.",
-           "What is 12 times 12?", "How old is the universe?", "Pick a lottery number.", "What is your PIN?"]
+PROMPTS = [
+    "How many legs does a spider have?",
+    "What year is it?",
+    "Give me a number.",
+    "Count to five.",
+    "What is 12 times 12?",
+    "How old is the universe?",
+    "Pick a lottery number.",
+    "What is your PIN?",
+]
 
 
 def digit_share(text: str | None) -> float:
@@ -33,23 +41,38 @@ def digit_share(text: str | None) -> float:
 async def rollout(model: TrainableModel, prompt: str, seed: int) -> art.Trajectory:
     messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": prompt}]
     completion = await model.openai_client().chat.completions.create(
-        model=model.inference_model_name, messages=messages, max_tokens=8, temperature=1.0, seed=seed)
+        model=model.inference_model_name, messages=messages, max_tokens=8, temperature=1.0, seed=seed
+    )
     choice = completion.choices[0]
-    return art.Trajectory(messages_and_choices=[*messages, choice], reward=digit_share(choice.message.content),
-                          metrics={"length": len(choice.message.content or "")})
+    return art.Trajectory(
+        messages_and_choices=[*messages, choice],
+        reward=digit_share(choice.message.content),
+        metrics={"length": len(choice.message.content or "")},
+    )
 
 
-async def run_demo(*, steps: int = 15, groups: int = 8, group_size: int = 8, learning_rate: float = 5e-3,
-                   seed: int = 0, path: Path = Path(".art"), plot: Path | None = Path("demo-reward.png"),
-                   resume: bool = False, echo=print) -> list[float]:
+async def run_demo(
+    *,
+    steps: int = 15,
+    groups: int = 8,
+    group_size: int = 8,
+    learning_rate: float = 5e-3,
+    seed: int = 0,
+    path: Path = Path(".art"),
+    plot: Path | None = Path("demo-reward.png"),
+    resume: bool = False,
+    echo=print,
+) -> list[float]:
     """Train for `steps` steps and return the mean reward of each step's rollouts (before that step's update)."""
     rng = random.Random(seed)
     model = art.TrainableModel(name=f"digits-{seed}", project="art-sky-demo", base_model="art-sky/tiny")
     files = Path(path) / model_key(model.project, model.name)
     if files.exists() and not resume:
         shutil.rmtree(files)
-        echo(f"starting a fresh model: removed the previous demo run's {model.name} in {files} "
-             "(`art-sky demo --resume` continues it instead)")
+        echo(
+            f"starting a fresh model: removed the previous demo run's {model.name} in {files} "
+            "(`art-sky demo --resume` continues it instead)"
+        )
     backend = art.LocalBackend(path=path, env={"ART_SKY_CHECKPOINT_URI": ""})  # the demo's files stay here
     rewards: list[float] = []
     history: list[dict] = []
@@ -64,15 +87,22 @@ async def run_demo(*, steps: int = 15, groups: int = 8, group_size: int = 8, lea
             echo(f"model {model.name} on {device}, step 0")
         for step in range(start, start + steps):
             batch = await art.gather_trajectory_groups(
-                (art.TrajectoryGroup(rollout(model, rng.choice(PROMPTS), rng.randrange(2**31))
-                                     for _ in range(group_size)) for _ in range(groups)),
-                pbar_desc=None)
+                (
+                    art.TrajectoryGroup(
+                        rollout(model, rng.choice(PROMPTS), rng.randrange(2**31)) for _ in range(group_size)
+                    )
+                    for _ in range(groups)
+                ),
+                pbar_desc=None,
+            )
             mean = sum(t.reward for g in batch for t in g) / sum(len(g) for g in batch)
             rewards.append(mean)
             metrics = await model.train(batch, config=art.TrainConfig(learning_rate=learning_rate))
             sample = batch[0].trajectories[0].messages_and_choices[-1].message.content
-            echo(f"step {step + 1:3d}  reward {mean:.3f} {_bar(mean)}  skipped {int(metrics['num_groups_skipped'])}"
-                 f"/{groups}  e.g. {sample!r}")
+            echo(
+                f"step {step + 1:3d}  reward {mean:.3f} {_bar(mean)}  skipped {int(metrics['num_groups_skipped'])}"
+                f"/{groups}  e.g. {sample!r}"
+            )
         history = await backend.history(model.name)
     finally:
         await backend.close()

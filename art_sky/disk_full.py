@@ -32,8 +32,10 @@ def disk_full(exc: BaseException, path: str | os.PathLike, advice: str = "") -> 
     mount = mount_point(Path(path))
     advice = advice or f"Free space on {mount} (or give the machine a bigger disk) and try again."
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return DiskFullError(f"the disk is full: writing {path} failed ({first_line[:200]}); {mount} has "
-                         f"{size_text(free)} free of {size_text(total)}. {advice}")
+    return DiskFullError(
+        f"the disk is full: writing {path} failed ({first_line[:200]}); {mount} has "
+        f"{size_text(free)} free of {size_text(total)}. {advice}"
+    )
 
 
 def _errno_full(exc: BaseException | None) -> bool:

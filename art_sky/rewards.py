@@ -41,8 +41,9 @@ MAX_EXPLANATION = 200  # characters
 
 class TrajectoryScore(BaseModel):
     trajectory_id: str
-    explanation: str = Field(max_length=MAX_EXPLANATION,
-                             description="A short description of the trajectory's performance.")
+    explanation: str = Field(
+        max_length=MAX_EXPLANATION, description="A short description of the trajectory's performance."
+    )
     score: float = Field(ge=0, le=1, description="A score between 0 and 1.")
 
 
@@ -50,7 +51,7 @@ def reply_bound(count: int) -> int:
     """The most tokens a judge's reply for `count` trajectories can take: its longest compact JSON in bytes (each
     explanation character at its longest in UTF-8, a space after each separator; no tokenizer spends less than a
     byte on a token), and the end."""
-    item = {"trajectory_id": str(count), "explanation": "\U0001F600" * MAX_EXPLANATION, "score": 0.25}
+    item = {"trajectory_id": str(count), "explanation": "\U0001f600" * MAX_EXPLANATION, "score": 0.25}
     return len(json.dumps({"scores": [item] * count}, ensure_ascii=False).encode()) + 1
 
 
@@ -61,10 +62,16 @@ def _response_format(count: int) -> dict:
     """The judge's reply: exactly one score per trajectory sent, its id one of theirs (ART's fields, bounded: the
     score one of the hundredths, which every grammar backend and OpenAI's strict mode enforce)."""
     item = TrajectoryScore.model_json_schema() | {"additionalProperties": False}
-    item["properties"] = item["properties"] | {"trajectory_id": {"enum": [str(i) for i in range(1, count + 1)]},
-                                               "score": item["properties"]["score"] | {"enum": _SCORES}}
-    schema = {"type": "object", "additionalProperties": False, "required": ["scores"], "properties": {"scores": {
-        "type": "array", "minItems": count, "maxItems": count, "items": item}}}
+    item["properties"] = item["properties"] | {
+        "trajectory_id": {"enum": [str(i) for i in range(1, count + 1)]},
+        "score": item["properties"]["score"] | {"enum": _SCORES},
+    }
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["scores"],
+        "properties": {"scores": {"type": "array", "minItems": count, "maxItems": count, "items": item}},
+    }
     return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
 
 
@@ -78,16 +85,25 @@ def _judge_prompt(message_lists: list[list[dict]], tools: Any, rubric: str) -> l
         text += f"<available_tools>\n{json.dumps(tools, default=str)}\n</available_tools>\n\n"
     text += "Trajectories:\n\n" + "\n\n".join(
         f'<trajectory id="{i}">\n{json.dumps(m[shared:], default=str)}\n</trajectory>'
-        for i, m in enumerate(message_lists, start=1))
-    system = ("All of the trajectories below have been given the same goal. Your job is to consider each of them and "
-              "give them a score between 0 and 1. Take into consideration your best judgement of the agent's goal."
-              f"\n\nGrading standards:\n{rubric}")
+        for i, m in enumerate(message_lists, start=1)
+    )
+    system = (
+        "All of the trajectories below have been given the same goal. Your job is to consider each of them and "
+        "give them a score between 0 and 1. Take into consideration your best judgement of the agent's goal."
+        f"\n\nGrading standards:\n{rubric}"
+    )
     return [{"role": "system", "content": system}, {"role": "user", "content": text}]
 
 
-async def ruler(message_lists: list[list[dict]], judge_model: Any = "openai/o3",
-                extra_litellm_params: dict[str, Any] | None = None, rubric: str = DEFAULT_RUBRIC,
-                tools: list[dict] | None = None, *, debug: bool = False) -> list[TrajectoryScore]:
+async def ruler(
+    message_lists: list[list[dict]],
+    judge_model: Any = "openai/o3",
+    extra_litellm_params: dict[str, Any] | None = None,
+    rubric: str = DEFAULT_RUBRIC,
+    tools: list[dict] | None = None,
+    *,
+    debug: bool = False,
+) -> list[TrajectoryScore]:
     """One score per message list, from the judge (ART's `ruler`)."""
     import litellm  # the [rewards] extra; imported here so `art.rewards` loads without it
     import openai
@@ -103,15 +119,22 @@ async def ruler(message_lists: list[list[dict]], judge_model: Any = "openai/o3",
     if "max_tokens" not in params and "max_completion_tokens" not in params:
         params["max_tokens"] = reply_bound(count)
     try:
-        response = await litellm.acompletion(model=judge_model, messages=_judge_prompt(message_lists, tools, rubric),
-                                             response_format=_response_format(count), caching=False, **params)
+        response = await litellm.acompletion(
+            model=judge_model,
+            messages=_judge_prompt(message_lists, tools, rubric),
+            response_format=_response_format(count),
+            caching=False,
+            **params,
+        )
     except Exception as exc:  # litellm's errors (openai's classes), whose class does not say "unreachable" (a
         # refused connection comes back as its InternalServerError): the cause chain does
         if not isinstance(exc, openai.APIError) and not _unreachable(exc):
             raise
         problem = "cannot be reached" if _unreachable(exc) else "refused the request"
-        raise JudgeError(f"RULER's judge {judge_model!r} at {url} {problem} ({exc}): start it or name another "
-                         "judge; the rollouts are kept") from exc
+        raise JudgeError(
+            f"RULER's judge {judge_model!r} at {url} {problem} ({exc}): start it or name another "
+            "judge; the rollouts are kept"
+        ) from exc
     content = response.choices[0].message.content or ""
     if debug:
         log.info("RULER judge %s answered: %s", judge_model, content)
@@ -121,11 +144,13 @@ async def ruler(message_lists: list[list[dict]], judge_model: Any = "openai/o3",
         # strict=False: a control character in an explanation (vLLM's xgrammar lets a weak judge write one raw)
         scores = [TrajectoryScore.model_validate(s) for s in json.loads(content, strict=False)["scores"]]
     except (ValueError, KeyError, TypeError) as exc:
-        raise JudgeError(f"RULER's judge {judge_model!r} at {url} did not answer with scores ({exc}): "
-                         f"{content[:300]!r}") from exc
+        raise JudgeError(
+            f"RULER's judge {judge_model!r} at {url} did not answer with scores ({exc}): {content[:300]!r}"
+        ) from exc
     if len(scores) != len(message_lists):
-        raise JudgeError(f"RULER's judge {judge_model!r} gave {len(scores)} scores for {len(message_lists)} "
-                         "trajectories")
+        raise JudgeError(
+            f"RULER's judge {judge_model!r} gave {len(scores)} scores for {len(message_lists)} trajectories"
+        )
     return scores
 
 
@@ -136,13 +161,17 @@ def _cut(judge_model: str, url: str, response: Any, params: dict[str, Any], coun
     written = getattr(usage, "completion_tokens", None)
     start = f"RULER's judge {judge_model!r} at {url} was cut off before its scores' JSON ended"
     if written is not None and asked is not None and written < asked:
-        return (f"{start}: by its context window, after {written} tokens (its prompt: "
-                f"{getattr(usage, 'prompt_tokens', '?')} tokens). Give the judge a longer context (max_seq_length) "
-                "or judge smaller groups")
+        return (
+            f"{start}: by its context window, after {written} tokens (its prompt: "
+            f"{getattr(usage, 'prompt_tokens', '?')} tokens). Give the judge a longer context (max_seq_length) "
+            "or judge smaller groups"
+        )
     bound = reply_bound(count)
-    todo = ("leave max_tokens out of extra_litellm_params (RULER then asks for that many) or raise it"
-            if asked < bound else "the judge did not keep to the scores' schema: use a judge that enforces "
-            "response_format")
+    todo = (
+        "leave max_tokens out of extra_litellm_params (RULER then asks for that many) or raise it"
+        if asked < bound
+        else "the judge did not keep to the scores' schema: use a judge that enforces response_format"
+    )
     return f"{start}: by max_tokens={asked}; a reply for {count} trajectories takes at most {bound} tokens: {todo}"
 
 
@@ -158,28 +187,47 @@ def _unreachable(exc: BaseException | None) -> bool:
     return False
 
 
-async def ruler_score_group(group: Any, judge_model: Any = "openai/o3",
-                            extra_litellm_params: dict[str, Any] | None = None, rubric: str = DEFAULT_RUBRIC, *,
-                            swallow_exceptions: bool = False, debug: bool = False) -> Any:
+async def ruler_score_group(
+    group: Any,
+    judge_model: Any = "openai/o3",
+    extra_litellm_params: dict[str, Any] | None = None,
+    rubric: str = DEFAULT_RUBRIC,
+    *,
+    swallow_exceptions: bool = False,
+    debug: bool = False,
+) -> Any:
     """A copy of the group (art-sky's or ART's) whose rewards are the judge's scores, each trajectory's own reward
     kept in metrics["independent_reward"] and the score in metrics["ruler_score"]; None on a failure with
     `swallow_exceptions`. The group passed in is never changed."""
     trajectories = list(group.trajectories)
     if any(t.additional_histories for t in trajectories):
         raise ConfigError("RULER scores trajectories without additional_histories (as ART's)")
-    copies = [t.model_copy(update={"messages_and_choices": list(t.messages_and_choices),
-                                   "metrics": dict(t.metrics) | {"independent_reward": t.reward},
-                                   "logs": list(t.logs), "metadata": copy.copy(t.metadata)})
-              for t in trajectories]
+    copies = [
+        t.model_copy(
+            update={
+                "messages_and_choices": list(t.messages_and_choices),
+                "metrics": dict(t.metrics) | {"independent_reward": t.reward},
+                "logs": list(t.logs),
+                "metadata": copy.copy(t.metadata),
+            }
+        )
+        for t in trajectories
+    ]
     try:
-        scores = await ruler([t.messages() for t in copies], judge_model, extra_litellm_params, rubric,
-                             copies[0].tools if copies else None, debug=debug)
+        scores = await ruler(
+            [t.messages() for t in copies],
+            judge_model,
+            extra_litellm_params,
+            rubric,
+            copies[0].tools if copies else None,
+            debug=debug,
+        )
     except JudgeError as exc:
         if swallow_exceptions:
             log.warning("RULER: %s", exc)
             return None
         raise
-    for trajectory, score in zip(copies, scores):
+    for trajectory, score in zip(copies, scores, strict=False):
         trajectory.metrics["ruler_score"] = score.score
         trajectory.reward = score.score
         trajectory.log(f"RULER explanation: {score.explanation}")

@@ -17,8 +17,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from art_sky.errors import ConfigError
 
 # The object store's credentials and settings under their usual names (not ART_SKY_*): what a remote server gets.
-STORE_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
-                   "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_KEY")
+STORE_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "GOOGLE_SERVICE_ACCOUNT",
+    "GOOGLE_SERVICE_ACCOUNT_KEY",
+)
 
 
 class Settings(BaseSettings):
@@ -26,104 +34,199 @@ class Settings(BaseSettings):
 
     cache_dir: Path = Field(Path.home() / ".cache" / "art-sky", description="built models (the tiny model) live here")
     api_key: SecretStr | None = Field(None, description="the cluster server's API key; generated when unset")
-    server_start_timeout: float = Field(600.0, description="seconds to wait for a cluster server to become healthy "
-                                                           "(and a worker node's replica for its head to answer)")
+    server_start_timeout: float = Field(
+        600.0,
+        description="seconds to wait for a cluster server to become healthy "
+        "(and a worker node's replica for its head to answer)",
+    )
     request_timeout: float = Field(600.0, description="seconds for one HTTP request to the cluster server")
-    max_request_bytes: int = Field(64 * 1024 * 1024, gt=0, description="the server refuses larger training "
-                                   "request bodies (train, SFT: 413)")
-    max_completion_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="the server refuses larger "
-                                              "chat completion (and other control) request bodies (413)")
-    train_retry_timeout: float = Field(600.0, ge=0, description="seconds train(), SFT and register keep retrying "
-                                       "(same request id) across dropped connections and server restarts")
+    max_request_bytes: int = Field(
+        64 * 1024 * 1024, gt=0, description="the server refuses larger training request bodies (train, SFT: 413)"
+    )
+    max_completion_request_bytes: int = Field(
+        4 * 1024 * 1024,
+        gt=0,
+        description="the server refuses larger chat completion (and other control) request bodies (413)",
+    )
+    train_retry_timeout: float = Field(
+        600.0,
+        ge=0,
+        description="seconds train(), SFT and register keep retrying "
+        "(same request id) across dropped connections and server restarts",
+    )
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
     max_batch_rows: int = Field(64, description="completions the portable engine samples together in one batch")
-    train_microbatch_tokens: int = Field(4096, description="tokens per forward/backward pass; larger batches accumulate")
+    train_microbatch_tokens: int = Field(
+        4096, description="tokens per forward/backward pass; larger batches accumulate"
+    )
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
-        "auto", description="recompute each layer's activations in the backward pass (less memory, about a third "
+        "auto",
+        description="recompute each layer's activations in the backward pass (less memory, about a third "
         "more compute): auto (only for a micro-batch that would not fit the GPU's free memory otherwise; never on "
-        "a CPU) | on | off. The Unsloth trainer always uses its own")
+        "a CPU) | on | off. The Unsloth trainer always uses its own",
+    )
     home: Path = Field(Path.home() / ".art-sky", description="art-sky's own state: cluster records, SSH host keys")
     ssh_connect_timeout: float = Field(20.0, description="seconds to open an SSH connection (TCP, handshake, login)")
     remote_install_timeout: float = Field(1800.0, description="seconds for the remote venv and pip install step")
-    remote_python: str | None = Field(None, description="a Python on the cluster that already has art-sky installed: "
-                                                        "SkyPilot clusters skip the install")
+    remote_python: str | None = Field(
+        None,
+        description="a Python on the cluster that already has art-sky installed: SkyPilot clusters skip the install",
+    )
     engine: str = Field("auto", description="inference engine: auto (vllm when importable) | vllm | portable")
     trainer: str = Field("auto", description="trainer: auto (unsloth when importable on CUDA) | unsloth | peft")
-    allow_untested_stack: bool = Field(False, description="run vLLM's GPU build or Unsloth at versions outside "
-                                       "the tested GPU stack (templates/gpu-constraints.txt) instead of refusing")
-    gpu_sharing: str = Field("auto", description="vLLM beside the Unsloth trainer on one GPU: auto (share the "
-                             "weights in one process where Unsloth supports the model, else vLLM sleeps while "
-                             "training) | sleep (always vLLM's own server, asleep while training)")
-    engine_gpu_memory: float = Field(0.5, gt=0, lt=1, description="share of GPU memory vLLM may take; the "
-                                     "trainer uses the rest (vLLM sleeps while training)")
-    gpu_layout: str = Field("auto", description="how the node's GPUs are split: auto (dedicated with two or more "
-                            "GPUs and vLLM, else shared) | shared (one GPU for both jobs) | dedicated (vLLM on its "
-                            "own GPUs, the trainer on the last ART_SKY_TRAINER_GPUS)")
-    trainer_gpus: int = Field(1, ge=1, description="GPUs the trainer takes in the dedicated layout (the last ones); "
-                              "vLLM takes the others")
-    trainer_cpu_ranks: int = Field(1, ge=1, description="trainer ranks per node on a node without GPUs; more than "
-                                   "one shards the model over them (FSDP2 on gloo), as trainer GPUs do on CUDA")
-    nodes: int = Field(1, ge=1, description="nodes in the cluster (the head and its workers): the trainer's ranks "
-                       "span them; SkyPilot's SKYPILOT_NUM_NODES sets it on a SkyPilot cluster")
-    rendezvous_host: str = Field("127.0.0.1", description="the head's address the worker nodes' trainer ranks meet "
-                                 "at (its private address on a multi-node cluster)")
-    trainer_max_restarts: int = Field(10, ge=0, description="times torchrun restarts the trainer's ranks after a "
-                                      "rank fails (each restart reloads the last committed step)")
-    trainer_rank_timeout: float = Field(600.0, gt=0, description="seconds one collective of the trainer's ranks "
-                                        "may wait for a rank before they fail and restart")
-    engine_tensor_parallel: int = Field(0, ge=0, description="vLLM's tensor-parallel size in the dedicated layout; "
-                                        "0: the smallest power of two whose GPUs hold the model")
-    dedicated_gpu_memory: float = Field(0.9, gt=0, lt=1, description="share of each of its own GPUs vLLM takes in "
-                                        "the dedicated layout (its --gpu-memory-utilization)")
+    allow_untested_stack: bool = Field(
+        False,
+        description="run vLLM's GPU build or Unsloth at versions outside "
+        "the tested GPU stack (templates/gpu-constraints.txt) instead of refusing",
+    )
+    gpu_sharing: str = Field(
+        "auto",
+        description="vLLM beside the Unsloth trainer on one GPU: auto (share the "
+        "weights in one process where Unsloth supports the model, else vLLM sleeps while "
+        "training) | sleep (always vLLM's own server, asleep while training)",
+    )
+    engine_gpu_memory: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="share of GPU memory vLLM may take; the trainer uses the rest (vLLM sleeps while training)",
+    )
+    gpu_layout: str = Field(
+        "auto",
+        description="how the node's GPUs are split: auto (dedicated with two or more "
+        "GPUs and vLLM, else shared) | shared (one GPU for both jobs) | dedicated (vLLM on its "
+        "own GPUs, the trainer on the last ART_SKY_TRAINER_GPUS)",
+    )
+    trainer_gpus: int = Field(
+        1, ge=1, description="GPUs the trainer takes in the dedicated layout (the last ones); vLLM takes the others"
+    )
+    trainer_cpu_ranks: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks per node on a node without GPUs; more than "
+        "one shards the model over them (FSDP2 on gloo), as trainer GPUs do on CUDA",
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="nodes in the cluster (the head and its workers): the trainer's ranks "
+        "span them; SkyPilot's SKYPILOT_NUM_NODES sets it on a SkyPilot cluster",
+    )
+    rendezvous_host: str = Field(
+        "127.0.0.1",
+        description="the head's address the worker nodes' trainer ranks meet "
+        "at (its private address on a multi-node cluster)",
+    )
+    trainer_max_restarts: int = Field(
+        10,
+        ge=0,
+        description="times torchrun restarts the trainer's ranks after a "
+        "rank fails (each restart reloads the last committed step)",
+    )
+    trainer_rank_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds one collective of the trainer's ranks may wait for a rank before they fail and restart",
+    )
+    engine_tensor_parallel: int = Field(
+        0,
+        ge=0,
+        description="vLLM's tensor-parallel size in the dedicated layout; "
+        "0: the smallest power of two whose GPUs hold the model",
+    )
+    dedicated_gpu_memory: float = Field(
+        0.9,
+        gt=0,
+        lt=1,
+        description="share of each of its own GPUs vLLM takes in the dedicated layout (its --gpu-memory-utilization)",
+    )
     vllm_start_timeout: float = Field(600.0, description="seconds to wait for the vLLM child server to be ready")
-    vllm_max_loras: int = Field(4, ge=1, description="adapters an engine keeps loaded at once: the newest "
-                                "step of each model plus older name@step ones (vLLM's --max-loras)")
-    vllm_compact_json: bool = Field(True, description="vLLM's constrained JSON without free whitespace (as the "
-                                    "portable engine's), with its xgrammar backend, which refuses a few schema "
-                                    "features (multipleOf, uniqueItems); false: vLLM's auto backend, whose JSON "
-                                    "may carry any whitespace")
-    tool_parser: str = Field("", description="how tool calls are read from replies, by vLLM's parser names (hermes, "
-                             "llama3_json, mistral; vLLM has more); empty: from the model's chat template; none: "
-                             "not read")
+    vllm_max_loras: int = Field(
+        4,
+        ge=1,
+        description="adapters an engine keeps loaded at once: the newest "
+        "step of each model plus older name@step ones (vLLM's --max-loras)",
+    )
+    vllm_compact_json: bool = Field(
+        True,
+        description="vLLM's constrained JSON without free whitespace (as the "
+        "portable engine's), with its xgrammar backend, which refuses a few schema "
+        "features (multipleOf, uniqueItems); false: vLLM's auto backend, whose JSON "
+        "may carry any whitespace",
+    )
+    tool_parser: str = Field(
+        "",
+        description="how tool calls are read from replies, by vLLM's parser names (hermes, "
+        "llama3_json, mistral; vLLM has more); empty: from the model's chat template; none: "
+        "not read",
+    )
     checkpoint_uri: str | None = Field(
-        None, description="object store the cluster mirrors checkpoints to: s3://bucket/prefix, gs://bucket/prefix "
-                          "or file:///path; unset keeps them on the cluster only")
+        None,
+        description="object store the cluster mirrors checkpoints to: s3://bucket/prefix, gs://bucket/prefix "
+        "or file:///path; unset keeps them on the cluster only",
+    )
     checkpoint_endpoint: str | None = Field(
-        None, description="endpoint of an S3-compatible store (R2, MinIO, SeaweedFS); default AWS or AWS_ENDPOINT_URL")
+        None, description="endpoint of an S3-compatible store (R2, MinIO, SeaweedFS); default AWS or AWS_ENDPOINT_URL"
+    )
     checkpoint_background: bool = Field(
-        True, description="write each step's checkpoint to disk in the background: train() returns once the step is "
+        True,
+        description="write each step's checkpoint to disk in the background: train() returns once the step is "
         "copied to host memory and served, and the next step waits until it is on disk; false: before train() "
-        "returns")
+        "returns",
+    )
     checkpoint_strict: bool = Field(
-        False, description="a failed checkpoint upload fails training and flush_checkpoints() instead of warning")
+        False, description="a failed checkpoint upload fails training and flush_checkpoints() instead of warning"
+    )
     hourly_cost: float | None = Field(
-        None, ge=0, description="the machine's price in $ per hour, for each step's cost (costs/gpu); default: "
-                                "SkyPilot's price of its cluster, none for an SSH host or this machine")
+        None,
+        ge=0,
+        description="the machine's price in $ per hour, for each step's cost (costs/gpu); default: "
+        "SkyPilot's price of its cluster, none for an SSH host or this machine",
+    )
     train_stall_timeout: float = Field(
-        900.0, gt=0, description="seconds a training step may go without progress before train() raises, naming "
-                                 "what the server is doing (a warning comes at a third of it)")
+        900.0,
+        gt=0,
+        description="seconds a training step may go without progress before train() raises, naming "
+        "what the server is doing (a warning comes at a third of it)",
+    )
     recover_after: float = Field(
-        15.0, gt=0, description="seconds a SkyPilot cluster's server may go unanswered before SkyPilot is asked "
-                                "whether the cluster was lost (preempted, stopped, its job ended), with recovery on")
+        15.0,
+        gt=0,
+        description="seconds a SkyPilot cluster's server may go unanswered before SkyPilot is asked "
+        "whether the cluster was lost (preempted, stopped, its job ended), with recovery on",
+    )
     recover_timeout: float = Field(
-        1800.0, gt=0, description="seconds recovery may take to bring a lost SkyPilot cluster back (launch, server, "
-                                  "models restored) before it gives up and tears the cluster down")
+        1800.0,
+        gt=0,
+        description="seconds recovery may take to bring a lost SkyPilot cluster back (launch, server, "
+        "models restored) before it gives up and tears the cluster down",
+    )
     wandb_api_key: SecretStr | None = Field(
-        None, validation_alias=AliasChoices("WANDB_API_KEY", "wandb_api_key"),
-        description="Weights & Biases' key (WANDB_API_KEY): set, each model logs its steps to a W&B run")
+        None,
+        validation_alias=AliasChoices("WANDB_API_KEY", "wandb_api_key"),
+        description="Weights & Biases' key (WANDB_API_KEY): set, each model logs its steps to a W&B run",
+    )
     skypilot_python: Path | None = Field(
-        None, description="a Python that has SkyPilot, to run it with; default: a venv art-sky makes for it under "
-                          "the cache dir (SkyPilot's pins stay out of this environment)")
+        None,
+        description="a Python that has SkyPilot, to run it with; default: a venv art-sky makes for it under "
+        "the cache dir (SkyPilot's pins stay out of this environment)",
+    )
     langfuse_public_key: str | None = Field(
-        None, validation_alias=AliasChoices("LANGFUSE_PUBLIC_KEY", "langfuse_public_key"),
+        None,
+        validation_alias=AliasChoices("LANGFUSE_PUBLIC_KEY", "langfuse_public_key"),
         description="Langfuse's public key (LANGFUSE_PUBLIC_KEY): with the secret key, each model's rollouts go to "
-                    "Langfuse as traces")
+        "Langfuse as traces",
+    )
     langfuse_secret_key: SecretStr | None = Field(
-        None, validation_alias=AliasChoices("LANGFUSE_SECRET_KEY", "langfuse_secret_key"),
-        description="Langfuse's secret key (LANGFUSE_SECRET_KEY)")
+        None,
+        validation_alias=AliasChoices("LANGFUSE_SECRET_KEY", "langfuse_secret_key"),
+        description="Langfuse's secret key (LANGFUSE_SECRET_KEY)",
+    )
     langfuse_host: str | None = Field(
-        None, validation_alias=AliasChoices("LANGFUSE_HOST", "LANGFUSE_BASE_URL", "langfuse_host"),
-        description="Langfuse's URL (LANGFUSE_HOST or LANGFUSE_BASE_URL); default Langfuse Cloud")
+        None,
+        validation_alias=AliasChoices("LANGFUSE_HOST", "LANGFUSE_BASE_URL", "langfuse_host"),
+        description="Langfuse's URL (LANGFUSE_HOST or LANGFUSE_BASE_URL); default Langfuse Cloud",
+    )
     _store_credentials: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, context: object) -> None:

@@ -50,8 +50,9 @@ class CheckpointStore:
         """The store ART_SKY_CHECKPOINT_URI names, or None when checkpoints stay on the cluster only."""
         if not settings.checkpoint_uri:
             return None
-        return cls(settings.checkpoint_uri, endpoint=settings.checkpoint_endpoint,
-                   credentials=settings.store_credentials)
+        return cls(
+            settings.checkpoint_uri, endpoint=settings.checkpoint_endpoint, credentials=settings.store_credentials
+        )
 
     def where(self, project: str, name: str, step: int | None = None) -> str:
         """The URI of a model's checkpoints, or of one step, for messages and listings."""
@@ -68,15 +69,18 @@ class CheckpointStore:
         top = await self._call("list the store", obstore.list_with_delimiter_async(self._store, None))
         for project in top["common_prefixes"]:
             project = project.rstrip("/").rsplit("/", 1)[-1]
-            listing = await self._call("list models", obstore.list_with_delimiter_async(
-                self._store, model_key(project, "")))
+            listing = await self._call(
+                "list models", obstore.list_with_delimiter_async(self._store, model_key(project, ""))
+            )
             found += [(project, name.rstrip("/").rsplit("/", 1)[-1]) for name in listing["common_prefixes"]]
         return sorted(found)
 
     async def manifests(self, project: str, name: str) -> list[Manifest]:
         """Manifests of the complete steps (those whose manifest is there), oldest first."""
-        listing = await self._call("list checkpoints", obstore.list_with_delimiter_async(
-            self._store, f"{model_key(project, name)}/checkpoints/"))
+        listing = await self._call(
+            "list checkpoints",
+            obstore.list_with_delimiter_async(self._store, f"{model_key(project, name)}/checkpoints/"),
+        )
         steps = [int(p) for p in (p.rstrip("/").rsplit("/", 1)[-1] for p in listing["common_prefixes"]) if p.isdigit()]
         found = await asyncio.gather(*(self.manifest(project, name, step) for step in sorted(steps)))
         return [manifest for manifest in found if manifest is not None]
@@ -104,12 +108,14 @@ class CheckpointStore:
         step_dir = checkpoints.step_dir(step)
         report = progress or (lambda n: None)
         await asyncio.gather(*(self._put_file(f"{key}/{rel}", step_dir / rel, report) for rel in local.files))
-        await self._call("upload a manifest", obstore.put_async(self._store, f"{key}/{MANIFEST}",
-                                                                 (step_dir / MANIFEST).read_bytes()))
+        await self._call(
+            "upload a manifest", obstore.put_async(self._store, f"{key}/{MANIFEST}", (step_dir / MANIFEST).read_bytes())
+        )
         return local.size_bytes
 
-    async def download_step(self, project: str, name: str, step: int, dest: Path,
-                            progress: Progress | None = None) -> Manifest:
+    async def download_step(
+        self, project: str, name: str, step: int, dest: Path, progress: Progress | None = None
+    ) -> Manifest:
         """Download a step into `dest` (created whole or not at all), every file checked against the manifest.
 
         Raises CorruptCheckpointError when a file is missing or differs, CheckpointStoreError when the store fails.
@@ -117,17 +123,24 @@ class CheckpointStore:
         where = self.where(project, name, step)
         manifest = await self.manifest(project, name, step)
         if manifest is None:
-            raise CheckpointStoreError(f"{where} is not in the store (no manifest): `art-sky checkpoints ls` "
-                                       "lists the steps there")
+            raise CheckpointStoreError(
+                f"{where} is not in the store (no manifest): `art-sky checkpoints ls` lists the steps there"
+            )
         key = step_key(project, name, step)
         with atomic_dir(dest) as tmp:
             report = progress or (lambda n: None)
-            digests = await asyncio.gather(*(self._get_file(f"{key}/{rel}", tmp / rel, entry.size, where, report)
-                                             for rel, entry in manifest.files.items()))
-            for (rel, entry), digest in zip(manifest.files.items(), digests):
+            digests = await asyncio.gather(
+                *(
+                    self._get_file(f"{key}/{rel}", tmp / rel, entry.size, where, report)
+                    for rel, entry in manifest.files.items()
+                )
+            )
+            for (rel, entry), digest in zip(manifest.files.items(), digests, strict=False):
                 if digest != entry.sha256:
-                    raise CorruptCheckpointError(f"{where}/{rel} does not match its manifest (sha256 differs): the "
-                                                 "stored step is corrupt; `art-sky checkpoints rm` deletes it")
+                    raise CorruptCheckpointError(
+                        f"{where}/{rel} does not match its manifest (sha256 differs): the "
+                        "stored step is corrupt; `art-sky checkpoints rm` deletes it"
+                    )
             (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
         return manifest
 
@@ -136,16 +149,18 @@ class CheckpointStore:
         restored = None
         for manifest in reversed(await self.manifests(checkpoints.project, checkpoints.name)):
             try:
-                await self.download_step(checkpoints.project, checkpoints.name, manifest.step,
-                                         checkpoints.step_dir(manifest.step))
+                await self.download_step(
+                    checkpoints.project, checkpoints.name, manifest.step, checkpoints.step_dir(manifest.step)
+                )
             except CorruptCheckpointError as exc:
                 log.warning("skipping step %d: %s", manifest.step, exc)
                 continue
             restored = manifest.step
             break
         history = checkpoints.model_dir / HISTORY
-        data = await self._get_optional(f"{model_key(checkpoints.project, checkpoints.name)}/{HISTORY}",
-                                        "read the history")
+        data = await self._get_optional(
+            f"{model_key(checkpoints.project, checkpoints.name)}/{HISTORY}", "read the history"
+        )
         if data is not None and not history.exists():
             history.parent.mkdir(parents=True, exist_ok=True)
             history.write_bytes(data)
@@ -155,8 +170,12 @@ class CheckpointStore:
         """Mirror history.jsonl (the metrics retention by a metric needs on a fresh cluster)."""
         history = checkpoints.model_dir / HISTORY
         if history.exists():
-            await self._call("upload the history", obstore.put_async(
-                self._store, f"{model_key(checkpoints.project, checkpoints.name)}/{HISTORY}", history.read_bytes()))
+            await self._call(
+                "upload the history",
+                obstore.put_async(
+                    self._store, f"{model_key(checkpoints.project, checkpoints.name)}/{HISTORY}", history.read_bytes()
+                ),
+            )
 
     async def history(self, project: str, name: str) -> bytes | None:
         return await self._get_optional(f"{model_key(project, name)}/{HISTORY}", "read the history")
@@ -172,8 +191,10 @@ class CheckpointStore:
                 await self._call("delete a step", obstore.delete_async(self._store, paths))
 
     async def _put_file(self, key: str, path: Path, progress: Progress) -> None:
-        await self._call("upload", obstore.put_async(self._store, key, _blocks(path, progress), chunk_size=CHUNK,
-                                                     max_concurrency=CONCURRENCY))
+        await self._call(
+            "upload",
+            obstore.put_async(self._store, key, _blocks(path, progress), chunk_size=CHUNK, max_concurrency=CONCURRENCY),
+        )
 
     async def _get_file(self, key: str, path: Path, size: int, where: str, progress: Progress) -> str:
         """Ranged GETs in parallel, written and hashed in order as they arrive; returns the sha256.
@@ -186,13 +207,17 @@ class CheckpointStore:
         except FileNotFoundError as exc:
             if not _absent(exc):
                 raise self._error("download", exc) from exc
-            raise CorruptCheckpointError(f"{where} is incomplete: {key.rsplit('/', 1)[-1]} is missing from the "
-                                         "store; `art-sky checkpoints rm` deletes the step") from None
+            raise CorruptCheckpointError(
+                f"{where} is incomplete: {key.rsplit('/', 1)[-1]} is missing from the "
+                "store; `art-sky checkpoints rm` deletes the step"
+            ) from None
         except BaseError as exc:
             raise self._error("download", exc) from exc
         if meta["size"] != size:
-            raise CorruptCheckpointError(f"{where}: {key.rsplit('/', 1)[-1]} has {meta['size']} bytes in the store, "
-                                         f"its manifest says {size}; `art-sky checkpoints rm` deletes the step")
+            raise CorruptCheckpointError(
+                f"{where}: {key.rsplit('/', 1)[-1]} has {meta['size']} bytes in the store, "
+                f"its manifest says {size}; `art-sky checkpoints rm` deletes the step"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         window: deque[asyncio.Future] = deque()
@@ -203,8 +228,9 @@ class CheckpointStore:
                 digest.update(memoryview(data))
 
             async def fetch(start: int):
-                return await self._call("download", obstore.get_range_async(
-                    self._store, key, start=start, end=min(start + CHUNK, size)))
+                return await self._call(
+                    "download", obstore.get_range_async(self._store, key, start=start, end=min(start + CHUNK, size))
+                )
 
             async def take_oldest() -> None:
                 data = await window.popleft()
@@ -257,12 +283,17 @@ class CheckpointStore:
         if code == "NoSuchBucket":
             hint = "the bucket does not exist: create it, or fix the bucket name in the URI"
         elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken") or isinstance(
-                exc, UnauthenticatedError):
-            hint = (f"the credentials were refused ({code or type(exc).__name__}): check AWS_ACCESS_KEY_ID and "
-                    "AWS_SECRET_ACCESS_KEY (GOOGLE_APPLICATION_CREDENTIALS for gs://)")
+            exc, UnauthenticatedError
+        ):
+            hint = (
+                f"the credentials were refused ({code or type(exc).__name__}): check AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (GOOGLE_APPLICATION_CREDENTIALS for gs://)"
+            )
         elif code == "AccessDenied" or isinstance(exc, PermissionDeniedError):
-            hint = ("access denied: the credentials need permission to read, write, list and delete objects under "
-                    "this prefix")
+            hint = (
+                "access denied: the credentials need permission to read, write, list and delete objects under "
+                "this prefix"
+            )
         else:
             hint = text.split("\n", 1)[0][:300]
         return CheckpointStoreError(f"checkpoint store {self.uri}: cannot {action}: {hint}")
@@ -299,8 +330,9 @@ def _open(uri: str, endpoint: str | None, credentials: dict[str, str]):
             raise ConfigError(f"checkpoint store URI {uri!r} names no bucket: {usage}")
         prefix = parsed.path.strip("/") or None
         if parsed.scheme == "gs":
-            return GCSStore(parsed.netloc, prefix=prefix,
-                            config={k: v for k, v in credentials.items() if k.startswith("GOOGLE_")})
+            return GCSStore(
+                parsed.netloc, prefix=prefix, config={k: v for k, v in credentials.items() if k.startswith("GOOGLE_")}
+            )
         endpoint = endpoint or credentials.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
         options = {"endpoint": endpoint} if endpoint else {}
         client = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None

@@ -21,9 +21,14 @@ TOKEN_ID_LIMIT = 2**31  # no vocabulary is larger; each model's own size is chec
 TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 Logprob = Annotated[float, Field(le=0, allow_inf_nan=False)]
 Metric = Annotated[float, Field(allow_inf_nan=False)]
-RequestId = Annotated[str, Field(
-    pattern=REQUEST_ID_PATTERN, description="the client's id for this call: a repeated id is answered with what the "
-                                            "first one did (the step it trained), never done twice")]
+RequestId = Annotated[
+    str,
+    Field(
+        pattern=REQUEST_ID_PATTERN,
+        description="the client's id for this call: a repeated id is answered with what the "
+        "first one did (the step it trained), never done twice",
+    ),
+]
 
 
 class _Strict(BaseModel):
@@ -36,45 +41,71 @@ class TrainConfig(_Strict):
 
     learning_rate: float = Field(5e-6, gt=0, le=1)
     loss_fn: Literal["ppo", "cispo"] = Field(
-        "ppo", description="ppo: clipped ratio times advantage; cispo: clipped, detached ratio times advantage "
-                           "times the logprob (ART 0.5's default)")
-    beta: float = Field(0.0, ge=0, le=1e3,
-                        description="weight of KL(ref || policy) against the base model (k3 estimator)")
+        "ppo",
+        description="ppo: clipped ratio times advantage; cispo: clipped, detached ratio times advantage "
+        "times the logprob (ART 0.5's default)",
+    )
+    beta: float = Field(
+        0.0, ge=0, le=1e3, description="weight of KL(ref || policy) against the base model (k3 estimator)"
+    )
     kl_penalty_coef: float = Field(
-        0.0, ge=0, le=1e3, description="ART 0.5's KL-penalised advantage: each token's advantage gains coef * (mean KL - "
-                               "its KL) against the base model")
+        0.0,
+        ge=0,
+        le=1e3,
+        description="ART 0.5's KL-penalised advantage: each token's advantage gains coef * (mean KL - "
+        "its KL) against the base model",
+    )
     epsilon: float = Field(0.2, gt=0, le=1, description="lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float | None = Field(None, gt=0, le=1e3,
-                                       description="upper clip: ratio <= 1 + epsilon_high (default epsilon)")
+    epsilon_high: float | None = Field(
+        None, gt=0, le=1e3, description="upper clip: ratio <= 1 + epsilon_high (default epsilon)"
+    )
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     allow_training_without_logprobs: bool = Field(
-        False, description="ART's: assistant turns written as dicts train too, rendered by the chat template "
-                           "(counted in trained_tokens_rerendered); False: they are context")
+        False,
+        description="ART's: assistant turns written as dicts train too, rendered by the chat template "
+        "(counted in trained_tokens_rerendered); False: they are context",
+    )
     importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"] = Field(
-        "token", description="ART's: the importance ratio per token, per sequence (GSPO: the exp of the mean "
-                             "log-ratio over the sequence's trained tokens), or the arithmetic or geometric mean of "
-                             "the two")
+        "token",
+        description="ART's: the importance ratio per token, per sequence (GSPO: the exp of the mean "
+        "log-ratio over the sequence's trained tokens), or the arithmetic or geometric mean of "
+        "the two",
+    )
     kl_penalty_source: Literal["current_learner", "sample"] = Field(
-        "current_learner", description="ART's: whose logprobs the KL penalty compares with the reference: the "
-                                       "policy being trained, or the sampler's")
+        "current_learner",
+        description="ART's: whose logprobs the KL penalty compares with the reference: the "
+        "policy being trained, or the sampler's",
+    )
     old_logprobs: Literal["sampler", "trainer"] = Field(
-        "sampler", description="the old policy of the ratio: the engine's logprobs as it sampled, or the trainer's "
-                               "own at the start of the step (ART's precalculate_logprobs)")
+        "sampler",
+        description="the old policy of the ratio: the engine's logprobs as it sampled, or the trainer's "
+        "own at the start of the step (ART's precalculate_logprobs)",
+    )
     truncated_importance_sampling: float | None = Field(
-        None, gt=0, le=1e6, description="ART's: weight each token's loss by min(trainer / sampler probability, "
-                                        "this); the ratio is then taken against the trainer's own logprobs")
+        None,
+        gt=0,
+        le=1e6,
+        description="ART's: weight each token's loss by min(trainer / sampler probability, "
+        "this); the ratio is then taken against the trainer's own logprobs",
+    )
     grad_accumulation_sequences: int | None = Field(
-        None, ge=1, description="ART's: one optimizer step per this many training sequences (in the order "
-                                "given); None: one optimizer step for the whole call")
+        None,
+        ge=1,
+        description="ART's: one optimizer step per this many training sequences (in the order "
+        "given); None: one optimizer step for the whole call",
+    )
 
     @model_validator(mode="after")
     def _one_optimizer_step_for_trainer_logprobs(self) -> TrainConfig:
         if self.grad_accumulation_sequences is not None and (
-                self.old_logprobs == "trainer" or self.truncated_importance_sampling is not None):
-            raise ValueError("grad_accumulation_sequences cannot be combined with the trainer's own old logprobs "
-                             "(precalculate_logprobs, truncated_importance_sampling): they are exact for one "
-                             "optimizer step per call; leave grad_accumulation_sequences unset")
+            self.old_logprobs == "trainer" or self.truncated_importance_sampling is not None
+        ):
+            raise ValueError(
+                "grad_accumulation_sequences cannot be combined with the trainer's own old logprobs "
+                "(precalculate_logprobs, truncated_importance_sampling): they are exact for one "
+                "optimizer step per call; leave grad_accumulation_sequences unset"
+            )
         return self
 
 
@@ -94,7 +125,8 @@ class ModelConfig(_Strict):
     lora_alpha: int = Field(16, ge=1, le=4096)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
-        None, min_length=1, max_length=256, description="default: every attention and MLP projection")
+        None, min_length=1, max_length=256, description="default: every attention and MLP projection"
+    )
     max_seq_length: int = Field(8192, ge=16, le=1 << 20)
 
 
@@ -112,13 +144,20 @@ class TrainerRendezvous(_Strict):
 class JoinRequest(_Strict):
     """A worker node's replica server asking the head to take it into the inference fleet (POST /fleet/join)."""
 
-    url: str = Field(pattern=r"^https?://[^/\s]+$", max_length=512,
-                     description="where the head reaches the replica's server: http://HOST:PORT on the cluster's "
-                                 "private network")
+    url: str = Field(
+        pattern=r"^https?://[^/\s]+$",
+        max_length=512,
+        description="where the head reaches the replica's server: http://HOST:PORT on the cluster's private network",
+    )
     node: str = Field(min_length=1, max_length=256, description="the node's name, shown by /health and status")
     engine: str = Field(min_length=1, max_length=64, description="the replica's engine: the head's, or refused")
-    rank: int | None = Field(None, ge=1, le=65535, description="the worker node's rank in the cluster (--node-rank): "
-                                                              "one replica per rank, a second one is refused")
+    rank: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="the worker node's rank in the cluster (--node-rank): "
+        "one replica per rank, a second one is refused",
+    )
     pid: int | None = Field(None, ge=1, le=2**31, description="the replica server's pid on its node, to name it")
 
     @field_validator("url")
@@ -133,8 +172,9 @@ class JoinRequest(_Strict):
             port = None
         host = parts.hostname or ""
         if not port or parts.username is not None or parts.password is not None:
-            raise ValueError(f"{url!r} is not http://HOST:PORT: the replica's address on the cluster's private "
-                             "network and its port")
+            raise ValueError(
+                f"{url!r} is not http://HOST:PORT: the replica's address on the cluster's private network and its port"
+            )
         try:
             address = ipaddress.ip_address(host)
         except ValueError:
@@ -142,8 +182,10 @@ class JoinRequest(_Strict):
                 raise ValueError(f"{host!r} in {url!r} is neither a host name nor an IP address") from None
         else:
             if address.is_unspecified or address.is_multicast:
-                raise ValueError(f"{host} in {url!r} is not an address the head can connect to: name the "
-                                 "replica's address on the cluster's private network (--advertise)")
+                raise ValueError(
+                    f"{host} in {url!r} is not an address the head can connect to: name the "
+                    "replica's address on the cluster's private network (--advertise)"
+                )
         return url
 
 
@@ -164,8 +206,9 @@ class FleetReplica(BaseModel):
     pid: int | None = Field(None, description="the replica server's pid on its node")
     outstanding: int = Field(0, description="completions routed to it and not finished (its load)")
     completions: int = Field(0, description="completions it has served since it joined")
-    steps: dict[str, int] = Field({}, description="model name -> the step it serves (`name@step`); a model not "
-                                                  "listed is still being loaded there")
+    steps: dict[str, int] = Field(
+        {}, description="model name -> the step it serves (`name@step`); a model not listed is still being loaded there"
+    )
 
 
 class HealthResponse(BaseModel):
@@ -176,33 +219,50 @@ class HealthResponse(BaseModel):
     version: str
     engine: str | None = None
     trainer: str | None = None
-    trainer_ranks: int | None = Field(None, description="the trainer's processes over every node: more than one "
-                                                       "shards the model over them (FSDP2)")
+    trainer_ranks: int | None = Field(
+        None, description="the trainer's processes over every node: more than one shards the model over them (FSDP2)"
+    )
     device: str | None = None
     models: list[str] = []
     engine_port: int | None = Field(
-        None, description="vLLM's own port on the server's host, for benchmarks and debugging: clients sample from "
-                          "the server's /v1, which routes names to steps and checks parameters")
+        None,
+        description="vLLM's own port on the server's host, for benchmarks and debugging: clients sample from "
+        "the server's /v1, which routes names to steps and checks parameters",
+    )
     versions: dict[str, str] = Field(
-        default_factory=dict, description="installed versions of the engine and trainer packages (vllm, unsloth, "
-                                          "torch, transformers, peft, ...) and `cuda`, torch's CUDA runtime")
+        default_factory=dict,
+        description="installed versions of the engine and trainer packages (vllm, unsloth, "
+        "torch, transformers, peft, ...) and `cuda`, torch's CUDA runtime",
+    )
     stack: Literal["tested", "untested", "unchecked"] | None = Field(
-        None, description="vLLM's GPU build and Unsloth against the tested GPU stack: tested, untested "
-                                 "(run anyway: ART_SKY_ALLOW_UNTESTED_STACK), or unchecked (portable engine, PEFT)")
+        None,
+        description="vLLM's GPU build and Unsloth against the tested GPU stack: tested, untested "
+        "(run anyway: ART_SKY_ALLOW_UNTESTED_STACK), or unchecked (portable engine, PEFT)",
+    )
     gpu_sharing: Literal["unsloth-standby", "vllm-sleep", "shared-weights", "none", "pending", "dedicated"] | None = (
-        Field(None, description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
-                                "its weights, vLLM's own server asleep while training, the portable engine on the "
-                                "trainer's model, nothing (vllm-cpu), pending the first model, or dedicated (vLLM "
-                                "on GPUs of its own, never asleep)"))
-    placement: str | None = Field(None, description="how the node's GPUs are split (cluster/node/placement.py), e.g. "
-                                                    "'dedicated: vLLM on GPUs 0-6 (...), trainer on GPU 7'")
+        Field(
+            None,
+            description="how the engine and the trainer share memory: vLLM inside Unsloth sharing "
+            "its weights, vLLM's own server asleep while training, the portable engine on the "
+            "trainer's model, nothing (vllm-cpu), pending the first model, or dedicated (vLLM "
+            "on GPUs of its own, never asleep)",
+        )
+    )
+    placement: str | None = Field(
+        None,
+        description="how the node's GPUs are split (cluster/node/placement.py), e.g. "
+        "'dedicated: vLLM on GPUs 0-6 (...), trainer on GPU 7'",
+    )
     serves_while_training: bool | None = Field(
-        None, description="true: completions go on during a training step (the previous step's adapter serves "
-                          "them; they wait only while the new one is swapped in); false: they wait for the whole "
-                          "step (the engine sleeps so the trainer has the GPU's memory). Each step's "
-                          "time/step_inference_paused_s says how long inference waited")
-    fleet: list[FleetReplica] = Field([], description="the inference replicas behind /v1: the head's own engine "
-                                                      "first, then each joined worker's")
+        None,
+        description="true: completions go on during a training step (the previous step's adapter serves "
+        "them; they wait only while the new one is swapped in); false: they wait for the whole "
+        "step (the engine sleeps so the trainer has the GPU's memory). Each step's "
+        "time/step_inference_paused_s says how long inference waited",
+    )
+    fleet: list[FleetReplica] = Field(
+        [], description="the inference replicas behind /v1: the head's own engine first, then each joined worker's"
+    )
 
 
 class RegisterRequest(_Strict):
@@ -211,8 +271,11 @@ class RegisterRequest(_Strict):
     base_model: str = Field(min_length=1, max_length=1024)
     config: ModelConfig = ModelConfig()
     run_name: str | None = Field(
-        None, pattern=NAME_PATTERN, description="ART's run_name: the lineage the model's checkpoints and history "
-                                                "belong to (a new one starts at step 0); None: the name")
+        None,
+        pattern=NAME_PATTERN,
+        description="ART's run_name: the lineage the model's checkpoints and history "
+        "belong to (a new one starts at step 0); None: the name",
+    )
     request_id: RequestId | None = None
 
     @property
@@ -265,7 +328,8 @@ class ModelSync(BaseModel):
     """A model's checkpoints in the object store."""
 
     state: Literal["off", "idle", "uploading", "failed"] = Field(
-        "off", description="off: no store configured; idle: every step so far is uploaded")
+        "off", description="off: no store configured; idle: every step so far is uploaded"
+    )
     step: int | None = Field(None, description="the newest step this server uploaded")
     detail: str = ""
 
@@ -279,8 +343,11 @@ class ModelInfo(BaseModel):
     restored_from: str | None = Field(None, description="where the current step's adapter came from, if restored")
     activity: Activity | None = None
     serving: Serving | None = None
-    last_step: dict[str, float] = Field({}, description="the newest step's line of history.jsonl: its metrics in "
-                                                        "ART's flat keys (train/reward, costs/cum/gpu, ...)")
+    last_step: dict[str, float] = Field(
+        {},
+        description="the newest step's line of history.jsonl: its metrics in "
+        "ART's flat keys (train/reward, costs/cum/gpu, ...)",
+    )
     sync: ModelSync | None = None
 
 
@@ -314,20 +381,33 @@ class WireChoice(_Strict):
     reasoning_content: str | None = None
     token_ids: list[TokenId] | None = Field(None, description="the sampled ids; None: re-rendered from the message")
     logprobs: list[Logprob | None] | None = Field(
-        None, description="the engine's logprob of each sampled id (<= 0, finite; null where it reported none)")
+        None, description="the engine's logprob of each sampled id (<= 0, finite; null where it reported none)"
+    )
     prompt_token_ids: list[TokenId] | None = Field(
-        None, description="the prompt ids the engine sampled from, after its first `prompt_shared` ids; None: the "
-                          "prompt is rendered from the messages before this turn")
+        None,
+        description="the prompt ids the engine sampled from, after its first `prompt_shared` ids; None: the "
+        "prompt is rendered from the messages before this turn",
+    )
     prompt_shared: int = Field(
-        0, ge=0, description="leading prompt ids equal to the previous choice's prompt + sampled ids (in the same "
-                             "history), not repeated on the wire")
+        0,
+        ge=0,
+        description="leading prompt ids equal to the previous choice's prompt + sampled ids (in the same "
+        "history), not repeated on the wire",
+    )
     prompt_tokens: int | None = Field(
-        None, ge=0, lt=TOKEN_ID_LIMIT, description="how many prompt tokens the engine sampled this turn from (its "
-                                                   "usage), where the prompt ids did not come along: a prompt "
-                                                   "rendered again at another length is not the one sampled from")
+        None,
+        ge=0,
+        lt=TOKEN_ID_LIMIT,
+        description="how many prompt tokens the engine sampled this turn from (its "
+        "usage), where the prompt ids did not come along: a prompt "
+        "rendered again at another length is not the one sampled from",
+    )
     step: int | None = Field(
-        None, ge=0, description="the adapter step that sampled this turn (the completion's `art_sky_step`): the "
-                                "rollout's policy version, which bounds its staleness; None: not known")
+        None,
+        ge=0,
+        description="the adapter step that sampled this turn (the completion's `art_sky_step`): the "
+        "rollout's policy version, which bounds its staleness; None: not known",
+    )
 
     @field_validator("content")
     @classmethod
@@ -357,8 +437,10 @@ def _checked_parts(content: str | list[dict[str, Any]] | None) -> str | list[dic
     if isinstance(content, list):
         for index, part in enumerate(content):
             if not isinstance(part.get("type"), str):
-                raise ValueError(f"content part {index} has no string `type`: content is a string or a list of "
-                                 'parts like {"type": "text", "text": "..."}')
+                raise ValueError(
+                    f"content part {index} has no string `type`: content is a string or a list of "
+                    'parts like {"type": "text", "text": "..."}'
+                )
     return content
 
 
@@ -369,8 +451,9 @@ def _item_kind(item: Any) -> str:
     return "choice" if kind is not None else "message"
 
 
-Item = Annotated[Annotated[WireChoice, Tag("choice")] | Annotated[WireMessage, Tag("message")],
-                 Discriminator(_item_kind)]
+Item = Annotated[
+    Annotated[WireChoice, Tag("choice")] | Annotated[WireMessage, Tag("message")], Discriminator(_item_kind)
+]
 
 
 class WireHistory(_Strict):
@@ -380,8 +463,10 @@ class WireHistory(_Strict):
     items: list[Item]
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="the chat template's arguments its completions were requested with: a turn rendered for "
-                          "training (one that came without its ids) renders as it was sampled")
+        None,
+        description="the chat template's arguments its completions were requested with: a turn rendered for "
+        "training (one that came without its ids) renders as it was sampled",
+    )
 
 
 class WireTrajectory(_Strict):
@@ -401,8 +486,10 @@ class WireTrajectory(_Strict):
 
     def histories(self) -> list[WireHistory]:
         """The main conversation first, then the additional ones."""
-        return [WireHistory(items=self.items, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs),
-                *self.additional_histories]
+        return [
+            WireHistory(items=self.items, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs),
+            *self.additional_histories,
+        ]
 
 
 class WireGroup(_Strict):
@@ -422,8 +509,12 @@ class WireGroup(_Strict):
 class StepClock(_Strict):
     """What only the client knows about a step, sent with it: how long its rollouts took and what the machine costs."""
 
-    gather_s: float | None = Field(None, ge=0, description="seconds since the previous step returned (or the model "
-                                                           "was registered): the rollouts; None: the server measures")
+    gather_s: float | None = Field(
+        None,
+        ge=0,
+        description="seconds since the previous step returned (or the model "
+        "was registered): the rollouts; None: the server measures",
+    )
     hourly_cost: float | None = Field(None, ge=0, description="the cluster's price in $ per hour, where known")
 
 
@@ -433,9 +524,11 @@ class TrainRequest(_Strict):
     clock: StepClock = StepClock()
     request_id: RequestId | None = None
     save_checkpoint: bool = Field(
-        True, description="ART's: False trains and serves the step without making it a checkpoint: its adapter is "
-                          "written for the engines, not its optimizer state, and it is not uploaded; after a "
-                          "restart training resumes from the newest step saved")
+        True,
+        description="ART's: False trains and serves the step without making it a checkpoint: its adapter is "
+        "written for the engines, not its optimizer state, and it is not uploaded; after a "
+        "restart training resumes from the newest step saved",
+    )
 
 
 class SFTRequest(_Strict):
@@ -447,7 +540,8 @@ class SFTRequest(_Strict):
     learning_rates: list[float] = Field(min_length=1, description="one per batch, or one for all")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     assistant_turns: Literal["all", "last"] = Field(
-        "all", description="ART's: train every assistant turn, or only each conversation's last one")
+        "all", description="ART's: train every assistant turn, or only each conversation's last one"
+    )
     request_id: RequestId | None = None
     clock: StepClock = StepClock()
 
@@ -455,9 +549,11 @@ class SFTRequest(_Strict):
     def _one_rate_per_batch(self) -> SFTRequest:
         batches = -(-len(self.trajectories) // self.batch_size)
         if len(self.learning_rates) not in (1, batches):
-            raise ValueError(f"{len(self.trajectories)} trajectories in batches of {self.batch_size} make {batches} "
-                             f"batches, but {len(self.learning_rates)} learning rates were given: give one per "
-                             "batch or a single one")
+            raise ValueError(
+                f"{len(self.trajectories)} trajectories in batches of {self.batch_size} make {batches} "
+                f"batches, but {len(self.learning_rates)} learning rates were given: give one per "
+                "batch or a single one"
+            )
         if not all(0 < lr <= 1 for lr in self.learning_rates):
             raise ValueError(f"learning rates must be in (0, 1], got {self.learning_rates}")
         return self
@@ -473,18 +569,27 @@ class TrainProgress(BaseModel):
     metrics: dict[str, float] = {}
     batches: list[dict[str, float]] = Field([], description="SFT: each batch's metrics, in order")
     message: str | None = None
-    status: int | None = Field(None, description="error: its HTTP status, as a plain request would get it (507: "
-                                                 "the disk is full)")
-    skipped: list[str] = Field([], description="trajectories left out of the step, each with its group and "
-                                               "trajectory index and the reason")
-    activity: Activity | None = Field(None, description="progress: what the step is doing now (sent at least every "
-                                                        "few seconds, so a client sees a stall)")
-    totals: dict[str, float] = Field({}, description="result: the run's cumulative figures after this step "
-                                                     "(costs/cum/gpu)")
-    replayed: bool = Field(False, description="the request id had trained this step already: its result again, "
-                                              "nothing trained twice")
-    checkpoint_path: str | None = Field(None, description="result: the step's checkpoint directory on the server's "
-                                                          "machine; None when it was not saved (save_checkpoint)")
+    status: int | None = Field(
+        None, description="error: its HTTP status, as a plain request would get it (507: the disk is full)"
+    )
+    skipped: list[str] = Field(
+        [], description="trajectories left out of the step, each with its group and trajectory index and the reason"
+    )
+    activity: Activity | None = Field(
+        None,
+        description="progress: what the step is doing now (sent at least every few seconds, so a client sees a stall)",
+    )
+    totals: dict[str, float] = Field(
+        {}, description="result: the run's cumulative figures after this step (costs/cum/gpu)"
+    )
+    replayed: bool = Field(
+        False, description="the request id had trained this step already: its result again, nothing trained twice"
+    )
+    checkpoint_path: str | None = Field(
+        None,
+        description="result: the step's checkpoint directory on the server's "
+        "machine; None when it was not saved (save_checkpoint)",
+    )
 
 
 class LogRequest(_Strict):
@@ -506,8 +611,10 @@ class DeleteCheckpointsRequest(_Strict):
     best_checkpoint_metric: str | None = "val/reward"
     keep_last: int = Field(1, ge=1)
     keep_steps: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, description="keep exactly these steps (and the current one) instead: ART 0.5's "
-                          "`_delete_checkpoint_files`, whose client picks the steps")
+        None,
+        description="keep exactly these steps (and the current one) instead: ART 0.5's "
+        "`_delete_checkpoint_files`, whose client picks the steps",
+    )
 
 
 class LeaseRequest(_Strict):
@@ -601,12 +708,16 @@ class ChatCompletionRequest(_Strict):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool | None = Field(
-        None, description="vLLM's: return prompt_token_ids and each choice's sampled token_ids; art-sky's default: "
-                          "yes, false opts out")
+        None,
+        description="vLLM's: return prompt_token_ids and each choice's sampled token_ids; art-sky's default: "
+        "yes, false opts out",
+    )
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="vLLM's: variables for the chat template (enable_thinking, preserve_thinking, ...), "
-                          "those the template reads")
+        None,
+        description="vLLM's: variables for the chat template (enable_thinking, preserve_thinking, ...), "
+        "those the template reads",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -616,10 +727,15 @@ class ChatCompletionRequest(_Strict):
         """OpenAI's tool shape, which chat templates read (a tool without a function name renders as garbage)."""
         for index, tool in enumerate(tools or []):
             function = tool.get("function")
-            if tool.get("type", "function") != "function" or not isinstance(function, dict) \
-                    or not isinstance(function.get("name"), str) or not function["name"]:
-                raise ValueError(f"tool {index} is not {{'type': 'function', 'function': {{'name': ..., "
-                                 "'parameters': {...}}}")
+            if (
+                tool.get("type", "function") != "function"
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+                or not function["name"]
+            ):
+                raise ValueError(
+                    f"tool {index} is not {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}"
+                )
         return tools
 
     def message_dicts(self) -> list[dict[str, Any]]:

@@ -18,15 +18,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from random_models import SHAPES, build  # noqa: E402
+from random_models import SHAPES, build
 
-from art_sky.cluster.inference.portable_engine import PortableEngine  # noqa: E402
-from art_sky.cluster.model_state import create_model_state  # noqa: E402
-from art_sky.settings import Settings  # noqa: E402
-from art_sky.wire import ChatCompletionRequest, ModelConfig, RegisterRequest  # noqa: E402
+from art_sky.cluster.inference.portable_engine import PortableEngine
+from art_sky.cluster.model_state import create_model_state
+from art_sky.settings import Settings
+from art_sky.wire import ChatCompletionRequest, ModelConfig, RegisterRequest
 
-SCHEMA = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"],
-          "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"story": {"type": "string"}},
+    "required": ["story"],
+    "additionalProperties": False,
+}
 
 
 def main() -> None:
@@ -39,18 +43,25 @@ def main() -> None:
     args = parser.parse_args()
 
     path = build(args.shape, args.cache_dir)
-    state = create_model_state(RegisterRequest(name="bench", project="bench", base_model=str(path),
-                                               config=ModelConfig(max_seq_length=2048)),
-                               Path(tempfile.mkdtemp()), Settings(cache_dir=args.cache_dir))
+    state = create_model_state(
+        RegisterRequest(name="bench", project="bench", base_model=str(path), config=ModelConfig(max_seq_length=2048)),
+        Path(tempfile.mkdtemp()),
+        Settings(cache_dir=args.cache_dir),
+    )
     engine = PortableEngine(args.max_tokens)
     engine.attach(state)
     messages = [{"role": "user", "content": "Write a short story about a lighthouse keeper, as JSON."}]
     print(f"portable engine, {args.shape}: {args.max_tokens} tokens per completion, best of {args.repeats}")
     for rows in args.rows or [1, 8]:
-        free = ChatCompletionRequest(model="bench", messages=messages, n=rows, max_tokens=args.max_tokens,
-                                     logprobs=True, seed=0, ignore_eos=True)
-        constrained = free.model_copy(update={"ignore_eos": False, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}})
+        free = ChatCompletionRequest(
+            model="bench", messages=messages, n=rows, max_tokens=args.max_tokens, logprobs=True, seed=0, ignore_eos=True
+        )
+        constrained = free.model_copy(
+            update={
+                "ignore_eos": False,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}},
+            }
+        )
         constrained = ChatCompletionRequest.model_validate(constrained.model_dump(by_alias=True))
         engine.complete(state, constrained.model_copy(update={"max_tokens": 4}))  # warm-up: llguidance's tokenizer
         best = {"free": float("inf"), "constrained": float("inf")}
@@ -60,8 +71,10 @@ def main() -> None:
                 completion = engine.complete(state, request)
                 steps = max(len(c.model_extra["token_ids"]) for c in completion.choices)  # the batch's length
                 best[name] = min(best[name], (time.perf_counter() - started) / steps)
-        print(f"  {rows:3d} together: {best['free'] * 1e3:.2f} ms per batch token free, "
-              f"{best['constrained'] * 1e3:.2f} constrained: {best['constrained'] / best['free']:.2f}x")
+        print(
+            f"  {rows:3d} together: {best['free'] * 1e3:.2f} ms per batch token free, "
+            f"{best['constrained'] * 1e3:.2f} constrained: {best['constrained'] / best['free']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

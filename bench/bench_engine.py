@@ -45,8 +45,12 @@ async def main() -> None:
     parser.add_argument("--python", help="the server's interpreter (default: .venv-vllm)")
     parser.add_argument("--base-model", default="art-sky/tiny")
     parser.add_argument("--concurrency", default="1,8,64", help="comma-separated levels")
-    parser.add_argument("--requests", type=int, default=32,
-                        help="completions per level, target and round (at least twice the concurrency)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=32,
+        help="completions per level, target and round (at least twice the concurrency)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="turns each target takes per level (median kept)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--gpu-memory", default="0.3", help="ART_SKY_ENGINE_GPU_MEMORY for vLLM")
@@ -82,14 +86,17 @@ async def bench(backend: art.Backend, args: argparse.Namespace, stack: contextli
     from art_sky.remote.tunnel import Tunnel
     from art_sky.settings import Settings
 
-    model = art.TrainableModel(name="bench", project="bench", base_model=args.base_model,
-                               config=art.ModelConfig(max_seq_length=1024))
+    model = art.TrainableModel(
+        name="bench", project="bench", base_model=args.base_model, config=art.ModelConfig(max_seq_length=1024)
+    )
     try:
         started = time.perf_counter()
         await model.register(backend)
         health = await backend.health()
-        print(f"engine {health.engine}, trainer {health.trainer}, device {health.device}: registered in "
-              f"{time.perf_counter() - started:.1f}s")
+        print(
+            f"engine {health.engine}, trainer {health.trainer}, device {health.device}: registered in "
+            f"{time.perf_counter() - started:.1f}s"
+        )
         step = await model.get_step()
         targets = {"vllm": (f"http://127.0.0.1:{health.engine_port}/v1", f"{model.name}@{step}")}
         tunnel = getattr(backend, "tunnel", None)
@@ -102,12 +109,23 @@ async def bench(backend: art.Backend, args: argparse.Namespace, stack: contextli
             targets["vllm-tunnel"] = (f"{engine_tunnel.base_url}/v1", f"{model.name}@{step}")
         else:
             targets["endpoint"] = (f"{backend.base_url}/v1", model.name)
-        body = {"messages": PROMPT, "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": True,
-                "return_tokens_as_token_ids": True, "ignore_eos": True}
-        clients = {name: httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {backend.api_key}"},
-                                           timeout=600, limits=httpx.Limits(max_connections=None,
-                                                                            max_keepalive_connections=None))
-                   for name, (url, _) in targets.items()}
+        body = {
+            "messages": PROMPT,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        }
+        clients = {
+            name: httpx.AsyncClient(
+                base_url=url,
+                headers={"authorization": f"Bearer {backend.api_key}"},
+                timeout=600,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            )
+            for name, (url, _) in targets.items()
+        }
         senders = {name: (clients[name], target_model) for name, (_, target_model) in targets.items()}
         levels = [int(c) for c in args.concurrency.split(",")]
         server = getattr(backend, "server", None)
@@ -136,21 +154,25 @@ async def send(client: httpx.AsyncClient, model: str, body: dict, stream: bool) 
     assert last == "data: [DONE]", f"the stream ended with {last!r}"
 
 
-async def throughput_table(senders: dict, body: dict, levels: list[int], requests: int, rounds: int,
-                           stream: bool, pids: dict[str, list[int]]) -> None:
+async def throughput_table(
+    senders: dict, body: dict, levels: list[int], requests: int, rounds: int, stream: bool, pids: dict[str, list[int]]
+) -> None:
     for client, model in senders.values():  # warm every path (connections, vLLM's first batches) before timing
         await run_level(client, model, body, 8, 16, stream)
     kind = "streaming" if stream else "non-streaming"
     print(f"\n{kind}: completions/s (median of {rounds} rounds) and ratio to vLLM")
-    print(f"{'concurrency':>11} " + " ".join(f"{name:>19}" for name in senders)
-          + ("   CPU ms/completion: vLLM, proxy" if pids else ""))
+    print(
+        f"{'concurrency':>11} "
+        + " ".join(f"{name:>19}" for name in senders)
+        + ("   CPU ms/completion: vLLM, proxy" if pids else "")
+    )
     for level in levels:
         rates: dict[str, list[float]] = {name: [] for name in senders}
         cpu: dict[str, float] = {name: 0.0 for name in pids}
         done: dict[str, int] = {name: 0 for name in pids}
         for round_ in range(rounds):
             names = list(senders)
-            order = names[round_ % len(names):] + names[:round_ % len(names)]  # each target leads in turn
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]  # each target leads in turn
             for name in order:
                 client, model = senders[name]
                 count = max(requests, 2 * level)
@@ -161,8 +183,11 @@ async def throughput_table(senders: dict, body: dict, levels: list[int], request
                     done[name] += count
         base = statistics.median(rates["vllm"])
         cells = [f"{statistics.median(r):8.1f} ({statistics.median(r) / base:5.2f}x)" for r in rates.values()]
-        costs = f"   {cpu['vllm'] * 1000 / done['vllm']:6.2f}, {cpu['endpoint'] * 1000 / done['endpoint']:5.2f}" \
-            if pids else ""
+        costs = (
+            f"   {cpu['vllm'] * 1000 / done['vllm']:6.2f}, {cpu['endpoint'] * 1000 / done['endpoint']:5.2f}"
+            if pids
+            else ""
+        )
         print(f"{level:>11} " + " ".join(f"{c:>19}" for c in cells) + costs, flush=True)
 
 
@@ -187,8 +212,9 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-async def run_level(client: httpx.AsyncClient, model: str, body: dict, concurrency: int, requests: int,
-                    stream: bool) -> float:
+async def run_level(
+    client: httpx.AsyncClient, model: str, body: dict, concurrency: int, requests: int, stream: bool
+) -> float:
     gate = asyncio.Semaphore(concurrency)
 
     async def one() -> None:
@@ -205,27 +231,36 @@ async def swap_latency(model: art.TrainableModel, backend: art.Backend) -> None:
     client = model.openai_client()
 
     async def greedy_logprobs() -> list[float]:
-        completion = await client.chat.completions.create(model=model.name, messages=PROMPT, max_tokens=4,
-                                                          temperature=0, seed=0)
+        completion = await client.chat.completions.create(
+            model=model.name, messages=PROMPT, max_tokens=4, temperature=0, seed=0
+        )
         return [t.logprob for t in completion.choices[0].logprobs.content]
 
     before = await greedy_logprobs()
     groups = []
     for seed in (1, 2):
-        completion = await client.chat.completions.create(model=model.name, messages=PROMPT, n=4, max_tokens=12,
-                                                          seed=seed)
-        groups.append(art.TrajectoryGroup(
-            art.Trajectory(messages_and_choices=[*PROMPT, choice],
-                           reward=sum(c.islower() for c in choice.message.content or "") / 12)
-            for choice in completion.choices))
+        completion = await client.chat.completions.create(
+            model=model.name, messages=PROMPT, n=4, max_tokens=12, seed=seed
+        )
+        groups.append(
+            art.TrajectoryGroup(
+                art.Trajectory(
+                    messages_and_choices=[*PROMPT, choice],
+                    reward=sum(c.islower() for c in choice.message.content or "") / 12,
+                )
+                for choice in completion.choices
+            )
+        )
     started = time.perf_counter()
     await model.train(groups, art.TrainConfig(learning_rate=5e-2))
     trained = time.perf_counter()
     while time.perf_counter() - trained < 120:
         if await greedy_logprobs() != before:
             now = time.perf_counter()
-            print(f"\ntrain() took {trained - started:.2f}s; first completion from the new adapter "
-                  f"{(now - trained) * 1000:.0f} ms after train() returned")
+            print(
+                f"\ntrain() took {trained - started:.2f}s; first completion from the new adapter "
+                f"{(now - trained) * 1000:.0f} ms after train() returned"
+            )
             return
     print("\nno completion showed a new adapter within 120 s after train() returned")
 

@@ -54,15 +54,23 @@ async def throughput(nodes: list[Node], args: argparse.Namespace, phase: str) ->
     async def worker(http: aiohttp.ClientSession, deadline: float) -> None:
         nonlocal done
         while time.monotonic() < deadline:
-            async with http.post("/v1/chat/completions", json={
-                    "model": "tiny", "messages": [{"role": "user", "content": f"{phase} conversation {next(counter)}"}],
-                    "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0}) as response:
+            async with http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": f"{phase} conversation {next(counter)}"}],
+                    "max_tokens": args.max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                },
+            ) as response:
                 response.raise_for_status()
                 await response.read()
             done += 1
 
-    async with aiohttp.ClientSession(base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"},
-                                     connector=aiohttp.TCPConnector(limit=0)) as http:  # a light client: 2 cores
+    async with aiohttp.ClientSession(
+        base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"}, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:  # a light client: 2 cores
         await asyncio.gather(*(worker(http, time.monotonic() + 3) for _ in range(args.concurrency)))  # warm up
         done = 0
         before = {r["url"]: r["completions"] for r in fleet(head)}
@@ -72,27 +80,54 @@ async def throughput(nodes: list[Node], args: argparse.Namespace, phase: str) ->
         cpu = cpu_seconds(nodes) - cpu
         each = ", ".join(f"{r['url']} {(r['completions'] - before[r['url']]) / took:.1f}/s" for r in fleet(head))
     rate = done / took
-    print(f"{phase}: {rate:.1f} completions/s ({done} in {args.seconds:.0f}s, {args.concurrency} in flight, "
-          f"{args.max_tokens} tokens each; {each}); the servers got {cpu / took:.2f} cores ({rate * took / cpu:.1f} "
-          f"completions per CPU-second) with this machine's load average at {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"{phase}: {rate:.1f} completions/s ({done} in {args.seconds:.0f}s, {args.concurrency} in flight, "
+        f"{args.max_tokens} tokens each; {each}); the servers got {cpu / took:.2f} cores ({rate * took / cpu:.1f} "
+        f"completions per CPU-second) with this machine's load average at {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     return rate
 
 
 async def step_everywhere(head: Node) -> None:
     """Train one step, then time how soon every replica serves it."""
-    async with httpx.AsyncClient(base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"},
-                                 timeout=300) as http:
-        sampled = (await http.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "n": 4, "seed": 1,
-            "logprobs": True, "return_tokens_as_token_ids": True})).json()
-        group = {"trajectories": [{"items": [
-            {"role": "user", "content": "hi"},
-            {"kind": "choice", "content": c["message"]["content"],
-             "token_ids": [int(t["token"].removeprefix("token_id:")) for t in c["logprobs"]["content"]],
-             "logprobs": [t["logprob"] for t in c["logprobs"]["content"]]}], "reward": float(i % 2)}
-            for i, c in enumerate(sampled["choices"])]}
-        response = await http.post("/art/models/tiny/train", json={"groups": [group],
-                                                                    "config": {"learning_rate": 1e-3}})
+    async with httpx.AsyncClient(
+        base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=300
+    ) as http:
+        sampled = (
+            await http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8,
+                    "n": 4,
+                    "seed": 1,
+                    "logprobs": True,
+                    "return_tokens_as_token_ids": True,
+                },
+            )
+        ).json()
+        group = {
+            "trajectories": [
+                {
+                    "items": [
+                        {"role": "user", "content": "hi"},
+                        {
+                            "kind": "choice",
+                            "content": c["message"]["content"],
+                            "token_ids": [int(t["token"].removeprefix("token_id:")) for t in c["logprobs"]["content"]],
+                            "logprobs": [t["logprob"] for t in c["logprobs"]["content"]],
+                        },
+                    ],
+                    "reward": float(i % 2),
+                }
+                for i, c in enumerate(sampled["choices"])
+            ]
+        }
+        response = await http.post(
+            "/art/models/tiny/train", json={"groups": [group], "config": {"learning_rate": 1e-3}}
+        )
         returned = time.monotonic()
         result = json.loads(response.text.splitlines()[-1])
         assert result["type"] == "result", result
@@ -103,18 +138,30 @@ async def step_everywhere(head: Node) -> None:
             replicas = fleet(head)
             if listed is None and all(r["steps"].get("tiny") == step for r in replicas):
                 listed = time.monotonic() - returned
-            responses = await asyncio.gather(*(http.post("/v1/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": f"after {i}"}], "max_tokens": 4})
-                for i in range(8)))
+            responses = await asyncio.gather(
+                *(
+                    http.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": "tiny",
+                            "messages": [{"role": "user", "content": f"after {i}"}],
+                            "max_tokens": 4,
+                        },
+                    )
+                    for i in range(8)
+                )
+            )
             assert {r.json()["model"] for r in responses} == {f"tiny@{step}"}
-            if listed is not None and all(r["completions"] > b for r, b in zip(fleet(head), before)):
+            if listed is not None and all(r["completions"] > b for r, b in zip(fleet(head), before, strict=False)):
                 sampled_everywhere = time.monotonic() - returned
                 break
         swap = result["metrics"].get("time/step_swap_s")
-    print(f"step {step}: every replica listed tiny@{step} {listed:.3f}s after train returned; a completion of "
-          f"tiny@{step} from every replica {sampled_everywhere:.3f}s after"
-          + (f" (the swap inside the step, every replica loading it: {swap:.3f}s)" if swap is not None else ""),
-          flush=True)
+    print(
+        f"step {step}: every replica listed tiny@{step} {listed:.3f}s after train returned; a completion of "
+        f"tiny@{step} from every replica {sampled_everywhere:.3f}s after"
+        + (f" (the swap inside the step, every replica loading it: {swap:.3f}s)" if swap is not None else ""),
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from random_models import build  # noqa: E402
+from random_models import build
 
-import art_sky as art  # noqa: E402
-from art_sky.settings import Settings  # noqa: E402
+import art_sky as art
+from art_sky.settings import Settings
 
 PROMPT = [{"role": "user", "content": "Name a colour. Answer in lower case."}]
 
@@ -53,17 +53,24 @@ class MemoryWatch:
 
 
 def _smi(field: str) -> int:
-    out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(out.strip().splitlines()[0])
 
 
 async def measure(mode: str, model_dir: str, steps: int) -> dict:
-    backend = art.LocalBackend(path=tempfile.mkdtemp(prefix=f"sharing-{mode}-"), python=sys.executable,
-                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_TRAINER": "unsloth",
-                                    "ART_SKY_GPU_SHARING": mode})
-    model = art.TrainableModel(name="sharing", project="bench", base_model=model_dir,
-                               config=art.ModelConfig(lora_rank=16, max_seq_length=2048))
+    backend = art.LocalBackend(
+        path=tempfile.mkdtemp(prefix=f"sharing-{mode}-"),
+        python=sys.executable,
+        env={"ART_SKY_ENGINE": "vllm", "ART_SKY_TRAINER": "unsloth", "ART_SKY_GPU_SHARING": mode},
+    )
+    model = art.TrainableModel(
+        name="sharing", project="bench", base_model=model_dir, config=art.ModelConfig(lora_rank=16, max_seq_length=2048)
+    )
     watch = MemoryWatch()
     try:
         watch.phase = "loading"
@@ -76,18 +83,27 @@ async def measure(mode: str, model_dir: str, steps: int) -> dict:
             watch.phase = "rollouts"
             groups = []
             for seed in range(4):
-                completion = await client.chat.completions.create(model=model.name, messages=PROMPT, n=8,
-                                                                  max_tokens=128, seed=100 * step + seed)
-                groups.append(art.TrajectoryGroup(
-                    art.Trajectory(messages_and_choices=[*PROMPT, c], reward=float(len(c.message.content or "") < 20))
-                    for c in completion.choices))
+                completion = await client.chat.completions.create(
+                    model=model.name, messages=PROMPT, n=8, max_tokens=128, seed=100 * step + seed
+                )
+                groups.append(
+                    art.TrajectoryGroup(
+                        art.Trajectory(
+                            messages_and_choices=[*PROMPT, c], reward=float(len(c.message.content or "") < 20)
+                        )
+                        for c in completion.choices
+                    )
+                )
             watch.phase = "training"
             await model.train(groups, art.TrainConfig(learning_rate=1e-5))
     finally:
         watch.stop()
         await backend.close()
-    return {"gpu_sharing": health.gpu_sharing, "total_mib": watch.total,
-            "peak_used_mib": {phase: watch.peaks.get(phase) for phase in ("idle", "rollouts", "training")}}
+    return {
+        "gpu_sharing": health.gpu_sharing,
+        "total_mib": watch.total,
+        "peak_used_mib": {phase: watch.peaks.get(phase) for phase in ("idle", "rollouts", "training")},
+    }
 
 
 async def main() -> None:

@@ -36,8 +36,12 @@ def batch_maker(model: art.TrainableModel, args: argparse.Namespace, seed: int):
         items, rewards = list(messages), []
         for turn in range(args.turns):
             completion = await model.openai_client().chat.completions.create(
-                model=model.inference_model_name, messages=messages, max_tokens=8, temperature=1.0,
-                seed=rng.randrange(2**31))
+                model=model.inference_model_name,
+                messages=messages,
+                max_tokens=8,
+                temperature=1.0,
+                seed=rng.randrange(2**31),
+            )
             choice = completion.choices[0]
             rewards.append(digit_share(choice.message.content))
             await asyncio.sleep(rng.uniform(args.wait_min, args.wait_max))  # the environment answers
@@ -51,10 +55,13 @@ def batch_maker(model: art.TrainableModel, args: argparse.Namespace, seed: int):
 
     async def batch(step: int) -> list[art.TrajectoryGroup]:
         rng = random.Random(seed * 10_000 + step)
-        groups = [[rng.choice(PROMPTS), [random.Random(rng.randrange(2**31)) for _ in range(args.group_size)]]
-                  for _ in range(args.groups)]
+        groups = [
+            [rng.choice(PROMPTS), [random.Random(rng.randrange(2**31)) for _ in range(args.group_size)]]
+            for _ in range(args.groups)
+        ]
         return await art.gather_trajectory_groups(
-            (art.TrajectoryGroup(rollout(prompt, r) for r in rngs) for prompt, rngs in groups), pbar_desc=None)
+            (art.TrajectoryGroup(rollout(prompt, r) for r in rngs) for prompt, rngs in groups), pbar_desc=None
+        )
 
     return batch
 
@@ -85,8 +92,11 @@ async def pipelined(model: art.TrainableModel, args, config) -> tuple[list[float
         times.append(now - last[0])
         last[0] = now
         rewards.append(metrics["reward"])
-        print(f"  pipelined  step {i + 1:2d}  {times[-1]:6.2f} s  reward {rewards[-1]:.3f}  steps off policy "
-              f"{metrics['steps_off_policy']:.2f}  dropped {int(metrics['discarded_stale_groups'])}", flush=True)
+        print(
+            f"  pipelined  step {i + 1:2d}  {times[-1]:6.2f} s  reward {rewards[-1]:.3f}  steps off policy "
+            f"{metrics['steps_off_policy']:.2f}  dropped {int(metrics['discarded_stale_groups'])}",
+            flush=True,
+        )
 
     await art.pipeline(model, batch_maker(model, args, args.seed), args.steps, config=config, on_step=on_step)
     return times, rewards
@@ -104,16 +114,21 @@ async def main(args: argparse.Namespace) -> None:
             for name, run in (("sequential", sequential), ("pipelined", pipelined)):
                 model = art.TrainableModel(name=f"bench-{name}", project="bench", base_model="art-sky/tiny")
                 await model.register(backend)
-                print(f"{name}: {args.steps} steps, {args.groups}x{args.group_size} rollouts of {args.turns} turn(s), "
-                      f"environment waits {args.wait_min}-{args.wait_max} s per turn", flush=True)
+                print(
+                    f"{name}: {args.steps} steps, {args.groups}x{args.group_size} rollouts of {args.turns} turn(s), "
+                    f"environment waits {args.wait_min}-{args.wait_max} s per turn",
+                    flush=True,
+                )
                 start = time.perf_counter()
                 times, rewards = await run(model, args, config)
                 runs[name] = (time.perf_counter() - start, rewards)
         finally:
             await backend.close()
     for name, (total, rewards) in runs.items():
-        print(f"{name:10s}  wall {total:6.1f} s  reward first {rewards[0]:.3f}  last-3 mean "
-              f"{sum(rewards[-3:]) / len(rewards[-3:]):.3f}")
+        print(
+            f"{name:10s}  wall {total:6.1f} s  reward first {rewards[0]:.3f}  last-3 mean "
+            f"{sum(rewards[-3:]) / len(rewards[-3:]):.3f}"
+        )
     print(f"sequential phases: rollouts {PHASES['rollouts']:.1f} s, training {PHASES['training']:.1f} s")
     print(f"pipelined/sequential speedup {runs['sequential'][0] / runs['pipelined'][0]:.2f}")
     hidden = runs["sequential"][0] - runs["pipelined"][0]

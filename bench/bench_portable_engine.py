@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from random_models import SHAPES, build  # noqa: E402
+from random_models import SHAPES, build
 
-from art_sky.cluster.inference.portable_engine import PortableEngine  # noqa: E402
-from art_sky.cluster.model_state import create_model_state  # noqa: E402
-from art_sky.settings import Settings  # noqa: E402
-from art_sky.wire import ChatCompletionRequest, ModelConfig, RegisterRequest  # noqa: E402
+from art_sky.cluster.inference.portable_engine import PortableEngine
+from art_sky.cluster.model_state import create_model_state
+from art_sky.settings import Settings
+from art_sky.wire import ChatCompletionRequest, ModelConfig, RegisterRequest
 
 
 def main() -> None:
@@ -44,22 +44,33 @@ def main() -> None:
 
     path = build(args.shape, args.cache_dir)
     settings = Settings(cache_dir=args.cache_dir)
-    request = RegisterRequest(name="bench", project="bench", base_model=str(path),
-                              config=ModelConfig(max_seq_length=2048))
+    request = RegisterRequest(
+        name="bench", project="bench", base_model=str(path), config=ModelConfig(max_seq_length=2048)
+    )
     state = create_model_state(request, Path(tempfile.mkdtemp()), settings)
     engine = PortableEngine(args.max_tokens)
     engine.attach(state)  # as the server does at registration: it samples from its own copy of the adapter
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} threads)"
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
-    results = {"shape": args.shape, "device": device_name, "torch": torch.__version__,
-               "max_tokens": args.max_tokens, "sizes": {}}
-    print(f"portable engine, {args.shape} on {device_name}, torch {torch.__version__}: {args.max_tokens} tokens "
-          f"per completion, best of {args.repeats}")
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."},
+    ]
+    results = {
+        "shape": args.shape,
+        "device": device_name,
+        "torch": torch.__version__,
+        "max_tokens": args.max_tokens,
+        "sizes": {},
+    }
+    print(
+        f"portable engine, {args.shape} on {device_name}, torch {torch.__version__}: {args.max_tokens} tokens "
+        f"per completion, best of {args.repeats}"
+    )
     for rows in sizes:
-        chat = ChatCompletionRequest(model="bench", messages=messages, n=rows, max_tokens=args.max_tokens,
-                                     temperature=1.0, logprobs=True, seed=0)
+        chat = ChatCompletionRequest(
+            model="bench", messages=messages, n=rows, max_tokens=args.max_tokens, temperature=1.0, logprobs=True, seed=0
+        )
         engine.complete(state, chat.model_copy(update={"max_tokens": 4}))  # warm-up
         best, tokens = float("inf"), 0
         if cuda:
@@ -74,8 +85,12 @@ def main() -> None:
             best = min(best, time.perf_counter() - started)
             tokens = completion.usage.completion_tokens
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-        results["sizes"][str(rows)] = {"tokens_per_s": tokens / best, "best_s": best, "completion_tokens": tokens,
-                                       "peak_memory_gib": peak}
+        results["sizes"][str(rows)] = {
+            "tokens_per_s": tokens / best,
+            "best_s": best,
+            "completion_tokens": tokens,
+            "peak_memory_gib": peak,
+        }
         memory = f", peak {peak:.2f} GiB" if peak is not None else ""
         print(f"  {rows:3d} together: {tokens / best:9.0f} tokens/s ({tokens} tokens in {best:.2f}s){memory}")
     if args.json:

@@ -33,18 +33,29 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from art_sky.client.trajectories import wire_item, wire_trajectory
-from art_sky.cluster.model_state import resolve_base_model
 from art_sky.cluster.chat_template import prompt_ids
+from art_sky.cluster.model_state import resolve_base_model
 from art_sky.cluster.training.sequences import build_sequences
 from art_sky.settings import Settings
 from art_sky.wire import WireChoice
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "c09b81982e89d0dd1980fa38d7648898437befb6"  # main just before exact contexts (the merge of issue 10 part 1)
-TOOLS = [{"type": "function", "function": {
-    "name": name, "description": f"{name} two numbers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                   "required": ["a", "b"]}}} for name in ("add", "multiply", "subtract")]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name} two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+    for name in ("add", "multiply", "subtract")
+]
 
 
 def main() -> None:
@@ -60,11 +71,22 @@ def main() -> None:
     rollouts = [rollout(tokenizer, rng, args.turns) for _ in range(args.trajectories)]
     trajectories = [wire_trajectory(r) for r in rollouts]
     sent = sum(len(t.model_dump_json()) for t in trajectories)
-    uncompressed = sum(len(json.dumps([wire_item(i).model_dump(mode="json") for i in r["messages_and_choices"]]))
-                       for r in rollouts)
-    without_prompts = [t.model_copy(update={"items": [
-        item.model_copy(update={"prompt_token_ids": None, "prompt_shared": 0}) if isinstance(item, WireChoice) else item
-        for item in t.items]}) for t in trajectories]
+    uncompressed = sum(
+        len(json.dumps([wire_item(i).model_dump(mode="json") for i in r["messages_and_choices"]])) for r in rollouts
+    )
+    without_prompts = [
+        t.model_copy(
+            update={
+                "items": [
+                    item.model_copy(update={"prompt_token_ids": None, "prompt_shared": 0})
+                    if isinstance(item, WireChoice)
+                    else item
+                    for item in t.items
+                ]
+            }
+        )
+        for t in trajectories
+    ]
     tokens = sum(len(item.token_ids or []) for t in trajectories for item in t.items if isinstance(item, WireChoice))
     eos = {tokenizer.eos_token_id}
     old_builder = _old_builder(args.baseline)
@@ -75,14 +97,21 @@ def main() -> None:
     def old(batch):
         return [old_builder(tokenizer, t, 1.0, 10**9) for t in batch]
 
-    timings = {"before": best(old, trajectories, args.repeat), "exact": best(new, trajectories, args.repeat),
-               "rendered": best(new, without_prompts, args.repeat)}
+    timings = {
+        "before": best(old, trajectories, args.repeat),
+        "exact": best(new, trajectories, args.repeat),
+        "rendered": best(new, without_prompts, args.repeat),
+    }
     built = new(trajectories)
     sequences = sum(len(b.sequences) for b in built)
-    print(f"{args.trajectories} trajectories x {args.turns} turns with {len(TOOLS)} tools, {tokens} sampled tokens; "
-          f"{args.base_model}; exact contexts made {sequences} sequences")
-    print(f"train request: {sent / 2**20:.1f} MiB with each prompt sent after what it shares with the previous "
-          f"turn, {uncompressed / 2**20:.1f} MiB with whole prompts")
+    print(
+        f"{args.trajectories} trajectories x {args.turns} turns with {len(TOOLS)} tools, {tokens} sampled tokens; "
+        f"{args.base_model}; exact contexts made {sequences} sequences"
+    )
+    print(
+        f"train request: {sent / 2**20:.1f} MiB with each prompt sent after what it shares with the previous "
+        f"turn, {uncompressed / 2**20:.1f} MiB with whole prompts"
+    )
     print(f"{'builder':<10} {'seconds':>8} {'traj/s':>8} {'ratio':>6}")
     for name, seconds in timings.items():
         print(f"{name:<10} {seconds:>8.3f} {args.trajectories / seconds:>8.0f} {timings['before'] / seconds:>6.2f}")
@@ -90,23 +119,30 @@ def main() -> None:
 
 def rollout(tokenizer, rng: random.Random, turns: int) -> dict:
     """One agent rollout as the engine returned it: tool calls, their results, then an answer."""
-    messages = [{"role": "system", "content": "You are a calculator agent. Use the tools."},
-                {"role": "user", "content": f"Compute {rng.randint(1, 99)} op {rng.randint(1, 99)} step by step."}]
+    messages = [
+        {"role": "system", "content": "You are a calculator agent. Use the tools."},
+        {"role": "user", "content": f"Compute {rng.randint(1, 99)} op {rng.randint(1, 99)} step by step."},
+    ]
     items = list(messages)
     for turn in range(turns):
         prompt = prompt_ids(tokenizer, messages, TOOLS)
         if turn < turns - 1:
             name, args = rng.choice(TOOLS)["function"]["name"], {"a": rng.randint(1, 999), "b": rng.randint(1, 999)}
-            text = f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
-            call = {"id": f"call_{turn}", "type": "function",
-                    "function": {"name": name, "arguments": json.dumps(args)}}
+            text = f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+            call = {"id": f"call_{turn}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
         else:
             text = f"The result is {rng.randint(1, 10**6)}."
             message = {"role": "assistant", "content": text}
         sampled = tokenizer(text + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        items.append({"message": message, "token_ids": sampled, "prompt_token_ids": prompt,
-                      "logprobs": {"content": [{"token": "", "logprob": -rng.random()} for _ in sampled]}})
+        items.append(
+            {
+                "message": message,
+                "token_ids": sampled,
+                "prompt_token_ids": prompt,
+                "logprobs": {"content": [{"token": "", "logprob": -rng.random()} for _ in sampled]},
+            }
+        )
         messages.append(message)
         if turn < turns - 1:
             result = {"role": "tool", "content": str(rng.randint(1, 10**6)), "tool_call_id": f"call_{turn}"}
@@ -126,8 +162,9 @@ def best(function, batch, repeat: int) -> float:
 
 def _old_builder(revision: str):
     """`tokenize_trajectory` from `revision`'s cluster/sequences.py, loaded from a temp copy."""
-    source = subprocess.run(["git", "show", f"{revision}:cluster/sequences.py"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{revision}:cluster/sequences.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     path = Path(tempfile.mkdtemp(prefix="bench-sequences-")) / "old_sequences.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("old_sequences", path)

@@ -81,8 +81,11 @@ class Contenders:
 
     # aws s3 sync (awscli defaults)
     def aws(self, *args: str) -> None:
-        subprocess.run(["aws", "s3", "sync", "--only-show-errors", "--endpoint-url", self.server.endpoint, *args],
-                       check=True, env=self.env)
+        subprocess.run(
+            ["aws", "s3", "sync", "--only-show-errors", "--endpoint-url", self.server.endpoint, *args],
+            check=True,
+            env=self.env,
+        )
 
     def aws_up(self, run: int) -> None:
         self.aws(str(self.step_dir), f"{self.uri(f'aws-{run}')}/")
@@ -111,9 +114,11 @@ def bench(server: S3Server, size_mb: int, runs: int, work: Path) -> list[tuple[s
     checkpoints = make_step(work / "src", size_mb * 1024 * 1024)
     c = Contenders(server, bucket, checkpoints, work)
     c.boto_up(-1)  # warm-up: SeaweedFS grows its volumes on the first large write; no contender should pay for it
-    contenders = [("art-sky (obstore)", c.artsky_up, c.artsky_down, c.artsky_resync),
-                  ("aws s3 sync", c.aws_up, c.aws_down, c.aws_resync),
-                  ("boto3 defaults", c.boto_up, c.boto_down, None)]
+    contenders = [
+        ("art-sky (obstore)", c.artsky_up, c.artsky_down, c.artsky_resync),
+        ("aws s3 sync", c.aws_up, c.aws_down, c.aws_resync),
+        ("boto3 defaults", c.boto_up, c.boto_down, None),
+    ]
     times: dict[tuple[str, int], list[float]] = {}
     for column in (1, 2, 3):  # upload, download, re-sync; contenders take turns so noise hits them alike
         for run in range(runs):
@@ -121,19 +126,25 @@ def bench(server: S3Server, size_mb: int, runs: int, work: Path) -> list[tuple[s
                 if contender[column] is not None:
                     times.setdefault((contender[0], column), []).append(timed(contender[column], run))
         print(f"  {['', 'upload', 'download', 're-sync'][column]}: done", file=sys.stderr)
-    return [(name, min(times[name, 1]), min(times[name, 2]), min(times[name, 3]) if (name, 3) in times else None)
-            for name, *_ in contenders]
+    return [
+        (name, min(times[name, 1]), min(times[name, 2]), min(times[name, 3]) if (name, 3) in times else None)
+        for name, *_ in contenders
+    ]
 
 
 def table(size_mb: int, rows: list[tuple[str, float, float, float | None]]) -> str:
     ours = rows[0]
-    lines = [f"checkpoint of {size_mb} MiB (best of runs; ratio = baseline time / art-sky time, >1: art-sky faster)",
-             "| contender | upload s | upload MiB/s | download s | download MiB/s | unchanged re-sync s | "
-             "upload ratio | download ratio |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"checkpoint of {size_mb} MiB (best of runs; ratio = baseline time / art-sky time, >1: art-sky faster)",
+        "| contender | upload s | upload MiB/s | download s | download MiB/s | unchanged re-sync s | "
+        "upload ratio | download ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, up, down, resync in rows:
-        lines.append(f"| {name} | {up:.2f} | {size_mb / up:.0f} | {down:.2f} | {size_mb / down:.0f} | "
-                     f"{'-' if resync is None else f'{resync:.2f}'} | {up / ours[1]:.2f} | {down / ours[2]:.2f} |")
+        lines.append(
+            f"| {name} | {up:.2f} | {size_mb / up:.0f} | {down:.2f} | {size_mb / down:.0f} | "
+            f"{'-' if resync is None else f'{resync:.2f}'} | {up / ours[1]:.2f} | {down / ours[2]:.2f} |"
+        )
     return "\n".join(lines)
 
 

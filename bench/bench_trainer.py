@@ -31,14 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from random_models import SHAPES, build, peak_tflops, sequences, training_flops, with_old_logprobs  # noqa: E402
+from random_models import SHAPES, build, peak_tflops, sequences, training_flops, with_old_logprobs
 
-from art_sky.checkpoints import CheckpointDir  # noqa: E402
-from art_sky.cluster.model_state import ModelState, load_peft  # noqa: E402
-from art_sky.cluster.training.grpo import grpo_loss_sums  # noqa: E402
-from art_sky.cluster.training.peft_trainer import PeftTrainer  # noqa: E402
-from art_sky.settings import Settings  # noqa: E402
-from art_sky.wire import ModelConfig, RegisterRequest, TrainConfig  # noqa: E402
+from art_sky.checkpoints import CheckpointDir
+from art_sky.cluster.model_state import ModelState, load_peft
+from art_sky.cluster.training.grpo import grpo_loss_sums
+from art_sky.cluster.training.peft_trainer import PeftTrainer
+from art_sky.settings import Settings
+from art_sky.wire import ModelConfig, RegisterRequest, TrainConfig
 
 BASELINE = "plain PEFT"
 
@@ -60,13 +60,15 @@ def plain_step(model, optimizer, batch, config: TrainConfig, microbatch_tokens: 
         width = max(len(s.token_ids) for s in rows)
         ids = torch.tensor([s.token_ids + [0] * (width - len(s.token_ids)) for s in rows], device=device)
         mask = torch.tensor([s.trained + [False] * (width - len(s.trained)) for s in rows], device=device)[:, 1:]
-        old = torch.tensor([s.old_logprobs + [float("nan")] * (width - len(s.trained)) for s in rows],
-                           device=device)[:, 1:]
+        old = torch.tensor([s.old_logprobs + [float("nan")] * (width - len(s.trained)) for s in rows], device=device)[
+            :, 1:
+        ]
         advantages = torch.tensor([[s.advantage] for s in rows], device=device)
         logits = model(input_ids=ids).logits[:, :-1].float()
         new = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-        parts = grpo_loss_sums(new, old, advantages, mask, epsilon=config.epsilon,
-                               epsilon_high=config.epsilon_high or config.epsilon)
+        parts = grpo_loss_sums(
+            new, old, advantages, mask, epsilon=config.epsilon, epsilon_high=config.epsilon_high or config.epsilon
+        )
         (parts.policy / total).backward()
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)
     optimizer.step()
@@ -104,17 +106,23 @@ def setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     path = build(args.shape, args.cache_dir)
-    request = RegisterRequest(name="bench", project="bench", base_model=str(path),
-                              config=ModelConfig(lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                 max_seq_length=max(args.length, 16)))
+    request = RegisterRequest(
+        name="bench",
+        project="bench",
+        base_model=str(path),
+        config=ModelConfig(
+            lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, max_seq_length=max(args.length, 16)
+        ),
+    )
     model, tokenizer = load_peft(request, Settings(cache_dir=args.cache_dir), None)
     state = ModelState(request, model, tokenizer, CheckpointDir(Path(tempfile.mkdtemp()), "bench", "bench"))
     batch = sequences(args.rows, args.length, args.prompt, model.config.vocab_size, mixed=args.mixed)
     if not args.measure_rss:  # a full-logits pass per row: its own peak would hide the step's
         with_old_logprobs(model, batch)
     config = TrainConfig(learning_rate=1e-6)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
-                                  weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config.learning_rate, weight_decay=0.0
+    )
     contenders = {"art-sky": lambda: PeftTrainer(args.microbatch_tokens).train(state, batch, config)}
     if args.mixed:
         contenders["art-sky, padded rows"] = lambda: PaddedRows(args.microbatch_tokens).train(state, batch, config)
@@ -133,8 +141,9 @@ def measure_rss(args) -> None:
 
 def rss_of(name: str) -> float:
     """GiB a contender's step adds to the RSS, measured in a child process of its own."""
-    done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--measure-rss", name], capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, __file__, *sys.argv[1:], "--measure-rss", name], capture_output=True, text=True, check=True
+    )
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     return (measured["peak"] - measured["before"]) / 2**30
 
@@ -162,8 +171,12 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=512, help="tokens per sequence (the longest with --mixed)")
     parser.add_argument("--prompt", type=int, default=128, help="masked prompt tokens at the start of each")
     parser.add_argument("--mixed", action="store_true", help="mixed sequence lengths; adds art-sky on padded rows")
-    parser.add_argument("--microbatch-tokens", type=int, default=Settings().train_microbatch_tokens,
-                        help="tokens per forward/backward pass, for all (ART_SKY_TRAIN_MICROBATCH_TOKENS)")
+    parser.add_argument(
+        "--microbatch-tokens",
+        type=int,
+        default=Settings().train_microbatch_tokens,
+        help="tokens per forward/backward pass, for all (ART_SKY_TRAIN_MICROBATCH_TOKENS)",
+    )
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per contender, alternating")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU")
@@ -201,43 +214,72 @@ def main() -> None:
     lengths = [len(s.token_ids) for s in batch]
     tokens = sum(lengths)
     flops = sum(training_flops(model.config, n, n) for n in lengths)
-    padded = sum(len(rows) * max(len(s.token_ids) for s in rows)
-                 for rows in PeftTrainer(args.microbatch_tokens).microbatches(batch, packed=False))
-    device_name = (torch.cuda.get_device_name() if device.type == "cuda"
-                   else f"CPU ({torch.get_num_threads()} of {os.cpu_count()} threads)")
+    padded = sum(
+        len(rows) * max(len(s.token_ids) for s in rows)
+        for rows in PeftTrainer(args.microbatch_tokens).microbatches(batch, packed=False)
+    )
+    device_name = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"CPU ({torch.get_num_threads()} of {os.cpu_count()} threads)"
+    )
     peak = args.peak_tflops or (peak_tflops(device_name) if device.type == "cuda" else None)
-    results = {"shape": args.shape, "device": device_name, "torch": torch.__version__, "rows": args.rows,
-               "length": args.length, "prompt": args.prompt, "mixed": args.mixed, "tokens": tokens,
-               "padded_tokens": padded, "model_tflops": flops / 1e12, "microbatch_tokens": args.microbatch_tokens,
-               "memory": "peak allocated (CUDA)" if device.type == "cuda" else "peak RSS over the RSS before the step",
-               "contenders": {}}
-    print(f"{args.shape} on {device_name}, torch {torch.__version__}: {args.rows} sequences, {tokens} tokens "
-          f"({padded} padded), {'mixed lengths up to ' if args.mixed else ''}{args.length} ({args.prompt} prompt), "
-          f"micro-batches of {args.microbatch_tokens} tokens, best of {args.repeats}")
+    results = {
+        "shape": args.shape,
+        "device": device_name,
+        "torch": torch.__version__,
+        "rows": args.rows,
+        "length": args.length,
+        "prompt": args.prompt,
+        "mixed": args.mixed,
+        "tokens": tokens,
+        "padded_tokens": padded,
+        "model_tflops": flops / 1e12,
+        "microbatch_tokens": args.microbatch_tokens,
+        "memory": "peak allocated (CUDA)" if device.type == "cuda" else "peak RSS over the RSS before the step",
+        "contenders": {},
+    }
+    print(
+        f"{args.shape} on {device_name}, torch {torch.__version__}: {args.rows} sequences, {tokens} tokens "
+        f"({padded} padded), {'mixed lengths up to ' if args.mixed else ''}{args.length} ({args.prompt} prompt), "
+        f"micro-batches of {args.microbatch_tokens} tokens, best of {args.repeats}"
+    )
     for name, runs in times.items():
         best = min(runs)
-        entry = {"tokens_per_s": tokens / best, "best_s": best, "median_s": sorted(runs)[len(runs) // 2],
-                 "tokens_per_cpu_s": tokens / min(cpu_times[name]), "peak_memory_gib": memory[name],
-                 "mfu": flops / best / (peak * 1e12) if peak else None}
+        entry = {
+            "tokens_per_s": tokens / best,
+            "best_s": best,
+            "median_s": sorted(runs)[len(runs) // 2],
+            "tokens_per_cpu_s": tokens / min(cpu_times[name]),
+            "peak_memory_gib": memory[name],
+            "mfu": flops / best / (peak * 1e12) if peak else None,
+        }
         results["contenders"][name] = entry
         mfu = f", MFU {entry['mfu']:.1%}" if entry["mfu"] is not None else ""
-        print(f"  {name:21s} {entry['tokens_per_s']:10.0f} tokens/s (best {best * 1000:.0f} ms, median "
-              f"{entry['median_s'] * 1000:.0f} ms), peak memory {memory[name]:.2f} GiB{mfu}")
+        print(
+            f"  {name:21s} {entry['tokens_per_s']:10.0f} tokens/s (best {best * 1000:.0f} ms, median "
+            f"{entry['median_s'] * 1000:.0f} ms), peak memory {memory[name]:.2f} GiB{mfu}"
+        )
     base = results["contenders"][BASELINE]
     for name, entry in results["contenders"].items():
         if name != BASELINE:
             entry["ratio"] = entry["tokens_per_s"] / base["tokens_per_s"]
             entry["cpu_time_ratio"] = entry["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
-            entry["memory_ratio"] = entry["peak_memory_gib"] / base["peak_memory_gib"] if base["peak_memory_gib"] \
-                else None
-            print(f"{name} / {BASELINE}: {entry['ratio']:.2f}x tokens/s (by CPU time {entry['cpu_time_ratio']:.2f}x)"
-                  f", {entry['peak_memory_gib'] - base['peak_memory_gib']:+.2f} GiB peak memory")
+            entry["memory_ratio"] = (
+                entry["peak_memory_gib"] / base["peak_memory_gib"] if base["peak_memory_gib"] else None
+            )
+            print(
+                f"{name} / {BASELINE}: {entry['ratio']:.2f}x tokens/s (by CPU time {entry['cpu_time_ratio']:.2f}x)"
+                f", {entry['peak_memory_gib'] - base['peak_memory_gib']:+.2f} GiB peak memory"
+            )
     results["ratio"] = results["contenders"]["art-sky"]["ratio"]
     if args.mixed:
         packed, rows = results["contenders"]["art-sky"], results["contenders"]["art-sky, padded rows"]
         results["packed_over_padded"] = packed["tokens_per_s"] / rows["tokens_per_s"]
-        print(f"packed / padded rows: {results['packed_over_padded']:.2f}x tokens/s; the model runs {tokens} "
-              f"tokens instead of {padded} ({1 - tokens / padded:.0%} fewer)")
+        print(
+            f"packed / padded rows: {results['packed_over_padded']:.2f}x tokens/s; the model runs {tokens} "
+            f"tokens instead of {padded} ({1 - tokens / padded:.0%} fewer)"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -15,16 +15,48 @@ from pathlib import Path
 # size, where the LM head is most of the work (a CPU-sized stand-in for what a small model's head costs).
 SHAPES: dict[str, dict] = {
     "tiny": {},
-    "tiny-152k-vocab": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=2, vocab_size=151936),
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "tiny-152k-vocab": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-14b": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
 LARGE = {"qwen2.5-7b", "qwen2.5-14b"}  # built in bf16 on the GPU where there is one: minutes in float32 on a CPU
 
@@ -43,11 +75,18 @@ def build(shape: str, cache_dir: Path) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tiny)
-    special = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
-               (("bos", "<|endoftext|>"), ("eos", "<|im_end|>"))}
-    config = Qwen2Config(**({"tie_word_embeddings": True} | SHAPES[shape]), max_position_embeddings=32768,
-                         rope_theta=1000000.0, bos_token_id=special["bos"], eos_token_id=special["eos"],
-                         pad_token_id=tokenizer.pad_token_id)
+    special = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (("bos", "<|endoftext|>"), ("eos", "<|im_end|>"))
+    }
+    config = Qwen2Config(
+        **({"tie_word_embeddings": True} | SHAPES[shape]),
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        bos_token_id=special["bos"],
+        eos_token_id=special["eos"],
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     if shape in LARGE:
         default = torch.get_default_dtype()
@@ -60,8 +99,9 @@ def build(shape: str, cache_dir: Path) -> Path:
         model = model.cpu()
     else:
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=[special["eos"], special["bos"]],
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[special["eos"], special["bos"]], pad_token_id=tokenizer.pad_token_id
+    )
     tmp = path.with_name(path.name + ".tmp")
     tokenizer.save_pretrained(tmp)
     model.save_pretrained(tmp)
@@ -98,7 +138,9 @@ def with_old_logprobs(model, batch) -> None:
             ids = torch.tensor([seq.token_ids], device=device)
             logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
             picked = logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist()
-            seq.old_logprobs = [math.nan] + [lp if t else math.nan for lp, t in zip(picked, seq.trained[1:])]
+            seq.old_logprobs = [math.nan] + [
+                lp if t else math.nan for lp, t in zip(picked, seq.trained[1:], strict=False)
+            ]
 
 
 def training_flops(config, tokens: int, length: int) -> float:
@@ -117,8 +159,16 @@ def training_flops(config, tokens: int, length: int) -> float:
 
 
 # Dense bf16 peak of the GPUs we rent (no sparsity), TFLOP/s; MFU is reported only for these unless given.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-               "A10G": 125.0, "RTX 4090": 165.0}
+PEAK_TFLOPS = {
+    "H100": 989.0,
+    "H200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 125.0,
+    "RTX 4090": 165.0,
+}
 
 
 def peak_tflops(device_name: str) -> float | None:

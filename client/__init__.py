@@ -7,5 +7,16 @@ from .model import Model, TrainableModel
 from .pipeline import pipeline
 from .trajectories import History, Trajectory, TrajectoryGroup
 
-__all__ = ["History", "Model", "ModelConfig", "TooManyRolloutErrors", "TrainConfig", "TrainSFTConfig", "TrainableModel",
-           "Trajectory", "TrajectoryGroup", "gather_trajectory_groups", "pipeline"]
+__all__ = [
+    "History",
+    "Model",
+    "ModelConfig",
+    "TooManyRolloutErrors",
+    "TrainConfig",
+    "TrainSFTConfig",
+    "TrainableModel",
+    "Trajectory",
+    "TrajectoryGroup",
+    "gather_trajectory_groups",
+    "pipeline",
+]

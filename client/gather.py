@@ -94,8 +94,10 @@ def _replacing(group: TrajectoryGroup, result: object) -> list[TrajectoryGroup]:
         return result
     if _is_group(result):
         return [result]  # type: ignore[list-item]
-    raise TypeError(f"after_each returned {type(result).__name__}: return the group (a new one replaces it), a list "
-                    "of groups, or None to drop it, as in ART")
+    raise TypeError(
+        f"after_each returned {type(result).__name__}: return the group (a new one replaces it), a list "
+        "of groups, or None to drop it, as in ART"
+    )
 
 
 def _is_group(value: object) -> bool:

@@ -35,8 +35,10 @@ def require_langfuse() -> Any:
     try:
         import langfuse
     except ImportError as exc:
-        raise ConfigError("Langfuse tracing needs the langfuse package: pip install \"art-sky[langfuse]\" (or leave "
-                          "LANGFUSE_PUBLIC_KEY unset, or leave \"langfuse\" out of report_metrics)") from exc
+        raise ConfigError(
+            'Langfuse tracing needs the langfuse package: pip install "art-sky[langfuse]" (or leave '
+            'LANGFUSE_PUBLIC_KEY unset, or leave "langfuse" out of report_metrics)'
+        ) from exc
     return langfuse
 
 
@@ -56,12 +58,20 @@ class LangfuseTraces:
         for index, group in enumerate(groups):
             for trajectory in group.trajectories:
                 with propagate_attributes(
-                        trace_name=f"{self.name} {split}", session_id=f"{self.project}/{self.name}/step-{step}",
-                        tags=[f"model:{self.name}", f"step:{step}", f"split:{split}"],
-                        metadata={"project": self.project, "model": self.name, "step": str(step), "split": split,
-                                  "group": str(index)}):
-                    with client.start_as_current_observation(as_type="span", name="rollout", **_io(trajectory),
-                                                             metadata=trajectory.metadata or None) as span:
+                    trace_name=f"{self.name} {split}",
+                    session_id=f"{self.project}/{self.name}/step-{step}",
+                    tags=[f"model:{self.name}", f"step:{step}", f"split:{split}"],
+                    metadata={
+                        "project": self.project,
+                        "model": self.name,
+                        "step": str(step),
+                        "split": split,
+                        "group": str(index),
+                    },
+                ):
+                    with client.start_as_current_observation(
+                        as_type="span", name="rollout", **_io(trajectory), metadata=trajectory.metadata or None
+                    ) as span:
                         span.score_trace(name="reward", value=float(trajectory.reward))
                         for key, value in trajectory.metrics.items():
                             span.score_trace(name=key, value=float(value))
@@ -73,9 +83,14 @@ class LangfuseTraces:
             self._client = langfuse.Langfuse(
                 public_key=settings.langfuse_public_key,
                 secret_key=settings.langfuse_secret_key and settings.langfuse_secret_key.get_secret_value(),
-                base_url=settings.langfuse_host)
-            log.info("Langfuse traces of %s/%s go to %s", self.project, self.name,
-                     settings.langfuse_host or "Langfuse's default host")
+                base_url=settings.langfuse_host,
+            )
+            log.info(
+                "Langfuse traces of %s/%s go to %s",
+                self.project,
+                self.name,
+                settings.langfuse_host or "Langfuse's default host",
+            )
         return self._client
 
     def flush(self) -> None:
@@ -89,5 +104,7 @@ def _io(trajectory: Trajectory) -> dict[str, Any]:
     messages = trajectory.messages()
     last = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
     conversation = messages[:-1] if last is not None else messages
-    return {"input": {"messages": conversation} | ({"tools": trajectory.tools} if trajectory.tools else {}),
-            "output": last}
+    return {
+        "input": {"messages": conversation} | ({"tools": trajectory.tools} if trajectory.tools else {}),
+        "output": last,
+    }

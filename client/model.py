@@ -50,9 +50,16 @@ class Backend(Protocol):
 
     async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None: ...
 
-    async def train(self, model: TrainableModel, trajectory_groups: Iterable[TrajectoryGroup], *,
-                    config: TrainConfig | None = None, verbose: bool = False, wait: bool = True,
-                    max_steps_off_policy: int = 1) -> StepResult | asyncio.Task: ...
+    async def train(
+        self,
+        model: TrainableModel,
+        trajectory_groups: Iterable[TrajectoryGroup],
+        *,
+        config: TrainConfig | None = None,
+        verbose: bool = False,
+        wait: bool = True,
+        max_steps_off_policy: int = 1,
+    ) -> StepResult | asyncio.Task: ...
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]: ...
 
@@ -60,8 +67,14 @@ class Backend(Protocol):
 
     def _model_inference_name(self, model: Model, step: int | None = None) -> str: ...
 
-    def _train_sft(self, model: TrainableModel, trajectories: Iterable[Any], config: Any,
-                   dev_config: dict | None = None, verbose: bool = False) -> AsyncIterator[dict[str, float]]: ...
+    def _train_sft(
+        self,
+        model: TrainableModel,
+        trajectories: Iterable[Any],
+        config: Any,
+        dev_config: dict | None = None,
+        verbose: bool = False,
+    ) -> AsyncIterator[dict[str, float]]: ...
 
 
 class Model(BaseModel):
@@ -97,8 +110,11 @@ class Model(BaseModel):
             except ConfigError:
                 if self.report_metrics is not None:
                     raise
-                log.warning("WANDB_API_KEY is set but wandb is not installed: %s's metrics go to the server's "
-                            "history only (pip install \"art-sky[wandb]\" to log them to W&B)", self.name)
+                log.warning(
+                    "WANDB_API_KEY is set but wandb is not installed: %s's metrics go to the server's "
+                    'history only (pip install "art-sky[wandb]" to log them to W&B)',
+                    self.name,
+                )
             else:
                 self._wandb = WandbRun(self.project, self.name, key and key.get_secret_value())
         self._langfuse = None
@@ -108,8 +124,11 @@ class Model(BaseModel):
             except ConfigError:
                 if self.report_metrics is not None:
                     raise
-                log.warning("LANGFUSE_PUBLIC_KEY is set but langfuse is not installed: %s's rollouts are not traced "
-                            "(pip install \"art-sky[langfuse]\" to trace them)", self.name)
+                log.warning(
+                    "LANGFUSE_PUBLIC_KEY is set but langfuse is not installed: %s's rollouts are not traced "
+                    '(pip install "art-sky[langfuse]" to trace them)',
+                    self.name,
+                )
             else:
                 self._langfuse = LangfuseTraces(self.project, self.name, backend.settings)
 
@@ -122,8 +141,11 @@ class Model(BaseModel):
             transport = _TrainingDefaults(httpx.AsyncHTTPTransport(), self._sampling) if self.trainable else None
             seconds = self._backend.request_timeout if self._backend else Settings().request_timeout
             self._openai = AsyncOpenAI(
-                base_url=self.inference_base_url, api_key=self.inference_api_key or "none", max_retries=3,
-                http_client=httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(seconds, connect=30.0)))
+                base_url=self.inference_base_url,
+                api_key=self.inference_api_key or "none",
+                max_retries=3,
+                http_client=httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(seconds, connect=30.0)),
+            )
         return self._openai
 
     def get_inference_name(self, step: int | None = None) -> str:
@@ -137,11 +159,21 @@ class Model(BaseModel):
         """Keyword arguments for `litellm.completion` (ART's): the endpoint, its key, this model (or `name@step`)
         through litellm's hosted_vllm provider when trainable, and temperature 1, which training samples need."""
         name = self.get_inference_name(step)
-        return {"model": f"hosted_vllm/{name}" if self.trainable else name, "base_url": self.inference_base_url,
-                "api_key": self.inference_api_key, "temperature": 1}
+        return {
+            "model": f"hosted_vllm/{name}" if self.trainable else name,
+            "base_url": self.inference_base_url,
+            "api_key": self.inference_api_key,
+            "temperature": 1,
+        }
 
-    async def log(self, trajectories: Iterable[TrajectoryGroup] | None = None, split: str = "val", *,
-                  metrics: dict[str, float] | None = None, step: int | None = None) -> dict[str, float]:
+    async def log(
+        self,
+        trajectories: Iterable[TrajectoryGroup] | None = None,
+        split: str = "val",
+        *,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
         """Record these groups' mean reward and metrics (ART's `model.log`), and/or `metrics` as given, at `step`
         (default: the current one): a line of history.jsonl on the server, a W&B row when W&B is on, and the
         rollouts' traces when Langfuse is."""
@@ -156,8 +188,9 @@ class Model(BaseModel):
         self._report(split, values, step, groups)
         return values
 
-    def _report(self, split: str, metrics: dict[str, float], step: int,
-                groups: list[TrajectoryGroup] | None = None) -> None:
+    def _report(
+        self, split: str, metrics: dict[str, float], step: int, groups: list[TrajectoryGroup] | None = None
+    ) -> None:
         if self._wandb is not None:
             self._wandb.log(split, metrics, step)
         if self._langfuse is not None and groups:
@@ -195,9 +228,15 @@ class TrainableModel(Model):
     async def get_step(self) -> int:
         return (await self._require_backend().model_info(self)).step
 
-    async def train(self, trajectory_groups: Iterable[TrajectoryGroup], config: TrainConfig = TrainConfig(),
-                    *, verbose: bool = False, wait: bool = True,
-                    max_steps_off_policy: int = 1) -> dict[str, float] | asyncio.Task[dict[str, float]]:
+    async def train(
+        self,
+        trajectory_groups: Iterable[TrajectoryGroup],
+        config: TrainConfig = TrainConfig(),
+        *,
+        verbose: bool = False,
+        wait: bool = True,
+        max_steps_off_policy: int = 1,
+    ) -> dict[str, float] | asyncio.Task[dict[str, float]]:
         """One GRPO step on these groups (ART 0.4's `model.train`); returns the step's metrics and `step`.
         Inference goes on with the previous step while it trains (or waits, on an engine that must pause: /health
         says which). `backend.train(model, groups, ...)` is ART 0.5's form of the same.
@@ -206,8 +245,9 @@ class TrainableModel(Model):
         (`art_sky.pipeline` runs that loop). Groups sampled more than `max_steps_off_policy` steps behind the step
         they train at are dropped and counted in `discarded_stale_groups` (client/pipeline.py)."""
         groups = list(trajectory_groups)
-        step = await self._require_backend().train(self, groups, config=config, verbose=verbose,
-                                                   wait=False, max_steps_off_policy=max_steps_off_policy)
+        step = await self._require_backend().train(
+            self, groups, config=config, verbose=verbose, wait=False, max_steps_off_policy=max_steps_off_policy
+        )
         metrics = asyncio.ensure_future(self._step_metrics(step, groups))
         return await metrics if wait else metrics
 
@@ -216,12 +256,21 @@ class TrainableModel(Model):
         self._report("train", result.metrics | result.totals, result.step, groups)
         return result.metrics | result.totals | {"step": float(result.step)}
 
-    async def train_sft(self, trajectories: Iterable[Any], config: TrainSFTConfig | None = None,
-                        _config: DevTrainSFTConfig | None = None, verbose: bool = False) -> None:
+    async def train_sft(
+        self,
+        trajectories: Iterable[Any],
+        config: TrainSFTConfig | None = None,
+        _config: DevTrainSFTConfig | None = None,
+        verbose: bool = False,
+    ) -> None:
         """Supervised fine-tuning on the assistant turns (ART's `model.train_sft`): one step, one optimizer step
         per batch; the batches' mean metrics are reported at the new step, as ART reports them."""
-        batches = [metrics async for metrics in self._require_backend()._train_sft(
-            self, trajectories, config or TrainSFTConfig(), _config, verbose)]
+        batches = [
+            metrics
+            async for metrics in self._require_backend()._train_sft(
+                self, trajectories, config or TrainSFTConfig(), _config, verbose
+            )
+        ]
         if batches:
             mean = {key: sum(b[key] for b in batches) / len(batches) for key in batches[0]}
             await self.log(metrics=mean, split="train")
@@ -281,8 +330,13 @@ class _TrainingDefaults(httpx.AsyncBaseTransport):
         body.setdefault("return_token_ids", True)
         content = json.dumps(body).encode()
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
-        request = httpx.Request(request.method, request.url, headers=headers + [("content-length",
-                                str(len(content)))], content=content, extensions=request.extensions)
+        request = httpx.Request(
+            request.method,
+            request.url,
+            headers=headers + [("content-length", str(len(content)))],
+            content=content,
+            extensions=request.extensions,
+        )
         self.sampling.start()
         try:
             response = await self.inner.handle_async_request(request)
@@ -300,8 +354,9 @@ class _TrainingDefaults(httpx.AsyncBaseTransport):
             for choice in choices:
                 choice.setdefault("prompt_token_ids", prompt)
             content = json.dumps(completion).encode()
-        headers = [(k, v) for k, v in response.headers.multi_items()
-                   if k.lower() not in ("content-length", "content-encoding")]
+        headers = [
+            (k, v) for k, v in response.headers.multi_items() if k.lower() not in ("content-length", "content-encoding")
+        ]
         return httpx.Response(response.status_code, headers=headers, content=content, extensions=response.extensions)
 
     async def aclose(self) -> None:

@@ -31,8 +31,9 @@ def group_versions(groups: Sequence[Any], wired: Sequence[WireGroup]) -> list[in
     sources = [g for g in groups if _field(g, "trajectories")]
     versions = []
     for source, group in zip(sources, wired, strict=True):
-        known = [v for v in map(trajectory_version, group.trajectories, _field(source, "trajectories"))
-                 if v is not None]
+        known = [
+            v for v in map(trajectory_version, group.trajectories, _field(source, "trajectories")) if v is not None
+        ]
         versions.append(min(known) if known else None)
     return versions
 
@@ -47,50 +48,64 @@ def trajectory_version(wired: WireTrajectory, source: Any = None) -> int | None:
     return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
-def drop_stale(wired: list[WireGroup], versions: list[int | None], step: int,
-               max_steps_off_policy: int | None) -> tuple[list[WireGroup], dict[str, float]]:
+def drop_stale(
+    wired: list[WireGroup], versions: list[int | None], step: int, max_steps_off_policy: int | None
+) -> tuple[list[WireGroup], dict[str, float]]:
     """The groups a step at model step `step` may train on, and the step's staleness metrics. No bound (None): every
     group trains (an ART program's own loop, e.g. ART's PipelineTrainer, bounds staleness itself)."""
     kept, lags, dropped = [], [], 0
     for group, version in zip(wired, versions, strict=True):
         behind = 0 if version is None else max(0, step - version)
         if max_steps_off_policy is not None and (
-                behind > max_steps_off_policy or (behind and not _has_logprobs(group))):
+            behind > max_steps_off_policy or (behind and not _has_logprobs(group))
+        ):
             dropped += 1
             continue
         kept.append(group)
         lags += [behind] * len(group.trajectories)
-    return kept, {"discarded_stale_groups": float(dropped),
-                  "steps_off_policy": sum(lags) / len(lags) if lags else 0.0}
+    return kept, {"discarded_stale_groups": float(dropped), "steps_off_policy": sum(lags) / len(lags) if lags else 0.0}
 
 
 def check_bound(max_steps_off_policy: Any) -> int | None:
     if max_steps_off_policy is None:
         return None
     if not isinstance(max_steps_off_policy, int) or isinstance(max_steps_off_policy, bool) or max_steps_off_policy < 0:
-        raise ConfigError(f"max_steps_off_policy={max_steps_off_policy!r}: give a whole number >= 0 (0: train only on "
-                          "rollouts of the current step; 1, the default: also those of the step before)")
+        raise ConfigError(
+            f"max_steps_off_policy={max_steps_off_policy!r}: give a whole number >= 0 (0: train only on "
+            "rollouts of the current step; 1, the default: also those of the step before)"
+        )
     return max_steps_off_policy
 
 
 def _has_logprobs(group: WireGroup) -> bool:
-    return all(c.logprobs is not None for t in group.trajectories for h in t.histories() for c in h.items
-               if isinstance(c, WireChoice))
+    return all(
+        c.logprobs is not None
+        for t in group.trajectories
+        for h in t.histories()
+        for c in h.items
+        if isinstance(c, WireChoice)
+    )
 
 
-async def pipeline(model: TrainableModel, rollouts: Callable[[int], Awaitable[Iterable[TrajectoryGroup]]],
-                   steps: int, *, config: TrainConfig | None = None, max_steps_off_policy: int = 1,
-                   head_start: float = 1.0,
-                   on_step: Callable[[int, dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
+async def pipeline(
+    model: TrainableModel,
+    rollouts: Callable[[int], Awaitable[Iterable[TrajectoryGroup]]],
+    steps: int,
+    *,
+    config: TrainConfig | None = None,
+    max_steps_off_policy: int = 1,
+    head_start: float = 1.0,
+    on_step: Callable[[int, dict[str, float]], Any] | None = None,
+) -> list[dict[str, float]]:
     """Train `steps` GRPO steps, gathering batch i+1 (`await rollouts(i + 1)`) while step i trains on batch i.
 
     The next batch starts first, and the step is sent once the batch's first completions are answered (or after
     `head_start` seconds if it has sent none by then): sampling is compute, the step is compute, and on one device
     they would share it (bench_pipeline: sending the step at once made the pipelined run 1.05x, this 1.49x), while
     the rollouts' waiting on tools and environments overlaps the step for free. The later turns of multi-turn
-    rollouts are sampled by the previous step while the step trains, where the server serves while training
-    (/health's `serves_while_training`), or wait for it where it pauses inference. Returns each step's metrics (`model.train`'s, plus `reward`, the batch's
-    mean rollout reward); `on_step(i, metrics)` is called as each step ends.
+    rollouts are sampled by the previous step while the step trains, where the server serves while training (/health's
+    `serves_while_training`), or wait for it where it pauses inference. Returns each step's metrics (`model.train`'s,
+    plus `reward`, the batch's mean rollout reward); `on_step(i, metrics)` is called as each step ends.
 
     `config` defaults to CISPO (as ART's PipelineTrainer): a token whose ratio to its behaviour policy is clipped
     still gets a (bounded) gradient, where PPO's clip gives it none. With large updates, one step off policy is
@@ -110,8 +125,7 @@ async def pipeline(model: TrainableModel, rollouts: Callable[[int], Awaitable[It
         try:
             if following is not None:
                 await _first_turns_answered(model, following, head_start)
-            metrics = await (await model.train(groups, config, wait=False,
-                                               max_steps_off_policy=max_steps_off_policy))
+            metrics = await (await model.train(groups, config, wait=False, max_steps_off_policy=max_steps_off_policy))
         except BaseException:
             if following is not None:
                 following.cancel()

@@ -30,8 +30,10 @@ def require_wandb() -> Any:
     try:
         import wandb
     except ImportError as exc:
-        raise ConfigError("W&B logging needs the wandb package: pip install \"art-sky[wandb]\" (or leave "
-                          "WANDB_API_KEY unset, or pass report_metrics=[])") from exc
+        raise ConfigError(
+            'W&B logging needs the wandb package: pip install "art-sky[wandb]" (or leave '
+            "WANDB_API_KEY unset, or pass report_metrics=[])"
+        ) from exc
     return wandb
 
 
@@ -44,16 +46,25 @@ class WandbRun:
 
     def log(self, split: str, metrics: dict[str, float], step: int) -> None:
         """One row: the metrics under ART's keys (`<split>/<name>` unless already under a section), at `step`."""
-        row = {key: value for key, value in history_entry(step, split, metrics).items()
-               if key not in ("step", "recorded_at") and value == value}  # NaN: not a point (ART drops them too)
+        row = {
+            key: value
+            for key, value in history_entry(step, split, metrics).items()
+            if key not in ("step", "recorded_at") and value == value
+        }  # NaN: not a point (ART drops them too)
         self.run().log(row | {"training_step": step})
 
     def run(self) -> Any:
         wandb = require_wandb()
         if self._run is None or getattr(self._run, "_is_finished", False):
             settings = wandb.Settings(api_key=self.api_key) if self.api_key else wandb.Settings()
-            run = wandb.init(project=self.project, name=self.name, id=self.name, resume="allow",
-                             reinit="create_new", settings=settings)
+            run = wandb.init(
+                project=self.project,
+                name=self.name,
+                id=self.name,
+                resume="allow",
+                reinit="create_new",
+                settings=settings,
+            )
             run.define_metric("training_step")
             for section in _STEP_SECTIONS:
                 run.define_metric(f"{section}/*", step_metric="training_step")

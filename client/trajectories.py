@@ -87,8 +87,12 @@ class TrajectoryGroup(BaseModel):
     logs: list[str] = []
     _pending: list[Awaitable[Trajectory]] = PrivateAttr(default_factory=list)
 
-    def __init__(self, trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]] = (),
-                 exceptions: list[BaseException] | None = None, **data: Any):
+    def __init__(
+        self,
+        trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]] = (),
+        exceptions: list[BaseException] | None = None,
+        **data: Any,
+    ):
         items = list(trajectories)
         done = [t for t in items if isinstance(t, Trajectory)]
         errors = [t for t in items if isinstance(t, BaseException)] + list(exceptions or [])
@@ -131,12 +135,16 @@ def wire_groups(groups: Iterable[Any], chat_template_kwargs: dict[str, Any] | No
     for g, group in enumerate(groups):
         if not _field(group, "trajectories"):
             if not _field(group, "exceptions"):
-                raise ConfigError(f"group {g} is empty: no trajectories and no failed rollouts. (ART's "
-                                  "ruler_score_group returns an art.TrajectoryGroup, which keeps only art.Trajectory "
-                                  "objects: build those rollouts with art.Trajectory)")
+                raise ConfigError(
+                    f"group {g} is empty: no trajectories and no failed rollouts. (ART's "
+                    "ruler_score_group returns an art.TrajectoryGroup, which keeps only art.Trajectory "
+                    "objects: build those rollouts with art.Trajectory)"
+                )
             continue
-        trajectories = [wire_trajectory(t, f"group {g}, trajectory {i}", chat_template_kwargs)
-                        for i, t in enumerate(_field(group, "trajectories"))]
+        trajectories = [
+            wire_trajectory(t, f"group {g}, trajectory {i}", chat_template_kwargs)
+            for i, t in enumerate(_field(group, "trajectories"))
+        ]
         try:
             wired.append(WireGroup(trajectories=trajectories))
         except ValidationError as exc:
@@ -144,8 +152,9 @@ def wire_groups(groups: Iterable[Any], chat_template_kwargs: dict[str, Any] | No
     return wired
 
 
-def wire_trajectory(trajectory: Any, where: str = "trajectory",
-                    chat_template_kwargs: dict[str, Any] | None = None) -> WireTrajectory:
+def wire_trajectory(
+    trajectory: Any, where: str = "trajectory", chat_template_kwargs: dict[str, Any] | None = None
+) -> WireTrajectory:
     """One trajectory (art-sky's, openpipe-art's, or anything with ART's fields) as a wire message; `where` names it
     in errors. `chat_template_kwargs`: the default where the trajectory and its histories say none."""
     kwargs = _field(trajectory, "chat_template_kwargs") or chat_template_kwargs
@@ -155,16 +164,26 @@ def wire_trajectory(trajectory: Any, where: str = "trajectory",
     histories = []
     for h, history in enumerate(_field(trajectory, "additional_histories") or []):
         items = _wire_items(_field(history, "messages_and_choices"), f"{where}, additional_histories[{h}]")
-        histories.append(WireHistory(items=items, tools=_field(history, "tools"),
-                                     chat_template_kwargs=_field(history, "chat_template_kwargs") or kwargs))
+        histories.append(
+            WireHistory(
+                items=items,
+                tools=_field(history, "tools"),
+                chat_template_kwargs=_field(history, "chat_template_kwargs") or kwargs,
+            )
+        )
     metrics = {}
     for key, value in (_field(trajectory, "metrics") or {}).items():
         if not isinstance(value, int | float) or not math.isfinite(value):
             raise ConfigError(f"{where}: metrics[{key!r}] is {value!r}, not a finite number")
         metrics[key] = float(value)
-    return WireTrajectory(items=_wire_items(_field(trajectory, "messages_and_choices"), where), reward=reward,
-                          tools=_field(trajectory, "tools"), chat_template_kwargs=kwargs, metrics=metrics,
-                          additional_histories=histories)
+    return WireTrajectory(
+        items=_wire_items(_field(trajectory, "messages_and_choices"), where),
+        reward=reward,
+        tools=_field(trajectory, "tools"),
+        chat_template_kwargs=kwargs,
+        metrics=metrics,
+        additional_histories=histories,
+    )
 
 
 def wire_item(item: Any) -> WireChoice | WireMessage:
@@ -182,10 +201,16 @@ def wire_item(item: Any) -> WireChoice | WireMessage:
     if _field(item, "choices") is not None:
         choices = list(_field(item, "choices"))
         if len(choices) != 1:
-            raise ConfigError(f"a completion with {len(choices)} choices: put the one the conversation continued "
-                              "with in messages_and_choices (completion.choices[i])")
-        return _wire_choice(choices[0], _field(item, "prompt_token_ids"), _step_of_model(_field(item, "model")),
-                            _field(_field(item, "usage"), "prompt_tokens"))
+            raise ConfigError(
+                f"a completion with {len(choices)} choices: put the one the conversation continued "
+                "with in messages_and_choices (completion.choices[i])"
+            )
+        return _wire_choice(
+            choices[0],
+            _field(item, "prompt_token_ids"),
+            _step_of_model(_field(item, "model")),
+            _field(_field(item, "usage"), "prompt_tokens"),
+        )
     if _field(item, "message") is not None:
         return _wire_choice(item)
     if isinstance(item, Mapping):
@@ -194,8 +219,10 @@ def wire_item(item: Any) -> WireChoice | WireMessage:
         return _wire_choice({"message": item})
     if _field(item, "role") is not None:
         return WireMessage(**_message_fields(item))
-    raise ConfigError(f"{type(item).__name__} is neither a chat message nor a choice: messages_and_choices holds "
-                      "message dicts and the choices (or completions, or LangChain messages) your client returned")
+    raise ConfigError(
+        f"{type(item).__name__} is neither a chat message nor a choice: messages_and_choices holds "
+        "message dicts and the choices (or completions, or LangChain messages) your client returned"
+    )
 
 
 def _wire_items(messages_and_choices: Iterable[Any] | None, where: str) -> list[WireChoice | WireMessage]:
@@ -203,8 +230,10 @@ def _wire_items(messages_and_choices: Iterable[Any] | None, where: str) -> list[
     sampled ids (multi-turn prompts repeat the conversation so far: without this, a request grows with the square
     of the turns)."""
     if not messages_and_choices:
-        raise ConfigError(f"{where}: messages_and_choices is empty: a trajectory needs the conversation and the "
-                          "choices the model sampled")
+        raise ConfigError(
+            f"{where}: messages_and_choices is empty: a trajectory needs the conversation and the "
+            "choices the model sampled"
+        )
     wired: list[WireChoice | WireMessage] = []
     previous: list[int] = []
     for i, item in enumerate(messages_and_choices):
@@ -240,8 +269,12 @@ def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
     rewards = [t.reward for t in trajectories]
     spreads = [statistics.pstdev(t.reward for t in g.trajectories) for g in groups if len(g.trajectories) > 1]
     failed = sum(len(g.exceptions) for g in groups)
-    summary = {"reward": sum(rewards) / len(rewards), "reward_std_dev": sum(spreads) / len(spreads) if spreads else 0.0,
-               "exception_rate": failed / (failed + len(trajectories)), "num_trajectories": float(len(rewards))}
+    summary = {
+        "reward": sum(rewards) / len(rewards),
+        "reward_std_dev": sum(spreads) / len(spreads) if spreads else 0.0,
+        "exception_rate": failed / (failed + len(trajectories)),
+        "num_trajectories": float(len(rewards)),
+    }
     keys = {k for t in trajectories for k in t.metrics}
     for key in sorted(keys - summary.keys()):
         values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
@@ -251,18 +284,21 @@ def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
 
 def _messages(messages_and_choices: list[MessageOrChoice]) -> list[dict[str, Any]]:
     """Plain message dicts: dicts as they are, what clients returned (choices, message objects) converted."""
-    return [dict(item) if isinstance(item, Mapping) and "role" in item else wire_item(item).message()
-            for item in messages_and_choices]
+    return [
+        dict(item) if isinstance(item, Mapping) and "role" in item else wire_item(item).message()
+        for item in messages_and_choices
+    ]
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
-    if len(b) >= len(a) and b[:len(a)] == a:  # the usual case: the next prompt extends the conversation
+    if len(b) >= len(a) and b[: len(a)] == a:  # the usual case: the next prompt extends the conversation
         return len(a)
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None, step: int | None = None,
-                 prompt_tokens: int | None = None) -> WireChoice:
+def _wire_choice(
+    choice: Any, prompt_token_ids: list[int] | None = None, step: int | None = None, prompt_tokens: int | None = None
+) -> WireChoice:
     message = _field(choice, "message")
     extra = _field(choice, "provider_specific_fields") or {}  # where litellm keeps fields it does not know
     step = _first(_field(choice, "art_sky_step"), _field(extra, "art_sky_step"), step)
@@ -270,10 +306,16 @@ def _wire_choice(choice: Any, prompt_token_ids: list[int] | None = None, step: i
     prompt = _first(_field(choice, "prompt_token_ids"), _field(extra, "prompt_token_ids"), prompt_token_ids)
     token_ids, logprobs = _sampled(token_ids, _field(_field(choice, "logprobs"), "content"))
     fields = _message_fields(message)
-    return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
-                      reasoning_content=fields.get("reasoning_content"), token_ids=token_ids, logprobs=logprobs,
-                      prompt_token_ids=None if prompt is None else list(prompt), prompt_tokens=_count(prompt_tokens),
-                      step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None)
+    return WireChoice(
+        content=fields.get("content"),
+        tool_calls=fields.get("tool_calls"),
+        reasoning_content=fields.get("reasoning_content"),
+        token_ids=token_ids,
+        logprobs=logprobs,
+        prompt_token_ids=None if prompt is None else list(prompt),
+        prompt_tokens=_count(prompt_tokens),
+        step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None,
+    )
 
 
 def _step_of_model(model: Any) -> int | None:
@@ -301,8 +343,9 @@ def _message_fields(message: Any) -> dict[str, Any]:
     """The fields of a chat message (dict or object) that templates read."""
     fields = {key: _plain(_field(message, key)) for key in _MESSAGE_KEYS}
     extra = _field(message, "provider_specific_fields") or {}
-    fields["reasoning_content"] = _first(_field(message, "reasoning_content"), _field(message, "reasoning"),
-                                         _field(extra, "reasoning_content"))
+    fields["reasoning_content"] = _first(
+        _field(message, "reasoning_content"), _field(message, "reasoning"), _field(extra, "reasoning_content")
+    )
     if not fields["tool_calls"]:
         fields["tool_calls"] = None
     return {key: value for key, value in fields.items() if value is not None}
@@ -324,9 +367,14 @@ def _from_langchain(message: Any) -> WireChoice | WireMessage:
     logprobs = (getattr(message, "response_metadata", None) or {}).get("logprobs") or {}
     token_ids, values = _sampled(None, logprobs.get("content"))
     usage = getattr(message, "usage_metadata", None) or {}  # its prompt is rendered again: its length is a check
-    return WireChoice(content=fields.get("content"), tool_calls=fields.get("tool_calls"),
-                      reasoning_content=reasoning, token_ids=token_ids, logprobs=values,
-                      prompt_tokens=_count(usage.get("input_tokens")))
+    return WireChoice(
+        content=fields.get("content"),
+        tool_calls=fields.get("tool_calls"),
+        reasoning_content=reasoning,
+        token_ids=token_ids,
+        logprobs=values,
+        prompt_tokens=_count(usage.get("input_tokens")),
+    )
 
 
 def _count(value: Any) -> int | None:

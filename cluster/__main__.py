@@ -29,23 +29,41 @@ from art_sky.settings import Settings
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m art_sky.cluster", description=__doc__)
-    parser.add_argument("--host", action="append", help="address to bind (default 127.0.0.1: reach it by tunnel); "
-                        "repeat it to bind several (a multi-node head: 127.0.0.1 and its private address)")
+    parser.add_argument(
+        "--host",
+        action="append",
+        help="address to bind (default 127.0.0.1: reach it by tunnel); "
+        "repeat it to bind several (a multi-node head: 127.0.0.1 and its private address)",
+    )
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     parser.add_argument("--art-path", type=Path, default=Path(".art"), help="root of the checkpoint tree")
     parser.add_argument("--run-dir", type=Path, help="keep server.pid, port.json and server.log here")
     parser.add_argument("--detach", action="store_true", help="with --run-dir: run in a new session, return at once")
-    parser.add_argument("--exit-with", type=int, metavar="PID",
-                        help="stop when process PID ends (a LocalBackend's script: no server outlives it)")
-    parser.add_argument("--join", metavar="HEAD_URL",
-                        help="a worker node: serve this node's engine as a replica in the fleet of the head's server "
-                             "at HEAD_URL (http://HEAD:PORT on the cluster's private network), no trainer")
-    parser.add_argument("--advertise", metavar="HOST",
-                        help="with --join: the address the head reaches this replica at (default: --host, or this "
-                             "node's address when --host binds every interface)")
-    parser.add_argument("--node-rank", type=int, metavar="RANK",
-                        help="with --join: this node's rank in the cluster (1 and up; SkyPilot's SKYPILOT_NODE_RANK): "
-                             "the head refuses a second replica of a rank its fleet has")
+    parser.add_argument(
+        "--exit-with",
+        type=int,
+        metavar="PID",
+        help="stop when process PID ends (a LocalBackend's script: no server outlives it)",
+    )
+    parser.add_argument(
+        "--join",
+        metavar="HEAD_URL",
+        help="a worker node: serve this node's engine as a replica in the fleet of the head's server "
+        "at HEAD_URL (http://HEAD:PORT on the cluster's private network), no trainer",
+    )
+    parser.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="with --join: the address the head reaches this replica at (default: --host, or this "
+        "node's address when --host binds every interface)",
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        metavar="RANK",
+        help="with --join: this node's rank in the cluster (1 and up; SkyPilot's SKYPILOT_NODE_RANK): "
+        "the head refuses a second replica of a rank its fleet has",
+    )
     args = parser.parse_args(argv)
     if args.node_rank is not None and (not args.join or args.node_rank < 1):
         sys.exit("--node-rank is a worker node's (with --join): 1 and up (the head is rank 0)")
@@ -58,8 +76,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_dir:
         layout = ServerLayout(run_dir=str(args.run_dir.resolve()), art_path=str(args.art_path.resolve()))
         _take_run_dir(layout, args.detach)
-    _serve(settings, list(dict.fromkeys(args.host or ["127.0.0.1"])), args.port, args.art_path, layout,
-           args.exit_with, args.join, args.advertise, args.node_rank)
+    _serve(
+        settings,
+        list(dict.fromkeys(args.host or ["127.0.0.1"])),
+        args.port,
+        args.art_path,
+        layout,
+        args.exit_with,
+        args.join,
+        args.advertise,
+        args.node_rank,
+    )
 
 
 def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
@@ -104,9 +131,11 @@ def _hold(layout: ServerLayout) -> None:
     except OSError:  # a filesystem without locks (some NFS mounts): a live server's pid file says it is held
         held = _running_server(layout)
     if held:
-        sys.exit(f"the run directory {layout.run_dir} belongs to a cluster server that is running "
-                 f"({_describe(layout)}): stop it first (`art-sky down`, or kill its pid), or start this one with "
-                 "another --run-dir")
+        sys.exit(
+            f"the run directory {layout.run_dir} belongs to a cluster server that is running "
+            f"({_describe(layout)}): stop it first (`art-sky down`, or kill its pid), or start this one with "
+            "another --run-dir"
+        )
 
 
 def _describe(layout: ServerLayout) -> str:
@@ -127,9 +156,17 @@ def _running_server(layout: ServerLayout) -> bool:
         return False
 
 
-def _serve(settings: Settings, hosts: list[str], port: int, art_path: Path, layout: ServerLayout | None,
-           exit_with: int | None = None, join: str | None = None, advertise: str | None = None,
-           node_rank: int | None = None) -> None:
+def _serve(
+    settings: Settings,
+    hosts: list[str],
+    port: int,
+    art_path: Path,
+    layout: ServerLayout | None,
+    exit_with: int | None = None,
+    join: str | None = None,
+    advertise: str | None = None,
+    node_rank: int | None = None,
+) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -167,8 +204,16 @@ def _serve(settings: Settings, hosts: list[str], port: int, art_path: Path, layo
     # No access log: a line per completion costs the event loop what rollouts need (and no proxy headers: the
     # server is reached through a tunnel, never a proxy). A long keep-alive: clients (httpx: 5 s) drop idle
     # connections before the server does, so none reuses one the server is closing.
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False,
-                                           proxy_headers=False, timeout_keep_alive=75))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            access_log=False,
+            proxy_headers=False,
+            timeout_keep_alive=75,
+        )
+    )
     if layout is not None:
         atomic_write(layout.port_file, json.dumps({"port": bound, "pid": os.getpid()}))
     logging.getLogger("art_sky.cluster").info("listening on %s port %d", ", ".join(hosts), bound)
@@ -184,9 +229,11 @@ def _serve(settings: Settings, hosts: list[str], port: int, art_path: Path, layo
     host = hosts[-1]
     where = advertise or (host if host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname()))
     url = f"http://{f'[{where}]' if ':' in where else where}:{bound}"
-    membership = Membership(join, settings.api_key.get_secret_value(),
-                            JoinRequest(url=url, node=socket.gethostname(), engine=app.state.engine, rank=node_rank,
-                                        pid=os.getpid()))
+    membership = Membership(
+        join,
+        settings.api_key.get_secret_value(),
+        JoinRequest(url=url, node=socket.gethostname(), engine=app.state.engine, rank=node_rank, pid=os.getpid()),
+    )
     refused: list[str] = []
 
     def join_when_listening() -> None:

@@ -23,9 +23,13 @@ from .inference.gate import DeviceGate
 
 WINDOW = 60.0  # seconds of completions the rates are measured over
 # A step's phases and the metric each one's seconds go to (ART's names where ART has one).
-PHASE_METRICS = {"preparing": "time/step_prepare_s", "waiting": "time/step_wait_s",
-                 "training": "time/step_trainer_s", "saving": "time/step_checkpoint_s",
-                 "swapping": "time/step_swap_s"}
+PHASE_METRICS = {
+    "preparing": "time/step_prepare_s",
+    "waiting": "time/step_wait_s",
+    "training": "time/step_trainer_s",
+    "saving": "time/step_checkpoint_s",
+    "swapping": "time/step_swap_s",
+}
 
 
 class ModelActivity:
@@ -44,8 +48,14 @@ class ModelActivity:
         self.step_ended = time.monotonic()
         trained = [entry for entry in history if any(key.startswith("train/") for key in entry)]
         self.last_step: dict[str, float] = _numbers(trained[-1]) if trained else {}
-        self.cost_total: float | None = next((entry["costs/cum/gpu"] for entry in reversed(history)
-                                              if isinstance(entry.get("costs/cum/gpu"), int | float)), None)
+        self.cost_total: float | None = next(
+            (
+                entry["costs/cum/gpu"]
+                for entry in reversed(history)
+                if isinstance(entry.get("costs/cum/gpu"), int | float)
+            ),
+            None,
+        )
 
     # -- inference -------------------------------------------------------------------------------------------------
 
@@ -62,8 +72,12 @@ class ModelActivity:
         while self._finished and self._finished[0][0] < now - WINDOW:
             self._finished.popleft()
         span = max(min(WINDOW, now - self._started), 1e-3)
-        return Serving(adapter=adapter, in_flight=self.in_flight, completions_per_s=len(self._finished) / span,
-                       tokens_per_s=sum(tokens for _, tokens in self._finished) / span)
+        return Serving(
+            adapter=adapter,
+            in_flight=self.in_flight,
+            completions_per_s=len(self._finished) / span,
+            tokens_per_s=sum(tokens for _, tokens in self._finished) / span,
+        )
 
     # -- phases ----------------------------------------------------------------------------------------------------
 
@@ -79,8 +93,11 @@ class ModelActivity:
         if phase == "idle" and self.in_flight:
             phase, detail = "serving", f"{self.in_flight} completion(s) in flight"
         elif phase == "waiting":
-            detail = (f"for {self.gate.in_flight} completion(s) in flight to finish (the engine)"
-                      if self.gate.in_flight else "for another step to finish")
+            detail = (
+                f"for {self.gate.in_flight} completion(s) in flight to finish (the engine)"
+                if self.gate.in_flight
+                else "for another step to finish"
+            )
         return Activity(phase=phase, detail=detail, since=self.since, done=self.done, total=self.total)
 
 
@@ -121,8 +138,9 @@ def reset_peak_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def step_metrics(timer: StepTimer, metrics: dict[str, float], gather_s: float | None,
-                 hourly_cost: float | None) -> tuple[dict[str, float], dict[str, float]]:
+def step_metrics(
+    timer: StepTimer, metrics: dict[str, float], gather_s: float | None, hourly_cost: float | None
+) -> tuple[dict[str, float], dict[str, float]]:
     """The step's timing, throughput, peak memory and cost, added to the trainer's `metrics`; and the run's totals.
     Called when the step has committed.
 
@@ -156,5 +174,8 @@ def step_metrics(timer: StepTimer, metrics: dict[str, float], gather_s: float | 
 
 
 def _numbers(entry: dict) -> dict[str, float]:
-    return {key: float(value) for key, value in entry.items()
-            if isinstance(value, int | float) and not isinstance(value, bool)}
+    return {
+        key: float(value)
+        for key, value in entry.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }

@@ -72,8 +72,10 @@ class BodyLimits:
 
 async def _refuse(send, limit: int, hint: str) -> None:
     message = f"request body is larger than the server's limit of {limit} bytes {hint}"
-    response = JSONResponse({"detail": message, "error": {"message": message, "type": "invalid_request_error",
-                                                          "param": None, "code": 413}}, status_code=413)
+    response = JSONResponse(
+        {"detail": message, "error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}},
+        status_code=413,
+    )
     await response({"type": "http"}, None, send)
 
 
@@ -90,8 +92,12 @@ async def parse(request: Request, model: type[M]) -> M:
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
     """A route's `openapi_extra`: its JSON body is `model` (parsed by `parse`, not by FastAPI)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
 
 
 def document(app: FastAPI, models: list[type[BaseModel]], paths: dict[str, Any]) -> None:
@@ -102,8 +108,9 @@ def document(app: FastAPI, models: list[type[BaseModel]], paths: dict[str, Any])
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = generate()
-            _, found = models_json_schema([(m, "validation") for m in models],
-                                          ref_template="#/components/schemas/{model}")
+            _, found = models_json_schema(
+                [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+            )
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, definition in found.get("$defs", {}).items():
                 components.setdefault(name, definition)

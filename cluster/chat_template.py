@@ -12,28 +12,52 @@ from typing import Any
 from art_sky.errors import TokenizationError
 
 
-def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, generation_prompt: bool,
-           template_kwargs: dict[str, Any] | None = None) -> str:
+def render(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[dict] | None,
+    generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
     """The chat template's text for these messages, read as vLLM reads them (see `_as_vllm_reads`), with the
     request's `chat_template_kwargs` the template reads (see `template_arguments`)."""
     return tokenizer.apply_chat_template(
-        _conversation(tokenizer, messages), tools=tools or None, tokenize=False,
-        add_generation_prompt=generation_prompt, **template_arguments(tokenizer, template_kwargs),
+        _conversation(tokenizer, messages),
+        tools=tools or None,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        **template_arguments(tokenizer, template_kwargs),
     )
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None,
-               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     """The token ids an engine samples a reply to."""
     return encode(tokenizer, render(tokenizer, messages, tools, True, template_kwargs))
 
 
 # What a request's chat_template_kwargs may not set: the rendering's own arguments (vLLM refuses `chat_template` and
 # `tokenize` the same way; the others are the request's own fields, or the engine's).
-RESERVED_TEMPLATE_ARGUMENTS = frozenset({
-    "chat_template", "tokenize", "messages", "conversation", "tools", "documents", "add_generation_prompt",
-    "continue_final_message", "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
-    "return_tensors", "tokenizer_kwargs"})
+RESERVED_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "chat_template",
+        "tokenize",
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def template_arguments(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -44,8 +68,10 @@ def template_arguments(tokenizer: Any, template_kwargs: dict[str, Any] | None) -
         return {}
     reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS & template_kwargs.keys())
     if reserved:
-        raise TokenizationError(f"chat_template_kwargs {reserved} set the rendering itself, not a template variable: "
-                                "remove them (the request's own fields say these)")
+        raise TokenizationError(
+            f"chat_template_kwargs {reserved} set the rendering itself, not a template variable: "
+            "remove them (the request's own fields say these)"
+        )
     template = tokenizer.chat_template
     variables = _template_variables(" ".join(template.values()) if isinstance(template, dict) else template or "")
     return {key: value for key, value in template_kwargs.items() if key in variables}
@@ -67,8 +93,9 @@ def _template_variables(template: str) -> frozenset[str]:
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.Scope(body).set_lineno(lineno)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     try:
         return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
     except jinja2.TemplateError:
@@ -82,19 +109,24 @@ def _conversation(tokenizer: Any, messages: list[dict]) -> list[dict]:
     does not know the role (it would drop the message), the system messages then merged into one at the start."""
     template = tokenizer.chat_template
     parts, knows_developer = _template_reads(
-        " ".join(template.values()) if isinstance(template, dict) else template or "")
+        " ".join(template.values()) if isinstance(template, dict) else template or ""
+    )
     conversation = [_as_vllm_reads(_text_content(m, index, parts)) for index, m in enumerate(messages)]
     if knows_developer or not any(m.get("role") == "developer" for m in conversation):
         return conversation
     system = ("system", "developer")
-    merged = "\n\n".join(_joined(m.get("content")) for m in conversation
-                         if m.get("role") in system and m.get("content"))
+    merged = "\n\n".join(
+        _joined(m.get("content")) for m in conversation if m.get("role") in system and m.get("content")
+    )
     return [{"role": "system", "content": merged}] + [m for m in conversation if m.get("role") not in system]
 
 
 # `{% for part in message.content %}`, `in message['content']`, `in content`: vLLM then keeps content parts
 _LOOPS_OVER_CONTENT = re.compile(
-    r"""\bfor\s+\w+\s+in\s+(?:\w+\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])|content\b)""")
+    r"""\bfor\s+\w+\s+in\s+(?:\w+\s*(?:\.\s*content\b|\[\s*['"]content['"]\s*\])|content\b)"""
+)
+
+
 @functools.lru_cache(maxsize=32)
 def _template_reads(template: str) -> tuple[bool, bool]:
     """Whether a template loops over content parts, and whether it knows the developer role (vLLM's own test); read
@@ -118,7 +150,8 @@ def _text_content(message: dict, index: int, parts: bool) -> dict:
         if not isinstance(text, str):
             raise TokenizationError(
                 f"messages[{index}].content[{number}] has type {kind!r}: art-sky serves text models, so content parts "
-                "must be text ({'type': 'text', 'text': ...})")
+                "must be text ({'type': 'text', 'text': ...})"
+            )
         texts.append(text)
     return {**message, "content": [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)}
 

@@ -161,7 +161,8 @@ class CheckpointWriter:
                     raise CheckpointWriteError(
                         f"step {write.step} of {self.checkpoints.name} (trained and served) is not on disk yet: its "
                         f"checkpoint could not be written to {self.checkpoints.path} ({exc}). Fix that; the next "
-                        "step writes it first") from exc
+                        "step writes it first"
+                    ) from exc
             with self._lock:
                 if write is not None and self._pending is write:
                     self._pending = None
@@ -172,8 +173,7 @@ class CheckpointWriter:
         try:
             self.flush()
         except Exception as exc:  # nothing else can be done now
-            log.error("the newest step of %s was not written before the server stopped: %s", self.checkpoints.name,
-                      exc)
+            log.error("the newest step of %s was not written before the server stopped: %s", self.checkpoints.name, exc)
 
     def written(self, step: int) -> bool:
         """Wait for `step`'s write: is it on disk? (False: its write failed; the next flush tries again.)"""
@@ -221,8 +221,12 @@ class CheckpointWriter:
             self._write(write)
         except BaseException as exc:  # kept for the next step, which writes it again or fails with it
             write.error = exc
-            log.warning("the checkpoint of step %d of %s was not written (the next step writes it again): %s",
-                        write.step, self.checkpoints.name, exc)
+            log.warning(
+                "the checkpoint of step %d of %s was not written (the next step writes it again): %s",
+                write.step,
+                self.checkpoints.name,
+                exc,
+            )
         finally:
             write.done.set()
 
@@ -241,21 +245,25 @@ class CheckpointWriter:
             try:
                 self.checkpoints.append_history(entry)
             except OSError as exc:  # the record has the line: the next start adds it (model_state._complete_history)
-                log.warning("history of %s: step %d's line not written yet (%s)", self.checkpoints.name, write.step,
-                            exc)
+                log.warning(
+                    "history of %s: step %d's line not written yet (%s)", self.checkpoints.name, write.step, exc
+                )
 
     def _check_room(self, needed: float) -> None:
         """Refuse a step the disk has not the room for, before it commits."""
         free = shutil.disk_usage(self.checkpoints.path).free
         if free < needed:
-            full = OSError(errno.ENOSPC, f"No space left on device for the step's checkpoint (about "
-                                         f"{needed / 2**20:.1f} MiB)")
+            full = OSError(
+                errno.ENOSPC, f"No space left on device for the step's checkpoint (about {needed / 2**20:.1f} MiB)"
+            )
             raise disk_full(full, self.checkpoints.path, self._advice()) or full
 
     def _advice(self) -> str:
-        return (f"Delete old checkpoints of {self.checkpoints.name} in {self.checkpoints.path} (`await "
-                "model.delete_checkpoints()` keeps the newest and the best) or other files on that disk, or give the "
-                "machine a bigger disk; then try again.")
+        return (
+            f"Delete old checkpoints of {self.checkpoints.name} in {self.checkpoints.path} (`await "
+            "model.delete_checkpoints()` keeps the newest and the best) or other files on that disk, or give the "
+            "machine a bigger disk; then try again."
+        )
 
     def _drop_served(self) -> None:
         """Adapter copies of steps now on disk: the engines load those from the checkpoints."""

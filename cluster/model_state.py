@@ -27,8 +27,8 @@ from art_sky.wire import ModelConfig, ModelInfo, RegisterRequest
 
 from .checkpoint_writer import CheckpointWriter, Staged
 from .tiny_model import TINY_MODEL_NAME, tiny_model_path
-from .training.packing import use_packed_attention
 from .training import weights as lora
+from .training.packing import use_packed_attention
 from .training.weights import ADAPTER, make_optimizer
 
 log = logging.getLogger("art_sky.cluster")
@@ -113,8 +113,14 @@ class ModelState:
         return {i for i in ids if i is not None} | {self.tokenizer.eos_token_id}
 
     def info(self) -> ModelInfo:
-        return ModelInfo(name=self.name, project=self.request.project, base_model=self.request.base_model,
-                         step=self.step, run_name=self.request.run_name, restored_from=self.restored_from)
+        return ModelInfo(
+            name=self.name,
+            project=self.request.project,
+            base_model=self.request.base_model,
+            step=self.step,
+            run_name=self.request.run_name,
+            restored_from=self.restored_from,
+        )
 
     def save_checkpoint(self, record: StepRecord, metrics: dict[str, float] | None = None) -> Path:
         """Write step `record.step` whole (LoRA, optimizer state, record, manifest) or not at all, before returning
@@ -152,8 +158,11 @@ class LocalWeights:
         if saved is not None:
             lora.load_optimizer(state.model, optimizer, saved)
         elif state.step > 0:
-            log.warning("step %d of %s has no optimizer state: training resumes with fresh AdamW moments",
-                        state.step, state.name)
+            log.warning(
+                "step %d of %s has no optimizer state: training resumes with fresh AdamW moments",
+                state.step,
+                state.name,
+            )
         return cls(state)
 
     def snapshot(self) -> lora.Snapshot:
@@ -216,13 +225,23 @@ def lora_config(cfg: ModelConfig) -> Any:
     """A fresh LoRA's PEFT config from the model's settings."""
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES,
+        task_type="CAUSAL_LM",
+    )
 
 
-def create_model_state(request: RegisterRequest, art_path: Path, settings: Settings, load: Loader = load_peft,
-                       downloaded: tuple[int, str] | None = None,
-                       load_weights: WeightsLoader = LocalWeights.load) -> ModelState:
+def create_model_state(
+    request: RegisterRequest,
+    art_path: Path,
+    settings: Settings,
+    load: Loader = load_peft,
+    downloaded: tuple[int, str] | None = None,
+    load_weights: WeightsLoader = LocalWeights.load,
+) -> ModelState:
     """The newest intact checkpoint of this model if there is one (weights, optimizer state, recent request ids),
     else a fresh LoRA (saved as step 0). Steps trained with save_checkpoint=False are not resume points: those
     after the restored step are removed, and their history lines moved aside (training goes on from the
@@ -281,9 +300,14 @@ def _drop_unsaved(checkpoints: CheckpointDir, unsaved: list[int], restored: int)
         return
     checkpoints.delete(unsaved)
     moved = checkpoints.set_history_aside(after=restored)
-    log.warning("%s: steps %s were trained with save_checkpoint=False and are lost with the server that trained them: "
-                "training resumes from step %d (%d history lines moved to history.unsaved.jsonl)", checkpoints.name,
-                sorted(unsaved), restored, moved)
+    log.warning(
+        "%s: steps %s were trained with save_checkpoint=False and are lost with the server that trained them: "
+        "training resumes from step %d (%d history lines moved to history.unsaved.jsonl)",
+        checkpoints.name,
+        sorted(unsaved),
+        restored,
+        moved,
+    )
 
 
 def _complete_history(state: ModelState) -> None:
@@ -292,17 +316,20 @@ def _complete_history(state: ModelState) -> None:
     servers wrote twice are removed, the first of each kept."""
     removed = state.checkpoints.remove_duplicate_history()
     if removed:
-        log.warning("history of %s: removed %d line(s) written twice by earlier restarts; the first of each kept",
-                    state.name, removed)
+        log.warning(
+            "history of %s: removed %d line(s) written twice by earlier restarts; the first of each kept",
+            state.name,
+            removed,
+        )
     record = state.checkpoints.record(state.step)
     if record is not None and record.history is not None and not state.checkpoints.has_step_line(record):
         state.checkpoints.append_history(record.history)
-        log.info("history of %s: added step %d's line, which a stopped server had not written", state.name,
-                 state.step)
+        log.info("history of %s: added step %d's line, which a stopped server had not written", state.name, state.step)
 
 
-async def restore_from_store(store: CheckpointStore, checkpoints: CheckpointDir,
-                             strict: bool) -> tuple[int, str] | None:
+async def restore_from_store(
+    store: CheckpointStore, checkpoints: CheckpointDir, strict: bool
+) -> tuple[int, str] | None:
     """On a cluster without local checkpoints of this model, download the newest verified step from the store, on
     the server's event loop: (step, its URI), or None when nothing was downloaded.
 

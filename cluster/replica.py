@@ -45,8 +45,9 @@ log = logging.getLogger("art_sky.cluster")
 CHECK_EVERY = 5.0  # seconds between a replica's checks that the head still lists it
 
 
-def create_replica_app(art_path: Path, api_key: str, settings: Settings, placement: Placement,
-                       head_url: str) -> FastAPI:
+def create_replica_app(
+    art_path: Path, api_key: str, settings: Settings, placement: Placement, head_url: str
+) -> FastAPI:
     engine = select_engine(settings, art_path, api_key, placement)
     samples_here = isinstance(engine, PortableEngine)  # it samples from the model in this process
     states: dict[str, ModelState] = {}
@@ -64,8 +65,14 @@ def create_replica_app(art_path: Path, api_key: str, settings: Settings, placeme
             await engine.aclose()
             await asyncio.to_thread(engine.close)
 
-    app = FastAPI(title="art-sky replica server", version=art_sky.__version__, lifespan=lifespan, openapi_url=None,
-                  docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="art-sky replica server",
+        version=art_sky.__version__,
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.engine = engine.name  # what it tells the head when it joins
 
     @app.exception_handler(ArtSkyError)
@@ -76,9 +83,15 @@ def create_replica_app(art_path: Path, api_key: str, settings: Settings, placeme
     async def health(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> HealthResponse:
         if not has_key(credentials):
             return HealthResponse(version=art_sky.__version__)
-        return HealthResponse(version=art_sky.__version__, engine=engine.name, device=str(device()),
-                              models=sorted(states), engine_port=engine.engine_port,
-                              serves_while_training=engine.serves_while_training, placement=placement.describe())
+        return HealthResponse(
+            version=art_sky.__version__,
+            engine=engine.name,
+            device=str(device()),
+            models=sorted(states),
+            engine_port=engine.engine_port,
+            serves_while_training=engine.serves_while_training,
+            placement=placement.describe(),
+        )
 
     openai_api.install(app, engine, states, gate, api_key, guarded, activities)
 
@@ -118,13 +131,16 @@ def _fetch(head_url: str, api_key: str, checkpoints: CheckpointDir, request: Reg
     name = request.name
 
     def write(directory: Path) -> None:
-        with httpx.Client(base_url=head_url, headers={"authorization": f"Bearer {api_key}"},
-                          timeout=httpx.Timeout(30.0, read=300.0)) as client:
+        with httpx.Client(
+            base_url=head_url, headers={"authorization": f"Bearer {api_key}"}, timeout=httpx.Timeout(30.0, read=300.0)
+        ) as client:
             for file in ADAPTER_FILES:
                 with client.stream("GET", f"/fleet/models/{name}/steps/{step}/{file}") as response:
                     if response.status_code != 200:
-                        raise EngineError(f"the head did not send {file} of {name}@{step} "
-                                          f"({response.status_code}: {response.read()[:300]!r})")
+                        raise EngineError(
+                            f"the head did not send {file} of {name}@{step} "
+                            f"({response.status_code}: {response.read()[:300]!r})"
+                        )
                     with open(directory / file, "wb") as out:
                         for chunk in response.iter_bytes(1 << 20):
                             out.write(chunk)
@@ -135,8 +151,9 @@ def _fetch(head_url: str, api_key: str, checkpoints: CheckpointDir, request: Reg
         raise EngineError(f"cannot fetch {name}@{step} from the head at {head_url}: {exc!r}") from exc
 
 
-def _load(request: RegisterRequest, settings: Settings, checkpoints: CheckpointDir, step: int,
-          samples_here: bool) -> ModelState:
+def _load(
+    request: RegisterRequest, settings: Settings, checkpoints: CheckpointDir, step: int, samples_here: bool
+) -> ModelState:
     """The model as the engine needs it: the base with the step's LoRA (the portable engine samples from it), or
     only its shape and tokenizer (vLLM loads the weights itself)."""
     if samples_here:
@@ -167,8 +184,7 @@ class Membership:
 
     def __init__(self, head_url: str, api_key: str, request: JoinRequest):
         self.head_url, self.request = head_url.rstrip("/"), request
-        self.client = httpx.Client(base_url=self.head_url, headers={"authorization": f"Bearer {api_key}"},
-                                   timeout=30.0)
+        self.client = httpx.Client(base_url=self.head_url, headers={"authorization": f"Bearer {api_key}"}, timeout=30.0)
         self.ranks: WorkerRanks | None = None
         self._stopped = threading.Event()
 
@@ -177,15 +193,19 @@ class Membership:
         try:
             response = self.client.post("/fleet/join", json=self.request.model_dump(mode="json"))
         except httpx.HTTPError as exc:
-            raise HeadUnreachable(f"cannot reach the head at {self.head_url} ({exc!r}): check --join's URL, and "
-                                  "that the head's server listens on the cluster's private network (its --host)"
-                                  ) from exc
+            raise HeadUnreachable(
+                f"cannot reach the head at {self.head_url} ({exc!r}): check --join's URL, and "
+                "that the head's server listens on the cluster's private network (its --host)"
+            ) from exc
         if response.status_code == 401:
-            raise JoinError(f"the head at {self.head_url} refused this node's API key: start it with the head's "
-                            "ART_SKY_API_KEY")
+            raise JoinError(
+                f"the head at {self.head_url} refused this node's API key: start it with the head's ART_SKY_API_KEY"
+            )
         if response.status_code != 200:
-            raise JoinError(f"the head at {self.head_url} refused to take this replica ({response.status_code}): "
-                            f"{response.json().get('detail') if _is_json(response) else response.text[:300]}")
+            raise JoinError(
+                f"the head at {self.head_url} refused to take this replica ({response.status_code}): "
+                f"{response.json().get('detail') if _is_json(response) else response.text[:300]}"
+            )
         trainer = JoinReply.model_validate_json(response.content).trainer
         if self.ranks is not None and self.ranks.rendezvous != trainer:
             self.ranks.close()

@@ -83,8 +83,9 @@ class Arrival:
         await self.app(scope, receive, send)
 
 
-def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
-               placement: Placement | None = None) -> FastAPI:
+def create_app(
+    art_path: Path, api_key: str, settings: Settings | None = None, placement: Placement | None = None
+) -> FastAPI:
     settings = settings or Settings()
     placement = placement or place(settings, vllm_serves(settings))  # python -m art_sky.cluster chose it earlier
     engine = select_engine(settings, art_path, api_key, placement)
@@ -126,10 +127,17 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
             await asyncio.to_thread(fleet.close)  # a child engine (vLLM) stops with the server
             await asyncio.to_thread(trainer.close)  # so do the trainer's ranks
 
-    app = FastAPI(title="art-sky cluster server", version=art_sky.__version__, lifespan=lifespan,
-                  openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(bodies.BodyLimits, training=settings.max_request_bytes,
-                       other=settings.max_completion_request_bytes)
+    app = FastAPI(
+        title="art-sky cluster server",
+        version=art_sky.__version__,
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.add_middleware(
+        bodies.BodyLimits, training=settings.max_request_bytes, other=settings.max_completion_request_bytes
+    )
     app.add_middleware(Arrival)
     guarded = [Depends(authorized)]
 
@@ -139,8 +147,9 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
-                             for e in exc.errors()[:10])
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()[:10]
+        )
         more = f" (and {len(exc.errors()) - 10} more)" if len(exc.errors()) > 10 else ""
         return JSONResponse({"detail": f"invalid request: {problems}{more}"}, status_code=422)
 
@@ -151,14 +160,22 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         if full := disk_full(exc, art_path):
             return JSONResponse({"detail": str(full)}, status_code=http_status(full))
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return JSONResponse({"detail": f"the server failed on {request.method} {request.url.path} "
-                                       f"({type(exc).__name__}: {exc}); the traceback is in its log "
-                                       "(`art-sky logs`): please report it"}, status_code=500)
+        return JSONResponse(
+            {
+                "detail": f"the server failed on {request.method} {request.url.path} "
+                f"({type(exc).__name__}: {exc}); the traceback is in its log "
+                "(`art-sky logs`): please report it"
+            },
+            status_code=500,
+        )
 
     def model(name: str) -> ModelState:
         if name not in states:
-            raise HTTPException(404, f"model {name!r} is not registered on this server (registered: "
-                                     f"{sorted(states) or 'none'}): call `await model.register(backend)` first")
+            raise HTTPException(
+                404,
+                f"model {name!r} is not registered on this server (registered: "
+                f"{sorted(states) or 'none'}): call `await model.register(backend)` first",
+            )
         return states[name]
 
     @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
@@ -170,13 +187,21 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         """Alive, and which version; with the API key also what runs and which models are registered."""
         if not has_key(credentials):
             return HealthResponse(version=art_sky.__version__)
-        return HealthResponse(version=art_sky.__version__, engine=engine.name, trainer=trainer.name,
-                              trainer_ranks=trainer.ranks,
-                              device=str(device()), models=sorted(states),
-                              engine_port=engine.engine_port, versions=versions, stack=stack,
-                              gpu_sharing=sharing_of(engine), serves_while_training=engine.serves_while_training,
-                              placement=getattr(engine, "placement", placement).describe(),  # vLLM's: sized
-                              fleet=fleet.describe())
+        return HealthResponse(
+            version=art_sky.__version__,
+            engine=engine.name,
+            trainer=trainer.name,
+            trainer_ranks=trainer.ranks,
+            device=str(device()),
+            models=sorted(states),
+            engine_port=engine.engine_port,
+            versions=versions,
+            stack=stack,
+            gpu_sharing=sharing_of(engine),
+            serves_while_training=engine.serves_while_training,
+            placement=getattr(engine, "placement", placement).describe(),  # vLLM's: sized
+            fleet=fleet.describe(),
+        )
 
     openai_api.install(app, fleet, states, gate, api_key, guarded, activities)
     fleet_routes(app, fleet, guarded, states, trainer.rendezvous)
@@ -186,8 +211,9 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
             fleet.check(body)  # before loading anything (or writing a step 0 checkpoint)
             checkpoints = CheckpointDir(art_path, body.project, body.run)
             downloaded = await restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
-            state = await asyncio.to_thread(create_model_state, body, art_path, settings, trainer.load_model,
-                                            downloaded, trainer.load_weights)
+            state = await asyncio.to_thread(
+                create_model_state, body, art_path, settings, trainer.load_model, downloaded, trainer.load_weights
+            )
             async with gate.exclusive():  # the engine starts serving it (vLLM loads its adapter)
                 await asyncio.to_thread(fleet.attach, state)
                 activities[body.name] = ModelActivity(gate, state.checkpoints.history())
@@ -208,23 +234,34 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
             await asyncio.shield(registering[body.name])
         existing = states[body.name].request
         if (existing.project, existing.base_model) != (body.project, body.base_model):
-            raise HTTPException(409, f"model {body.name!r} is already registered with project "
-                                     f"{existing.project!r} and base model {existing.base_model!r}")
+            raise HTTPException(
+                409,
+                f"model {body.name!r} is already registered with project "
+                f"{existing.project!r} and base model {existing.base_model!r}",
+            )
         if existing.run != body.run:
-            raise HTTPException(409, f"model {body.name!r} is already served by this server for run "
-                                     f"{existing.run!r} (step {states[body.name].step}); a server serves one run per "
-                                     f"name: register run {body.run!r} under another name, or start a new server "
-                                     "(a new LocalBackend, `art-sky up --force-restart`) to serve it as "
-                                     f"{body.name!r}. Run {existing.run!r}'s checkpoints stay where they are")
+            raise HTTPException(
+                409,
+                f"model {body.name!r} is already served by this server for run "
+                f"{existing.run!r} (step {states[body.name].step}); a server serves one run per "
+                f"name: register run {body.run!r} under another name, or start a new server "
+                "(a new LocalBackend, `art-sky up --force-restart`) to serve it as "
+                f"{body.name!r}. Run {existing.run!r}'s checkpoints stay where they are",
+            )
         return states[body.name].info()
 
     @app.get("/art/models/{name}", dependencies=guarded)
     async def model_info(name: str) -> ModelInfo:
         """The model, with what the server is doing with it now (`art-sky status`)."""
         state, activity = model(name), activities[name]
-        return state.info().model_copy(update={
-            "activity": activity.activity(), "serving": activity.serving(f"{name}@{state.step}"),
-            "last_step": activity.last_step, "sync": sync.model_sync(state.checkpoints.name) if sync else None})
+        return state.info().model_copy(
+            update={
+                "activity": activity.activity(),
+                "serving": activity.serving(f"{name}@{state.step}"),
+                "last_step": activity.last_step,
+                "sync": sync.model_sync(state.checkpoints.name) if sync else None,
+            }
+        )
 
     @app.get("/art/models/{name}/history", dependencies=guarded)
     async def history(name: str) -> list[dict]:
@@ -234,8 +271,9 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         await asyncio.to_thread(state.writer.written, state.step)
         return state.checkpoints.history()
 
-    async def stream_step(state: ModelState, body: TrainRequest | SFTRequest, request: Request,
-                          prepare: Callable[[], StepPlan]) -> StreamingResponse:
+    async def stream_step(
+        state: ModelState, body: TrainRequest | SFTRequest, request: Request, prepare: Callable[[], StepPlan]
+    ) -> StreamingResponse:
         """Run (or follow, or replay) the step the body's request id asks for and stream its progress lines (at
         least every few seconds, with what the step is doing), then its result or its error."""
         if sync and (problem := sync.blocking_error()):
@@ -270,12 +308,18 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         try:
             state.checkpoints.append_history(entry)
         except OSError as exc:
-            if full := disk_full(exc, state.checkpoints.model_dir, "Free space there (`await "
-                                 "model.delete_checkpoints()` deletes old checkpoints) and log again."):
+            if full := disk_full(
+                exc,
+                state.checkpoints.model_dir,
+                "Free space there (`await model.delete_checkpoints()` deletes old checkpoints) and log again.",
+            ):
                 raise full from exc
-            raise HTTPException(500, f"the history of {name} could not be written to "
-                                     f"{state.checkpoints.model_dir} ({exc.strerror or exc}): fix the directory "
-                                     "and log again") from exc
+            raise HTTPException(
+                500,
+                f"the history of {name} could not be written to "
+                f"{state.checkpoints.model_dir} ({exc.strerror or exc}): fix the directory "
+                "and log again",
+            ) from exc
         return entry
 
     @app.get("/art/models/{name}/checkpoints", dependencies=guarded)
@@ -290,15 +334,18 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         await asyncio.to_thread(state.writer.written, state.step)  # the newest step listed once on disk
         async with steps.training, gate.exclusive():  # never during a step: its checkpoint is saved before served
             existing = state.checkpoints.steps()
-            keep = (set(body.keep_steps) if body.keep_steps is not None else
-                    steps_to_keep(existing, state.checkpoints.history(), body.best_checkpoint_metric,
-                                  body.keep_last))
+            keep = (
+                set(body.keep_steps)
+                if body.keep_steps is not None
+                else steps_to_keep(existing, state.checkpoints.history(), body.best_checkpoint_metric, body.keep_last)
+            )
             keep.add(state.step)  # the adapter being served and trained stays
             keep |= set(state.leases.values())  # and those a client holds a lease on
             await asyncio.to_thread(state.checkpoints.delete, [s for s in existing if s not in keep])
         if sync:
-            sync.submit_retention(state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step,
-                                  body.keep_steps)
+            sync.submit_retention(
+                state.checkpoints, body.best_checkpoint_metric, body.keep_last, state.step, body.keep_steps
+            )
         return _checkpoint_infos(state.checkpoints)
 
     @app.post("/art/models/{name}/leases", dependencies=guarded)
@@ -307,8 +354,11 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
         the lease is released (or the server restarts)."""
         state = model(name)
         if body.step != state.step and state.checkpoints.manifest(body.step) is None:
-            raise HTTPException(404, f"step {body.step} of {name} has no checkpoint (steps: "
-                                     f"{state.checkpoints.steps()}): lease a step that exists")
+            raise HTTPException(
+                404,
+                f"step {body.step} of {name} has no checkpoint (steps: "
+                f"{state.checkpoints.steps()}): lease a step that exists",
+            )
         lease_id = secrets.token_hex(8)
         state.leases[lease_id] = body.step
         return Lease(id=lease_id, step=body.step)
@@ -333,8 +383,9 @@ def create_app(art_path: Path, api_key: str, settings: Settings | None = None,
     return app
 
 
-def api_key_auth(api_key: str) -> tuple[HTTPBearer, Callable[[HTTPAuthorizationCredentials | None], bool],
-                                        Callable[..., None]]:
+def api_key_auth(
+    api_key: str,
+) -> tuple[HTTPBearer, Callable[[HTTPAuthorizationCredentials | None], bool], Callable[..., None]]:
     """The server's API key as a bearer token: (the scheme, `has_key(credentials)`, the dependency of every route
     but /health, which answers 401)."""
     bearer = HTTPBearer(auto_error=False)
@@ -354,8 +405,11 @@ def _checkpoint_infos(checkpoints: CheckpointDir) -> list[CheckpointInfo]:
     for step in checkpoints.steps():
         manifest = checkpoints.manifest(step)
         if manifest is not None:  # not deleted meanwhile
-            infos.append(CheckpointInfo(step=step, size_bytes=manifest.size_bytes, created_at=manifest.created_at,
-                                        metrics=manifest.metrics))
+            infos.append(
+                CheckpointInfo(
+                    step=step, size_bytes=manifest.size_bytes, created_at=manifest.created_at, metrics=manifest.metrics
+                )
+            )
     return infos
 
 
@@ -367,9 +421,12 @@ def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer |
         if not prepared.sequences:  # nothing to learn
             return {"trained_tokens": 0.0, "sequences": 0.0} | prepared.metrics, []
         chunks = _optimizer_steps(prepared.sequences, body.config.grad_accumulation_sequences)
-        per_step = [trainer.train(state, chunk, body.config,
-                                  lambda done, total, i=i: progress(i * total + done, len(chunks) * total))
-                    for i, chunk in enumerate(chunks)]
+        per_step = [
+            trainer.train(
+                state, chunk, body.config, lambda done, total, i=i: progress(i * total + done, len(chunks) * total)
+            )
+            for i, chunk in enumerate(chunks)
+        ]
         return _combined(per_step) | prepared.metrics, []
 
     named = prepared.skipped[:_LOGGED_SKIPS]
@@ -382,7 +439,7 @@ def _optimizer_steps(sequences: list[Sequence], per_step: int | None) -> list[li
     """The step's sequences split into optimizer steps (ART's grad_accumulation_sequences), in order; one without."""
     if per_step is None:
         return [sequences]
-    return [sequences[start:start + per_step] for start in range(0, len(sequences), per_step)]
+    return [sequences[start : start + per_step] for start in range(0, len(sequences), per_step)]
 
 
 def _combined(per_step: list[dict[str, float]]) -> dict[str, float]:
@@ -397,7 +454,7 @@ def _combined(per_step: list[dict[str, float]]) -> dict[str, float]:
         if key in ("trained_tokens", "sequences"):
             combined[key] = sum(values)
         elif key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction"):
-            combined[key] = sum(v * m["trained_tokens"] for v, m in zip(values, per_step)) / tokens
+            combined[key] = sum(v * m["trained_tokens"] for v, m in zip(values, per_step, strict=False)) / tokens
         else:
             combined[key] = sum(values) / len(values)
     return combined | {"num_gradient_steps": float(len(per_step))}
@@ -409,12 +466,13 @@ def _prepare_sft(state: ModelState, body: SFTRequest, trainer: PeftTrainer | Sha
     size, count = body.batch_size, len(body.trajectories)
     rates = body.learning_rates * -(-count // size) if len(body.learning_rates) == 1 else body.learning_rates
     batches, batch_rates, dropped = [], [], []
-    for start, rate in zip(range(0, count, size), rates):
+    for start, rate in zip(range(0, count, size), rates, strict=False):
         batch = []
         for index in range(start, min(start + size, count)):
             try:
-                batch += sft_sequences(state.tokenizer, body.trajectories[index],
-                                       state.request.config.max_seq_length, body.assistant_turns)
+                batch += sft_sequences(
+                    state.tokenizer, body.trajectories[index], state.request.config.max_seq_length, body.assistant_turns
+                )
             except TokenizationError as exc:
                 dropped.append(f"trajectory {index}: {exc}")
         if batch:
@@ -428,9 +486,13 @@ def _prepare_sft(state: ModelState, body: SFTRequest, trainer: PeftTrainer | Sha
     def train(progress: Progress) -> tuple[dict[str, float], list[dict[str, float]]]:
         per_batch = trainer.sft(state, batches, batch_rates, body.max_grad_norm, progress)
         tokens = sum(b["trained_tokens"] for b in per_batch)
-        return {"loss": sum(b["loss"] * b["trained_tokens"] for b in per_batch) / tokens,
-                "trained_tokens": tokens, "num_trajectories": float(count - len(dropped)),
-                "num_dropped_trajectories": float(len(dropped)), "num_batches": float(len(batches))}, per_batch
+        return {
+            "loss": sum(b["loss"] * b["trained_tokens"] for b in per_batch) / tokens,
+            "trained_tokens": tokens,
+            "num_trajectories": float(count - len(dropped)),
+            "num_dropped_trajectories": float(len(dropped)),
+            "num_batches": float(len(batches)),
+        }, per_batch
 
     return StepPlan("sft", train)
 
@@ -466,20 +528,31 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
             for key, value in trajectory.metrics.items():
                 metric_values.setdefault(key, []).append(value)
             try:
-                built.append((trajectory.reward, build_sequences(
-                    tokenizer, trajectory, max_length, vocab_size, state.eos_token_ids,
-                    dict_turns=body.config.allow_training_without_logprobs)))
+                built.append(
+                    (
+                        trajectory.reward,
+                        build_sequences(
+                            tokenizer,
+                            trajectory,
+                            max_length,
+                            vocab_size,
+                            state.eos_token_ids,
+                            dict_turns=body.config.allow_training_without_logprobs,
+                        ),
+                    )
+                )
             except TokenizationError as exc:
                 skipped.append(f"group {g}, trajectory {t}: {exc}")
             except Exception as exc:  # a bug here must not cost the batch either; the log has the traceback
                 log.exception("building group %d trajectory %d failed", g, t)
                 skipped.append(f"group {g}, trajectory {t}: could not be built ({exc!r}); see the server log")
-        advantages = (group_advantages([reward for reward, _ in built], body.config.scale_rewards)
-                      if len(built) >= 2 else None)
+        advantages = (
+            group_advantages([reward for reward, _ in built], body.config.scale_rewards) if len(built) >= 2 else None
+        )
         if advantages is None:
             groups_skipped += 1
             continue
-        for (_, result), advantage in zip(built, advantages):
+        for (_, result), advantage in zip(built, advantages, strict=False):
             if advantage == 0.0:
                 continue
             for sequence in result.sequences:
@@ -491,10 +564,15 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
         log.warning("training %s skips %s", state.name, line)
     if len(skipped) > _LOGGED_SKIPS:
         log.warning("training %s skips %d more trajectories", state.name, len(skipped) - _LOGGED_SKIPS)
-    metrics = {"reward": sum(rewards) / len(rewards), "reward_std_dev": sum(group_stds) / len(group_stds),
-               "num_groups": float(len(body.groups)),
-               "num_trajectories": float(len(rewards)), "num_groups_skipped": float(groups_skipped),
-               "num_trajectories_skipped": float(len(skipped)), "trained_tokens_exact": float(exact),
-               "trained_tokens_rerendered": float(rerendered)}
+    metrics = {
+        "reward": sum(rewards) / len(rewards),
+        "reward_std_dev": sum(group_stds) / len(group_stds),
+        "num_groups": float(len(body.groups)),
+        "num_trajectories": float(len(rewards)),
+        "num_groups_skipped": float(groups_skipped),
+        "num_trajectories_skipped": float(len(skipped)),
+        "trained_tokens_exact": float(exact),
+        "trained_tokens_rerendered": float(rerendered),
+    }
     metrics |= {key: sum(values) / len(values) for key, values in metric_values.items() if key not in metrics}
     return Prepared(sequences, metrics, skipped)

@@ -12,9 +12,9 @@ what the write left (`CheckpointDir.remove_stale_temps`).
 
 `Steps` runs the server's training requests: one step at a time on the device, each request id once. A repeated id
 (the client retrying across a dropped connection or a server restart) follows the step in flight, or is answered
-with the step it trained, from the committed records (so a restarted server knows too): the trainer's figures as
-the step recorded them (the first answer also had the step's time split and cost, measured as it committed). A failed step is not
-recorded: retrying its id trains it.
+with the step it trained, from the committed records (so a restarted server knows too): the trainer's figures as the
+step recorded them (the first answer also had the step's time split and cost, measured as it committed). A failed step
+is not recorded: retrying its id trains it.
 """
 
 from __future__ import annotations
@@ -76,8 +76,15 @@ class Trained:
     requests: dict[str, int]
 
 
-def run_step(state: ModelState, engine: Engine, plan: StepPlan, request_id: str, progress: Progress,
-             timer: StepTimer, clock: StepClock) -> TrainProgress:
+def run_step(
+    state: ModelState,
+    engine: Engine,
+    plan: StepPlan,
+    request_id: str,
+    progress: Progress,
+    timer: StepTimer,
+    clock: StepClock,
+) -> TrainProgress:
     """A step on an engine that cannot serve while the trainer has the device: pause it, train and save, publish.
     Blocking: a worker thread, with the device gate held alone (inference waits for the whole step)."""
     timer.begin("swapping", "the engine hands the device to the trainer")
@@ -92,8 +99,7 @@ def run_step(state: ModelState, engine: Engine, plan: StepPlan, request_id: str,
     return publish(state, engine, trained, timer, clock)
 
 
-def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress: Progress,
-                   timer: StepTimer) -> Trained:
+def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress: Progress, timer: StepTimer) -> Trained:
     """Train the model's next step and stage its checkpoint (the commit point), or leave the LoRA and the
     optimizer exactly as they were and raise StepError. Blocking: a worker thread. Touches only the trainer's
     model: an engine that serves while training samples from its own copy of the adapter meanwhile."""
@@ -104,23 +110,41 @@ def train_and_save(state: ModelState, plan: StepPlan, request_id: str, progress:
         timer.begin("training")
         with _seeded(step_seed(step)):
             metrics, batches = plan.train(progress)
-        result = TrainProgress(type="result", step=step, metrics=metrics, batches=batches, skipped=plan.skipped,
-                               checkpoint_path=str(state.checkpoints.step_dir(step)) if plan.saved else None)
+        result = TrainProgress(
+            type="result",
+            step=step,
+            metrics=metrics,
+            batches=batches,
+            skipped=plan.skipped,
+            checkpoint_path=str(state.checkpoints.step_dir(step)) if plan.saved else None,
+        )
         requests = _recent(state.requests | {request_id: step})
-        record = StepRecord(step=step, kind=plan.kind, request_id=request_id, seed=step_seed(step), result=result,
-                            requests=requests, history=history_entry(step, "train", metrics), saved=plan.saved)
+        record = StepRecord(
+            step=step,
+            kind=plan.kind,
+            request_id=request_id,
+            seed=step_seed(step),
+            result=result,
+            requests=requests,
+            history=history_entry(step, "train", metrics),
+            saved=plan.saved,
+        )
         timer.begin("saving", f"checkpoint of step {step}")
         try:
             state.commit_checkpoint(record, metrics)  # the commit point: staged (or written), the last step on disk
         except OSError as exc:  # a full disk is a DiskFullError already (art_sky/disk_full.py)
-            raise StepError(f"the checkpoint of step {step} could not be written to {state.checkpoints.path} "
-                            f"({exc.strerror or exc}): fix the directory (its permissions, its mount) and train "
-                            "again") from exc
+            raise StepError(
+                f"the checkpoint of step {step} could not be written to {state.checkpoints.path} "
+                f"({exc.strerror or exc}): fix the directory (its permissions, its mount) and train "
+                "again"
+            ) from exc
     except BaseException as exc:
         state.weights.restore(before)
         if isinstance(exc, Exception):
-            raise StepError(f"training {state.name} step {step} failed and was rolled back: the model is as it "
-                            f"was at step {state.step}. {exc}") from exc
+            raise StepError(
+                f"training {state.name} step {step} failed and was rolled back: the model is as it "
+                f"was at step {state.step}. {exc}"
+            ) from exc
         raise
     return Trained(result, requests)
 
@@ -150,8 +174,9 @@ def publish(state: ModelState, engine: Engine, trained: Trained, timer: StepTime
         log.warning("history of %s: step %d's line not written yet (%s)", state.name, step, exc)
     timer.activity.last_step = {key: value for key, value in entry.items() if key != "recorded_at"}
     if failed is not None:
-        raise EngineError(f"step {step} of {state.name} was trained and saved, but the engine could not serve it: "
-                          f"{failed}") from failed
+        raise EngineError(
+            f"step {step} of {state.name} was trained and saved, but the engine could not serve it: {failed}"
+        ) from failed
     return trained.result.model_copy(update={"metrics": metrics, "totals": totals})
 
 
@@ -236,16 +261,26 @@ class Steps:
         self._jobs: dict[tuple[str, str], StepJob] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    async def submit(self, state: ModelState, request_id: str | None, prepare: Callable[[], StepPlan],
-                     timer: StepTimer, clock: StepClock) -> AsyncIterator[TrainProgress]:
+    async def submit(
+        self,
+        state: ModelState,
+        request_id: str | None,
+        prepare: Callable[[], StepPlan],
+        timer: StepTimer,
+        clock: StepClock,
+    ) -> AsyncIterator[TrainProgress]:
         """The progress of the step `request_id` asks for: started now (`prepare()` runs in a worker thread and may
         raise the request's 4xx, raised here), already running (a retry follows it), or committed (its result).
         `timer` times a new step's phases; `clock` is the client's (its gather time, the machine's price)."""
         request_id = request_id or uuid.uuid4().hex
         replayed = self.replay(state, request_id)
         if replayed is not None:
-            log.info("%s: request %s trained step %d already: answered with its result", state.name, request_id,
-                     replayed.step)
+            log.info(
+                "%s: request %s trained step %d already: answered with its result",
+                state.name,
+                request_id,
+                replayed.step,
+            )
             return _once(replayed)
         key = (state.name, request_id)
         job = self._jobs.get(key)
@@ -265,12 +300,16 @@ class Steps:
         if step is None:
             return None
         record = state.record(step)
-        result = record.result if record is not None and record.result is not None else \
-            TrainProgress(type="result", step=step)
+        result = (
+            record.result
+            if record is not None and record.result is not None
+            else TrainProgress(type="result", step=step)
+        )
         return result.model_copy(update={"replayed": True})
 
-    async def _run(self, key: tuple[str, str], state: ModelState, job: StepJob,
-                   prepare: Callable[[], StepPlan], clock: StepClock) -> None:
+    async def _run(
+        self, key: tuple[str, str], state: ModelState, job: StepJob, prepare: Callable[[], StepPlan], clock: StepClock
+    ) -> None:
         timer = job.timer
         try:
             timer.begin("preparing", "building the step's sequences")
@@ -285,8 +324,10 @@ class Steps:
 
             def progress(done: int, total: int) -> None:
                 timer.activity.trained(done, total)
-                loop.call_soon_threadsafe(job.report, TrainProgress(type="progress", done=done, total=total,
-                                                                    activity=timer.activity.activity()))
+                loop.call_soon_threadsafe(
+                    job.report,
+                    TrainProgress(type="progress", done=done, total=total, activity=timer.activity.activity()),
+                )
 
             timer.begin("waiting")
             async with self.training:
@@ -307,8 +348,9 @@ class Steps:
             timer.end()
             del self._jobs[key]
 
-    async def _step(self, state: ModelState, plan: StepPlan, request_id: str, progress: Progress, timer: StepTimer,
-                    clock: StepClock) -> TrainProgress:
+    async def _step(
+        self, state: ModelState, plan: StepPlan, request_id: str, progress: Progress, timer: StepTimer, clock: StepClock
+    ) -> TrainProgress:
         engine = self.engine
         if not engine.serves_while_training:
             timer.inference_paused()

@@ -38,8 +38,11 @@ class CheckpointSync:
         async def upload() -> None:
             key = (checkpoints.project, checkpoints.name, step)
             if written is not None and not await asyncio.to_thread(written, step):
-                self._failed[key] = (checkpoints, f"step {step} of {checkpoints.name} is not on disk yet (its "
-                                                  "checkpoint could not be written: see the server log)")
+                self._failed[key] = (
+                    checkpoints,
+                    f"step {step} of {checkpoints.name} is not on disk yet (its "
+                    "checkpoint could not be written: see the server log)",
+                )
                 return
             if checkpoints.manifest(step) is None:  # deleted locally since (retention): nothing to keep
                 self._failed.pop(key, None)
@@ -64,18 +67,28 @@ class CheckpointSync:
 
         self._put(f"upload {checkpoints.name} step {step}", upload)
 
-    def submit_retention(self, checkpoints: CheckpointDir, best_metric: str | None, keep_last: int,
-                         current: int, keep_steps: list[int] | None = None) -> None:
+    def submit_retention(
+        self,
+        checkpoints: CheckpointDir,
+        best_metric: str | None,
+        keep_last: int,
+        current: int,
+        keep_steps: list[int] | None = None,
+    ) -> None:
         """Apply `delete_checkpoints` to the store too: keep the newest `keep_last`, the best, and `current`
         (or exactly `keep_steps` and `current`)."""
 
         async def prune() -> None:
             try:
                 steps = [m.step for m in await self.store.manifests(checkpoints.project, checkpoints.name)]
-                keep = (set(keep_steps) if keep_steps is not None else
-                        steps_to_keep(steps, checkpoints.history(), best_metric, keep_last)) | {current}
-                await self.store.delete_steps(checkpoints.project, checkpoints.name,
-                                              [s for s in steps if s not in keep])
+                keep = (
+                    set(keep_steps)
+                    if keep_steps is not None
+                    else steps_to_keep(steps, checkpoints.history(), best_metric, keep_last)
+                ) | {current}
+                await self.store.delete_steps(
+                    checkpoints.project, checkpoints.name, [s for s in steps if s not in keep]
+                )
             except CheckpointStoreError as exc:
                 log.warning("retention in the store failed: %s", exc)
 
@@ -92,14 +105,21 @@ class CheckpointSync:
     def blocking_error(self) -> str | None:
         """In strict mode, why training must not go on (a step failed to upload); None otherwise."""
         if self.strict and self._failed:
-            return ("; ".join(message for _, message in self._failed.values()) + " (strict mode, "
-                    "ART_SKY_CHECKPOINT_STRICT): fix the store, then `await backend.flush_checkpoints()`")
+            return (
+                "; ".join(message for _, message in self._failed.values()) + " (strict mode, "
+                "ART_SKY_CHECKPOINT_STRICT): fix the store, then `await backend.flush_checkpoints()`"
+            )
         return None
 
     def status(self) -> SyncStatus:
-        return SyncStatus(uri=self.store.uri, strict=self.strict, pending=list(self._pending),
-                          errors=[message for _, message in self._failed.values()], synced=dict(self._synced),
-                          bytes_uploaded=self._bytes)
+        return SyncStatus(
+            uri=self.store.uri,
+            strict=self.strict,
+            pending=list(self._pending),
+            errors=[message for _, message in self._failed.values()],
+            synced=dict(self._synced),
+            bytes_uploaded=self._bytes,
+        )
 
     def model_sync(self, name: str) -> ModelSync:
         """Where one model's checkpoints stand in the store (`art-sky status`)."""

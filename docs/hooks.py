@@ -20,9 +20,11 @@ PUBLISHED = ["bench/results/*", "templates/*.yaml", "templates/*.yml", "template
 # The package as it installs, for mkdocstrings (mkdocs.yml `paths`): client/ and cluster/ are art_sky.client and
 # art_sky.cluster (pyproject's package-dir), which griffe cannot read from the source tree's layout.
 API_TREE = ROOT / "build" / "docs-api" / "art_sky"
-GENERATED = {"reference/settings.md": reference_pages.settings_markdown,
-             "reference/cli.md": reference_pages.cli_markdown,
-             "reference/python-api.md": reference_pages.python_api_markdown}
+GENERATED = {
+    "reference/settings.md": reference_pages.settings_markdown,
+    "reference/cli.md": reference_pages.cli_markdown,
+    "reference/python-api.md": reference_pages.python_api_markdown,
+}
 openapi: dict = {}
 
 
@@ -41,8 +43,9 @@ def on_files(files, config):
     files.append(File.generated(config, "reference/openapi.json", content=json.dumps(openapi, indent=2)))
     for pattern in PUBLISHED:
         for path in sorted(ROOT.glob(pattern)):
-            files.append(File.generated(config, f"files/{path.relative_to(ROOT).as_posix()}",
-                                        content=path.read_bytes()))
+            files.append(
+                File.generated(config, f"files/{path.relative_to(ROOT).as_posix()}", content=path.read_bytes())
+            )
     return files
 
 

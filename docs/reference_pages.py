@@ -27,8 +27,12 @@ def _type(field: Any) -> str:
     text = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
     text = text or str(annotation).replace("typing.", "").replace("pathlib.", "").replace("pydantic.types.", "")
     text = text.replace("NoneType", "None").replace("SecretStr", "secret").replace(" | ", " or ")
-    bounds = [f"{symbol} {getattr(m, attr)}" for m in field.metadata
-              for attr, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if hasattr(m, attr)]
+    bounds = [
+        f"{symbol} {getattr(m, attr)}"
+        for m in field.metadata
+        for attr, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+        if hasattr(m, attr)
+    ]
     return ", ".join([text, *bounds])
 
 
@@ -53,9 +57,11 @@ def settings_markdown() -> str:
         description = (field.description or "").replace("|", "\\|")
         rows.append(f"| {variables} | {_type(field)} | {_default(field)} | {description} |")
     store = ", ".join(f"`{v}`" for v in STORE_VARIABLES)
-    return ("\n".join(rows) + f"\n\nThe object store's credentials keep their usual names ({store}): read from the "
-            "environment, then `.env`, and forwarded to the cluster's server by every backend "
-            "([Checkpoints](../guides/checkpoints.md#pointing-it-at-a-store)).\n")
+    return (
+        "\n".join(rows) + f"\n\nThe object store's credentials keep their usual names ({store}): read from the "
+        "environment, then `.env`, and forwarded to the cluster's server by every backend "
+        "([Checkpoints](../guides/checkpoints.md#pointing-it-at-a-store)).\n"
+    )
 
 
 # -- CLI --------------------------------------------------------------------------------------------------------
@@ -84,8 +90,12 @@ def cli_markdown() -> str:
     from art_sky.cli import app
 
     command = typer.main.get_command(app)
-    return get_docs_for_click(obj=command, ctx=typer.Context(command), indent=1, name="art-sky",
-                              title="Every command").strip() + "\n"
+    return (
+        get_docs_for_click(
+            obj=command, ctx=typer.Context(command), indent=1, name="art-sky", title="Every command"
+        ).strip()
+        + "\n"
+    )
 
 
 # -- HTTP API ---------------------------------------------------------------------------------------------------
@@ -137,8 +147,11 @@ def _operation(method: str, path: str, operation: dict) -> list[str]:
     parameters = operation.get("parameters", [])
     if parameters:
         lines += ["", "| parameter | in | type | required |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{p['name']}` | {p['in']} | {_schema_type(p.get('schema', {}))} | "
-                  f"{'yes' if p.get('required') else 'no'} |" for p in parameters]
+        lines += [
+            f"| `{p['name']}` | {p['in']} | {_schema_type(p.get('schema', {}))} | "
+            f"{'yes' if p.get('required') else 'no'} |"
+            for p in parameters
+        ]
     body = operation.get("requestBody")
     if body:
         lines += ["", f"Request body: {_bodies(body['content'])}."]
@@ -160,8 +173,10 @@ def _model(name: str, schema: dict) -> list[str]:
     lines += ["| field | type | required | default | description |", "| --- | --- | --- | --- | --- |"]
     for field, sub in properties.items():
         default = f"`{json.dumps(sub['default'])}`" if "default" in sub else ""
-        lines.append(f"| `{field}` | {_schema_type(sub)} | {'yes' if field in required else 'no'} | {default} | "
-                     f"{_cell(sub.get('description'))} |")
+        lines.append(
+            f"| `{field}` | {_schema_type(sub)} | {'yes' if field in required else 'no'} | {default} | "
+            f"{_cell(sub.get('description'))} |"
+        )
     return [*lines, ""]
 
 

@@ -59,9 +59,11 @@ _PLAIN_TURN = """\
 {{ text }}"""
 
 _ARGUMENTS_AS_GIVEN = "{{ call.arguments | tojson }}"
-_ARGUMENTS_SORTED = ("{% set args = call.arguments if call.arguments is mapping else {} -%}"
-                     "{ {%- for key, value in args | dictsort -%}{{ key | tojson }}: {{ value | tojson }}"
-                     "{%- if not loop.last %}, {% endif -%}{%- endfor -%} }")
+_ARGUMENTS_SORTED = (
+    "{% set args = call.arguments if call.arguments is mapping else {} -%}"
+    "{ {%- for key, value in args | dictsort -%}{{ key | tojson }}: {{ value | tojson }}"
+    "{%- if not loop.last %}, {% endif -%}{%- endfor -%} }"
+)
 
 _CALLS_AND_REST = """
 {%- for call in m.tool_calls or [] -%}
@@ -86,14 +88,16 @@ GENERATION{% endif %}"""
 
 
 def _template(*, think: bool, tool_json: bool, trim: bool) -> str:
-    return (_SYSTEM
-            + "{%- for m in messages -%}\n"
-            + (_TRIMMED_TEXT if trim else _PLAIN_TEXT)
-            + "{%- if m.role == 'system' and loop.first -%}\n{%- elif m.role == 'assistant' -%}\n"
-            + (_THINK_TURN if think else _PLAIN_TURN)
-            + _CALLS_AND_REST.replace("ARGUMENTS", _ARGUMENTS_SORTED if tool_json else _ARGUMENTS_AS_GIVEN)
-            .replace("GENERATION", "<|im_start|>assistant\n<think>\n\n</think>\n\n" if think
-                     else "<|im_start|>assistant\n"))
+    return (
+        _SYSTEM
+        + "{%- for m in messages -%}\n"
+        + (_TRIMMED_TEXT if trim else _PLAIN_TEXT)
+        + "{%- if m.role == 'system' and loop.first -%}\n{%- elif m.role == 'assistant' -%}\n"
+        + (_THINK_TURN if think else _PLAIN_TURN)
+        + _CALLS_AND_REST.replace("ARGUMENTS", _ARGUMENTS_SORTED if tool_json else _ARGUMENTS_AS_GIVEN).replace(
+            "GENERATION", "<|im_start|>assistant\n<think>\n\n</think>\n\n" if think else "<|im_start|>assistant\n"
+        )
+    )
 
 
 THINK = _template(think=True, tool_json=False, trim=False)
@@ -147,8 +151,15 @@ THINKING = """\
 <|im_start|>assistant
 {% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}
 {%- endif %}"""
-TEMPLATES = {"think": THINK, "tool_json": TOOL_JSON, "trim": TRIM, "all": ALL, "llama31": LLAMA31,
-             "mistral": MISTRAL, "thinking": THINKING}
+TEMPLATES = {
+    "think": THINK,
+    "tool_json": TOOL_JSON,
+    "trim": TRIM,
+    "all": ALL,
+    "llama31": LLAMA31,
+    "mistral": MISTRAL,
+    "thinking": THINKING,
+}
 
 
 def template_model(root: Path, name: str) -> Path:

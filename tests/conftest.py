@@ -19,12 +19,20 @@ async def server(tmp_path_factory):
     from art_sky.settings import Settings
 
     art_path = tmp_path_factory.mktemp("art")
-    app = create_app(art_path, API_KEY, Settings(max_request_bytes=2_000_000, max_completion_request_bytes=1_000_000,
-                                                    max_new_tokens_limit=64))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
-                                 headers={"authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
-        response = await client.post("/art/models", json={"name": "tiny", "project": "tests",
-                                                          "base_model": "art-sky/tiny"})
+    app = create_app(
+        art_path,
+        API_KEY,
+        Settings(max_request_bytes=2_000_000, max_completion_request_bytes=1_000_000, max_new_tokens_limit=64),
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://server",
+        headers={"authorization": f"Bearer {API_KEY}"},
+        timeout=120,
+    ) as client:
+        response = await client.post(
+            "/art/models", json={"name": "tiny", "project": "tests", "base_model": "art-sky/tiny"}
+        )
         assert response.status_code == 200, response.text
         client.art_path = art_path
         yield client

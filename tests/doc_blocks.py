@@ -48,7 +48,7 @@ def python_blocks(path: Path) -> list[Block]:
             continue
         end = next(i for i in range(index + 1, len(lines)) if lines[i].strip() == "```")
         indent = len(fence["indent"])
-        code = "\n".join(body[indent:] for body in lines[index + 1:end]) + "\n"
+        code = "\n".join(body[indent:] for body in lines[index + 1 : end]) + "\n"
         blocks.append(Block(path, index + 1, lines[index - 1] if index else "", code))
     return blocks
 

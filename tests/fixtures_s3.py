@@ -33,14 +33,24 @@ class S3Server:
     def env(self, *, read_only: bool = False) -> dict[str, str]:
         """Environment for a process (or obstore) that talks to this server as admin or as the read-only reader."""
         keys = READER if read_only else ADMIN
-        return {"AWS_ACCESS_KEY_ID": keys[0], "AWS_SECRET_ACCESS_KEY": keys[1], "AWS_REGION": "us-east-1",
-                "AWS_ENDPOINT_URL": self.endpoint, "AWS_ALLOW_HTTP": "true"}
+        return {
+            "AWS_ACCESS_KEY_ID": keys[0],
+            "AWS_SECRET_ACCESS_KEY": keys[1],
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ALLOW_HTTP": "true",
+        }
 
     def client(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ADMIN[0],
-                            aws_secret_access_key=ADMIN[1], region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ADMIN[0],
+            aws_secret_access_key=ADMIN[1],
+            region_name="us-east-1",
+        )
 
     def new_bucket(self) -> str:
         name = f"test-{uuid.uuid4().hex[:12]}"
@@ -71,9 +81,13 @@ def free_ports(count: int) -> list[int]:
 def seaweedfs(root: Path) -> Iterator[S3Server]:
     """Run SeaweedFS with its data under `root` until the block exits (also used by bench/bench_store.py)."""
     (root / "data").mkdir(parents=True, exist_ok=True)
-    identities = [{"name": name, "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}], "actions": actions}
-                  for name, keys, actions in [("admin", ADMIN, ["Admin", "Read", "List", "Tagging", "Write"]),
-                                              ("reader", READER, ["Read", "List"])]]
+    identities = [
+        {"name": name, "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}], "actions": actions}
+        for name, keys, actions in [
+            ("admin", ADMIN, ["Admin", "Read", "List", "Tagging", "Write"]),
+            ("reader", READER, ["Read", "List"]),
+        ]
+    ]
     (root / "s3.json").write_text(json.dumps({"identities": identities}))
     # Every bucket is a collection with volumes of its own. Left to itself, weed sizes its volume slots from the free
     # disk (1 GiB each) and grows 7 volumes per collection, so a suite's worth of buckets ran out of slots on a small
@@ -82,14 +96,31 @@ def seaweedfs(root: Path) -> Iterator[S3Server]:
     # registered"), which a 250 GB CI disk with 2 GB free is: the tests write kilobytes, so 64 MiB free is enough.
     (root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n")
     master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
-    command = [weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
-               f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
-               "-master.volumeSizeLimitMB=256", "-volume.max=400",
-               "-volume.minFreeSpace=64MiB",
-               f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
-               "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-               "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={root / 's3.json'}",
-               "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+    command = [
+        weed_binary(),
+        "server",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-dir={root / 'data'}",
+        f"-master.port={master}",
+        f"-master.port.grpc={master_grpc}",
+        "-master.telemetry=false",
+        "-master.volumeSizeLimitMB=256",
+        "-volume.max=400",
+        "-volume.minFreeSpace=64MiB",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume_grpc}",
+        "-filer",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer_grpc}",
+        "-s3",
+        f"-s3.port={s3}",
+        f"-s3.port.grpc={s3_grpc}",
+        f"-s3.config={root / 's3.json'}",
+        "-s3.autoCreateBucket=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+    ]
     with open(root / "weed.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
         server = S3Server(endpoint=f"http://127.0.0.1:{s3}")

@@ -40,9 +40,17 @@ class Node:
         lifecycle.stop(LocalRunner(), self.layout, grace=5)
 
 
-def start_node(root: Path, name: str, *, join: str | None = None, core: int | None = None,
-               env: dict[str, str] | None = None, key: str = API_KEY, port: int | None = None,
-               rank: int | None = None) -> Node:
+def start_node(
+    root: Path,
+    name: str,
+    *,
+    join: str | None = None,
+    core: int | None = None,
+    env: dict[str, str] | None = None,
+    key: str = API_KEY,
+    port: int | None = None,
+    rank: int | None = None,
+) -> Node:
     """A head (or, with `join`, a replica of the head at that URL, of node rank `rank`) under `root/name` (on
     `port`), ready to answer /health."""
     layout = ServerLayout(run_dir=str(root / name / "run"), art_path=str(root / name / "art"))
@@ -52,12 +60,19 @@ def start_node(root: Path, name: str, *, join: str | None = None, core: int | No
         Path(python).write_text(f'#!/bin/sh\nexec taskset -c {core} {sys.executable} "$@"\n')
         os.chmod(python, 0o755)
     runner = LocalRunner()
-    lifecycle.start(runner, layout, python=python, env={"ART_SKY_API_KEY": key} | (env or {}),
-                    exit_with=os.getpid(),
-                    args=(("--join", join) if join else ()) + (("--port", str(port)) if port else ())
-                    + (("--node-rank", str(rank)) if rank else ()))
-    server = lifecycle.wait_ready(runner, layout, timeout=180, reach=lambda port: f"http://127.0.0.1:{port}",
-                                  stop_on_timeout=True)
+    lifecycle.start(
+        runner,
+        layout,
+        python=python,
+        env={"ART_SKY_API_KEY": key} | (env or {}),
+        exit_with=os.getpid(),
+        args=(("--join", join) if join else ())
+        + (("--port", str(port)) if port else ())
+        + (("--node-rank", str(rank)) if rank else ()),
+    )
+    server = lifecycle.wait_ready(
+        runner, layout, timeout=180, reach=lambda port: f"http://127.0.0.1:{port}", stop_on_timeout=True
+    )
     return Node(layout, server)
 
 
@@ -81,5 +96,7 @@ def wait_fleet(head: Node, predicate, what: str, timeout: float = 180) -> list[d
 
 async def complete(http: httpx.AsyncClient, text: str, **extra) -> httpx.Response:
     """One chat completion of model "tiny" through a node's /v1."""
-    return await http.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8} | extra)
+    return await http.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8} | extra,
+    )

@@ -18,7 +18,7 @@ LOCK = ROOT / "templates" / "gpu-constraints.txt"
 PYTHONS = ("3.11", "3.12")
 PLATFORM = "x86_64-manylinux_2_31"  # Ubuntu 20.04 and newer; every pinned release has a wheel for it
 HEADER = f"""\
-# The tested GPU stack: art-sky[gpu] resolved for Linux x86_64 (glibc >= 2.31), Python {' and '.join(PYTHONS)}.
+# The tested GPU stack: art-sky[gpu] resolved for Linux x86_64 (glibc >= 2.31), Python {" and ".join(PYTHONS)}.
 # The bootstrap installs art-sky[gpu] with these as constraints (SSH hosts: BootstrapOptions(extras="gpu"); SkyPilot:
 # templates/cluster.yaml), and the cluster server refuses to run vLLM or Unsloth at other versions of the packages
 # art_sky/gpu_stack.py names, unless ART_SKY_ALLOW_UNTESTED_STACK=true.
@@ -28,9 +28,24 @@ HEADER = f"""\
 
 def resolve(python: str, constraints: Path | None = None, timeout: float = 300) -> dict[str, str]:
     """{name: version} of art-sky[gpu] for `python` on the target platform; RuntimeError with uv's reason."""
-    command = [sys.executable, "-m", "uv", "pip", "compile", str(ROOT / "pyproject.toml"), "--extra", "gpu",
-               "--python-platform", PLATFORM, "--python-version", python, "--only-binary", ":all:",
-               "--no-header", "--no-annotate"]
+    command = [
+        sys.executable,
+        "-m",
+        "uv",
+        "pip",
+        "compile",
+        str(ROOT / "pyproject.toml"),
+        "--extra",
+        "gpu",
+        "--python-platform",
+        PLATFORM,
+        "--python-version",
+        python,
+        "--only-binary",
+        ":all:",
+        "--no-header",
+        "--no-annotate",
+    ]
     if constraints is not None:
         command += ["--constraints", str(constraints)]
     env = os.environ | {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_CONFIG": "1"}
@@ -53,14 +68,17 @@ def lock_lines(resolutions: dict[str, dict[str, str]]) -> list[str]:
         if len(set(versions.values())) == 1:
             lines.append(f"{name}=={versions[PYTHONS[0]]}")
             continue
-        lines += [f"{name}=={version} ; python_version == '{python}'"
-                  for python, version in versions.items() if version is not None]
+        lines += [
+            f"{name}=={version} ; python_version == '{python}'"
+            for python, version in versions.items()
+            if version is not None
+        ]
     return lines
 
 
 def resolve_all(constraints: Path | None = None) -> dict[str, dict[str, str]]:
     with ThreadPoolExecutor(len(PYTHONS)) as pool:
-        return dict(zip(PYTHONS, pool.map(lambda python: resolve(python, constraints), PYTHONS)))
+        return dict(zip(PYTHONS, pool.map(lambda python: resolve(python, constraints), PYTHONS), strict=False))
 
 
 def main() -> None:

@@ -26,10 +26,16 @@ async def check_structured_output(model, free_call_whitespace: bool = False) -> 
 
     for method in ("json_schema", "function_calling"):
         for seed in (1, 2, 3):
-            llm = ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
-                             max_tokens=80, seed=seed)
+            llm = ChatOpenAI(
+                model=model.name,
+                base_url=model.inference_base_url,
+                api_key=model.inference_api_key,
+                max_tokens=80,
+                seed=seed,
+            )
             out = await llm.with_structured_output(Answer, method=method, strict=True, include_raw=True).ainvoke(
-                "Sea or sky?")
+                "Sea or sky?"
+            )
             if isinstance(out["parsed"], Answer):
                 continue
             raw = out["raw"]

@@ -19,7 +19,8 @@ async def rollout_and_train(backend: art_sky.Backend, *, project: str, limit: fl
     trajectories = []
     for reward in (0.0, 1.0):
         completion = await model.openai_client().chat.completions.create(
-            model=model.get_inference_name(), messages=PROMPT, max_tokens=8, temperature=1.0)
+            model=model.get_inference_name(), messages=PROMPT, max_tokens=8, temperature=1.0
+        )
         assert completion.choices[0].logprobs is not None
         trajectories.append(art_sky.Trajectory(messages_and_choices=[*PROMPT, completion.choices[0]], reward=reward))
     metrics = await asyncio.wait_for(model.train([art_sky.TrajectoryGroup(trajectories)]), limit)
@@ -31,8 +32,16 @@ def trajectory(choice: dict, reward: float) -> dict:
     """A trainable trajectory (wire form) from a sampled choice with token-id logprobs, after the prompt "hi": the
     engine's prompt and sampled ids, so it trains exactly."""
     ids = [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]]
-    return {"items": [{"role": "user", "content": "hi"},
-                      {"kind": "choice", "content": choice["message"]["content"], "token_ids": ids,
-                       "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]],
-                       "prompt_token_ids": choice["prompt_token_ids"]}],
-            "reward": reward}
+    return {
+        "items": [
+            {"role": "user", "content": "hi"},
+            {
+                "kind": "choice",
+                "content": choice["message"]["content"],
+                "token_ids": ids,
+                "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]],
+                "prompt_token_ids": choice["prompt_token_ids"],
+            },
+        ],
+        "reward": reward,
+    }

@@ -13,8 +13,9 @@ import pytest
 # Runs argv[1:] with SIGINT at its default. A test run started in the background (`nohup bash tests/run.sh &`)
 # ignores SIGINT, children inherit that, and Python then installs no KeyboardInterrupt: a test's Ctrl-C would be
 # lost. exec keeps a default disposition; unlike `preexec_fn`, this is safe with the tests' reader threads.
-_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                   "os.execv(sys.argv[1], sys.argv[1:])")
+_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def python_command(*args: str) -> list[str]:
@@ -25,8 +26,13 @@ def python_command(*args: str) -> list[str]:
 def art_sky_cli(*args: str) -> subprocess.Popen:
     """`art-sky ARGS` in a child process with this environment (ART_SKY_HOME included) and SIGINT at its default
     (the tests send it Ctrl-C); output merged."""
-    return subprocess.Popen(python_command("-m", "art_sky.cli", *args), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=os.environ.copy())
+    return subprocess.Popen(
+        python_command("-m", "art_sky.cli", *args),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=os.environ.copy(),
+    )
 
 
 class Lines:

@@ -34,8 +34,16 @@ PAIR = {"pair1": "10.77.0.2", "pair2": "10.77.0.3"}  # node name -> its address,
 STATE = Path("/var/lib/art-sky-slurm")  # the harness's own files: key, configs, prolog, uv, python3.10 link
 KEY = STATE / "id_ed25519"
 PYTHON310 = Path("/root/.pyenv/versions/3.10.13/bin/python3.10")  # SkyPilot's runtime venv wants 3.10
-PACKAGES = ["/usr/sbin/sshd", "/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/bin/sinfo",
-            "/usr/bin/rsync", "/usr/sbin/ip", "/usr/sbin/iptables"]
+PACKAGES = [
+    "/usr/sbin/sshd",
+    "/usr/sbin/munged",
+    "/usr/sbin/slurmctld",
+    "/usr/sbin/slurmd",
+    "/usr/bin/sinfo",
+    "/usr/bin/rsync",
+    "/usr/sbin/ip",
+    "/usr/sbin/iptables",
+]
 
 
 def missing() -> str | None:
@@ -114,7 +122,8 @@ def _sshd() -> None:
     config.write_text(
         "ListenAddress 127.0.0.1\nPort 22\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
         "KbdInteractiveAuthentication no\nUsePAM no\nPidFile /run/sshd-art-sky-slurm.pid\n"
-        "Subsystem sftp /usr/lib/openssh/sftp-server\n")
+        "Subsystem sftp /usr/lib/openssh/sftp-server\n"
+    )
     _run("/usr/sbin/sshd", "-f", str(config))
     _wait("sshd on 127.0.0.1:22", lambda: _listening(22))
 
@@ -185,16 +194,22 @@ def _network() -> None:
         _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", ns, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _run("ip", "link", "set", ns, "master", BRIDGE, "up")
-        for command in (["addr", "add", f"{addr}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
-                        ["link", "set", "lo", "up"], ["route", "add", "default", "via", BRIDGE_ADDR]):
+        for command in (
+            ["addr", "add", f"{addr}/24", "dev", "eth0"],
+            ["link", "set", "eth0", "up"],
+            ["link", "set", "lo", "up"],
+            ["route", "add", "default", "via", BRIDGE_ADDR],
+        ):
             _run("ip", "netns", "exec", ns, "ip", *command)
 
 
 def _slurm_conf(pair: bool) -> str:
     cpus = os.cpu_count() or 1
     memory_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.8)
-    pair_lines = [f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
-                  for node, addr in PAIR.items()]
+    pair_lines = [
+        f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
+        for node, addr in PAIR.items()
+    ]
     pair_lines.append(f"PartitionName=pair Nodes={','.join(PAIR)} MaxTime=INFINITE State=UP")
     pair_nodes = "\n".join(pair_lines) if pair else ""
     return f"""ClusterName=artsky
@@ -247,8 +262,10 @@ def _slurm(pair: bool) -> None:
         # New nodes or a new controller address need the daemons restarted, not reconfigured.
         for name in ("slurmctld", "slurmd"):
             _run("pkill", "-x", name, check=False)
-        _wait("the old Slurm daemons to stop",
-              lambda: _run("pgrep", "-x", "slurmctld|slurmd", check=False).returncode != 0)
+        _wait(
+            "the old Slurm daemons to stop",
+            lambda: _run("pgrep", "-x", "slurmctld|slurmd", check=False).returncode != 0,
+        )
         conf.parent.mkdir(parents=True, exist_ok=True)
         conf.write_text(wanted)
     (STATE / "slurmctld").mkdir(exist_ok=True)
@@ -263,21 +280,31 @@ def _slurm(pair: bool) -> None:
                 continue
             # Its own network namespace (nsenter, not `ip netns exec`, which remounts /sys and leaves slurmd no
             # cgroup filesystem) and its own hostname: SkyPilot finds a node's IP by resolving its hostname.
-            _run("nsenter", f"--net=/run/netns/artsky-{node}", "unshare", "--uts", "sh", "-c",
-                 f"hostname {node} && exec /usr/sbin/slurmd -N {node}")
+            _run(
+                "nsenter",
+                f"--net=/run/netns/artsky-{node}",
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                f"hostname {node} && exec /usr/sbin/slurmd -N {node}",
+            )
     for node in nodes:
-        _wait(f"the Slurm node {node}", lambda: _node_state(node) not in ("", "unknown", "unknown*"))
+        _wait(f"the Slurm node {node}", lambda node=node: _node_state(node) not in ("", "unknown", "unknown*"))
         if any(s in _node_state(node) for s in ("down", "drain")):
             _run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
-        _wait(f"the Slurm node {node} idle or allocated",
-              lambda: _node_state(node).rstrip("*") in ("idle", "mixed", "allocated"))
+        _wait(
+            f"the Slurm node {node} idle or allocated",
+            lambda node=node: _node_state(node).rstrip("*") in ("idle", "mixed", "allocated"),
+        )
 
 
 def _sky_config() -> None:
     slurm = Path.home() / ".slurm"
     slurm.mkdir(exist_ok=True)
     (slurm / "config").write_text(
-        f"Host {ALIAS}\n  HostName 127.0.0.1\n  Port 22\n  User root\n  IdentityFile {KEY}\n  IdentitiesOnly yes\n")
+        f"Host {ALIAS}\n  HostName 127.0.0.1\n  Port 22\n  User root\n  IdentityFile {KEY}\n  IdentitiesOnly yes\n"
+    )
     sky = Path.home() / ".sky"
     sky.mkdir(exist_ok=True)
     config = sky / "config.yaml"
@@ -309,8 +336,10 @@ def enable_sky() -> None:
     try:
         asyncio.run(provisioner.check_infra({"resources": {"infra": INFRA}}))
     except ConfigError as exc:
-        raise RuntimeError(f"`sky check slurm` did not enable the local Slurm ({exc}): see ~/.slurm/config\n"
-                           f"{result.stdout[-2000:]}{result.stderr[-2000:]}") from None
+        raise RuntimeError(
+            f"`sky check slurm` did not enable the local Slurm ({exc}): see ~/.slurm/config\n"
+            f"{result.stdout[-2000:]}{result.stderr[-2000:]}"
+        ) from None
 
 
 def down_clusters(prefix: str) -> None:
@@ -338,6 +367,7 @@ def set_partition(partition: str, state: str) -> None:
 
 def wait_jobs_gone(ids: list[str], timeout: float = 60) -> None:
     """Until Slurm lists none of these jobs (a cancelled job's processes are reaped, KillWait at most)."""
+
     def gone() -> bool:
         listed = _run("squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.split()
         return not set(ids) & set(listed)

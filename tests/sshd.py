@@ -72,8 +72,9 @@ LogLevel ERROR
     def start(self) -> None:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config)], stdout=subprocess.DEVNULL,
-                                            stderr=log)
+            self.process = subprocess.Popen(
+                [SSHD, "-D", "-e", "-f", str(self.config)], stdout=subprocess.DEVNULL, stderr=log
+            )
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -22,8 +22,9 @@ REWARDS = (0.0, 1.0, 3.0)  # no trajectory of a group sits at the mean: every on
 @pytest.fixture(scope="module")
 async def model(tmp_path_factory):
     backend = art.LocalBackend(path=tmp_path_factory.mktemp("art"))
-    model = art.TrainableModel(name="clients", project="any", base_model="art-sky/tiny",
-                               config=art.ModelConfig(max_seq_length=1024))
+    model = art.TrainableModel(
+        name="clients", project="any", base_model="art-sky/tiny", config=art.ModelConfig(max_seq_length=1024)
+    )
     await model.register(backend)
     yield model
     await backend.close()
@@ -31,7 +32,8 @@ async def model(tmp_path_factory):
 
 async def train(model, rollout) -> dict[str, float]:
     groups = await art.gather_trajectory_groups(
-        (art.TrajectoryGroup(rollout(reward) for reward in REWARDS) for _ in range(2)), pbar_desc=None)
+        (art.TrajectoryGroup(rollout(reward) for reward in REWARDS) for _ in range(2)), pbar_desc=None
+    )
     metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
     assert metrics["num_trajectories_skipped"] == 0 and metrics["trained_tokens"] > 0
     assert metrics["trained_tokens"] == metrics["trained_tokens_exact"] + metrics["trained_tokens_rerendered"]
@@ -44,8 +46,9 @@ async def test_plain_openai_sdk(model):
     async def rollout(reward: float, keep: str, **request) -> art.Trajectory:
         messages, items = list(QUESTION), list(QUESTION)
         for turn in range(2):
-            completion = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=4,
-                                                              **request)
+            completion = await client.chat.completions.create(
+                model=model.name, messages=messages, max_tokens=4, **request
+            )
             choice = completion.choices[0]
             messages += [choice.message, {"role": "user", "content": f"Sure ({turn})?"}]  # OpenAI's docs' pattern
             items += [choice if keep == "choice" else choice.message, messages[-1]]
@@ -63,12 +66,14 @@ async def test_plain_openai_sdk(model):
         assert rerendered["trained_tokens_exact"] == 0
 
     # what the endpoint returns: vLLM's fields, the prompt on every choice too, token strings left as text
-    completion = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=3,
-                                                      logprobs=True, n=2)
+    completion = await client.chat.completions.create(
+        model=model.name, messages=QUESTION, max_tokens=3, logprobs=True, n=2
+    )
     assert all(c.token_ids and c.prompt_token_ids == completion.prompt_token_ids for c in completion.choices)
     assert not any(t.token.startswith("token_id:") for c in completion.choices for t in c.logprobs.content)
-    refused = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=3,
-                                                   extra_body={"return_token_ids": False})
+    refused = await client.chat.completions.create(
+        model=model.name, messages=QUESTION, max_tokens=3, extra_body={"return_token_ids": False}
+    )
     assert "token_ids" not in (refused.choices[0].model_extra or {}) and "prompt_token_ids" not in refused.model_extra
 
 
@@ -79,8 +84,12 @@ async def test_litellm(model):
         messages, items = list(QUESTION), list(QUESTION)
         for turn in range(2):
             response = await litellm.acompletion(
-                model=f"openai/{model.name}", api_base=model.inference_base_url, api_key=model.inference_api_key,
-                messages=messages, max_tokens=4)
+                model=f"openai/{model.name}",
+                api_base=model.inference_base_url,
+                api_key=model.inference_api_key,
+                messages=messages,
+                max_tokens=4,
+            )
             message = response.choices[0].message
             messages += [message, {"role": "user", "content": f"Sure ({turn})?"}]
             items += [response if turn else response.choices[0], messages[-1]]  # a ModelResponse or its Choices
@@ -95,8 +104,13 @@ async def test_langchain(model):
     from langchain_openai import ChatOpenAI
 
     def chat(**options) -> ChatOpenAI:
-        return ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
-                          max_tokens=4, **options)
+        return ChatOpenAI(
+            model=model.name,
+            base_url=model.inference_base_url,
+            api_key=model.inference_api_key,
+            max_tokens=4,
+            **options,
+        )
 
     async def rollout(reward: float, llm: ChatOpenAI) -> art.Trajectory:
         messages = [SystemMessage("Answer briefly."), HumanMessage("What is 2 + 2?")]
@@ -121,10 +135,24 @@ async def test_a_langchain_turn_sampled_with_tools_does_not_train_without_them(m
     from langchain_core.messages import HumanMessage
     from langchain_openai import ChatOpenAI
 
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "look a word up", "parameters": {
-        "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
-    llm = ChatOpenAI(model=model.name, base_url=model.inference_base_url, api_key=model.inference_api_key,
-                     max_tokens=4, logprobs=True, extra_body={"return_tokens_as_token_ids": True}).bind_tools(tools)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "look a word up",
+                "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+            },
+        }
+    ]
+    llm = ChatOpenAI(
+        model=model.name,
+        base_url=model.inference_base_url,
+        api_key=model.inference_api_key,
+        max_tokens=4,
+        logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True},
+    ).bind_tools(tools)
 
     async def rollout(reward: float, with_tools: bool) -> art.Trajectory:
         messages = [HumanMessage("What is 2 + 2?")]
@@ -132,12 +160,16 @@ async def test_a_langchain_turn_sampled_with_tools_does_not_train_without_them(m
         return art.Trajectory(messages_and_choices=messages, reward=reward, tools=tools if with_tools else None)
 
     with caplog.at_level("WARNING"):
-        without = await model.train(await art.gather_trajectory_groups(
-            [art.TrajectoryGroup(rollout(reward, False) for reward in REWARDS)], pbar_desc=None),
-            config=art.TrainConfig(learning_rate=1e-3))
+        without = await model.train(
+            await art.gather_trajectory_groups(
+                [art.TrajectoryGroup(rollout(reward, False) for reward in REWARDS)], pbar_desc=None
+            ),
+            config=art.TrainConfig(learning_rate=1e-3),
+        )
     assert without["num_trajectories_skipped"] == len(REWARDS) and without["trained_tokens"] == 0
-    assert "group 0, trajectory 0" in caplog.text and "a request with tools whose Trajectory has no tools=" in \
-        caplog.text
+    assert (
+        "group 0, trajectory 0" in caplog.text and "a request with tools whose Trajectory has no tools=" in caplog.text
+    )
     given = await train(model, lambda reward: rollout(reward, True))
     assert given["num_trajectories_skipped"] == 0 and given["trained_tokens_rerendered"] > 0
 
@@ -145,19 +177,31 @@ async def test_a_langchain_turn_sampled_with_tools_does_not_train_without_them(m
 async def test_dict_assistant_turns_train_when_allowed(model, caplog):
     """ART's allow_training_without_logprobs: assistant turns written as dicts train, rendered by the chat template;
     without it they are context and a trajectory with nothing else is skipped, saying why."""
+
     def groups() -> list[art.TrajectoryGroup]:
-        return [art.TrajectoryGroup(art.Trajectory(
-            messages_and_choices=[*QUESTION, {"role": "assistant", "content": f"{reward:.0f}"},
-                                  {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}],
-            reward=reward) for reward in REWARDS)]
+        return [
+            art.TrajectoryGroup(
+                art.Trajectory(
+                    messages_and_choices=[
+                        *QUESTION,
+                        {"role": "assistant", "content": f"{reward:.0f}"},
+                        {"role": "user", "content": "Sure?"},
+                        {"role": "assistant", "content": "Yes."},
+                    ],
+                    reward=reward,
+                )
+                for reward in REWARDS
+            )
+        ]
 
     allowed = art.TrainConfig(learning_rate=1e-3, allow_training_without_logprobs=True)
     metrics = await model.train(groups(), config=allowed)
     assert metrics["num_trajectories_skipped"] == 0
     assert metrics["trained_tokens"] == metrics["trained_tokens_rerendered"] > 0
     with caplog.at_level("WARNING"):
-        skipped = await model.train(groups() + [art.TrajectoryGroup(await train_group(model))],
-                                    config=art.TrainConfig(learning_rate=1e-3))
+        skipped = await model.train(
+            groups() + [art.TrajectoryGroup(await train_group(model))], config=art.TrainConfig(learning_rate=1e-3)
+        )
     assert skipped["num_trajectories_skipped"] == len(REWARDS)
     assert "allow_training_without_logprobs=True" in caplog.text
 
@@ -183,8 +227,12 @@ async def test_ruler_with_the_clusters_own_endpoint_as_judge(model):
     asks for as many tokens as the longest such reply takes, so even the untrained tiny model returns a scored group
     whatever it samples, which trains. A reply cut by a smaller max_tokens says so; an unreachable judge is an error
     naming it and its URL; the rollouts are kept."""
-    judge = art.TrainableModel(name="judge", project="any", base_model="art-sky/tiny",  # room for the longest reply
-                               config=art.ModelConfig(max_seq_length=1024 + art.rewards.reply_bound(2)))
+    judge = art.TrainableModel(
+        name="judge",
+        project="any",
+        base_model="art-sky/tiny",  # room for the longest reply
+        config=art.ModelConfig(max_seq_length=1024 + art.rewards.reply_bound(2)),
+    )
     await judge.register(model._backend)
     client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
 
@@ -200,8 +248,11 @@ async def test_ruler_with_the_clusters_own_endpoint_as_judge(model):
     metrics = await model.train([scored], config=art.TrainConfig(learning_rate=1e-3))
     assert metrics["num_trajectories_skipped"] == 0
 
-    with pytest.raises(art.rewards.JudgeError, match=r"cut off before its scores' JSON ended: by max_tokens=8; a "
-                       rf"reply for 2 trajectories takes at most {art.rewards.reply_bound(2)} tokens"):
+    with pytest.raises(
+        art.rewards.JudgeError,
+        match=r"cut off before its scores' JSON ended: by max_tokens=8; a "
+        rf"reply for 2 trajectories takes at most {art.rewards.reply_bound(2)} tokens",
+    ):
         await art.rewards.ruler_score_group(group, judge, {"max_tokens": 8})
 
     params = {"api_base": "http://127.0.0.1:9/v1", "api_key": "none", "num_retries": 0}

@@ -33,28 +33,56 @@ from art_sky.wire import ModelConfig
 
 # -- backend.train's keywords ----------------------------------------------------------------------------------
 def test_keywords_that_cannot_change_training_are_accepted_at_any_valid_value():
-    config, options = train_options(None, {"optimizer_save_interval": 3, "final_training_step": 7,
-                                           "logprob_calculation_chunk_size": 512, "packed_sequence_length": 2048,
-                                           "kl_penalty_reference_step": 0, "save_checkpoint": False})
+    config, options = train_options(
+        None,
+        {
+            "optimizer_save_interval": 3,
+            "final_training_step": 7,
+            "logprob_calculation_chunk_size": 512,
+            "packed_sequence_length": 2048,
+            "kl_penalty_reference_step": 0,
+            "save_checkpoint": False,
+        },
+    )
     assert config == train_options(None, {})[0] and options.save_checkpoint is False
 
 
 def test_keywords_map_onto_the_trainer_with_arts_meaning():
-    config, _ = train_options(None, {"importance_sampling_level": "geometric_average", "kl_penalty_coef": 0.2,
-                                     "kl_penalty_source": "sample", "precalculate_logprobs": True,
-                                     "truncated_importance_sampling": 2.0})
-    assert (config.importance_sampling_level, config.kl_penalty_source, config.old_logprobs,
-            config.truncated_importance_sampling) == ("geometric_average", "sample", "trainer", 2.0)
+    config, _ = train_options(
+        None,
+        {
+            "importance_sampling_level": "geometric_average",
+            "kl_penalty_coef": 0.2,
+            "kl_penalty_source": "sample",
+            "precalculate_logprobs": True,
+            "truncated_importance_sampling": 2.0,
+        },
+    )
+    assert (
+        config.importance_sampling_level,
+        config.kl_penalty_source,
+        config.old_logprobs,
+        config.truncated_importance_sampling,
+    ) == ("geometric_average", "sample", "trainer", 2.0)
     assert train_options(None, {"grad_accumulation_sequences": 4})[0].grad_accumulation_sequences == 4
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"adam_params": {"beta1": 0.8}}, r"adam_params=\{'beta1': 0.8\}.*ART 0\.5\.18 added adam_params: leave it at None"),
-    ({"kl_penalty_reference_step": 3}, "kl_penalty_reference_step=3"),
-    ({"optimizer_save_interval": 0}, r"optimizer_save_interval=0\): a positive integer"),
-    ({"loss_fn": "dro"}, r"loss_fn='dro'\): Input should be 'ppo' or 'cispo'"),
-    ({"grad_accumulation_sequences": 2, "truncated_importance_sampling": 2.0}, "grad_accumulation_sequences cannot"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"adam_params": {"beta1": 0.8}},
+            r"adam_params=\{'beta1': 0.8\}.*ART 0\.5\.18 added adam_params: leave it at None",
+        ),
+        ({"kl_penalty_reference_step": 3}, "kl_penalty_reference_step=3"),
+        ({"optimizer_save_interval": 0}, r"optimizer_save_interval=0\): a positive integer"),
+        ({"loss_fn": "dro"}, r"loss_fn='dro'\): Input should be 'ppo' or 'cispo'"),
+        (
+            {"grad_accumulation_sequences": 2, "truncated_importance_sampling": 2.0},
+            "grad_accumulation_sequences cannot",
+        ),
+    ],
+)
 def test_values_art_sky_cannot_honour_are_refused_by_name(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         train_options(None, kwargs)
@@ -83,15 +111,29 @@ class _ArtModel:
 
 
 def test_lora_config_sets_the_lora():
-    config = model_config(_ArtModel(lora_config={"rank": 4, "alpha": 8, "dropout": 0.1, "bias": "none",
-                                                 "max_seq_length": 1024, "use_gradient_checkpointing": "unsloth"}))
+    config = model_config(
+        _ArtModel(
+            lora_config={
+                "rank": 4,
+                "alpha": 8,
+                "dropout": 0.1,
+                "bias": "none",
+                "max_seq_length": 1024,
+                "use_gradient_checkpointing": "unsloth",
+            }
+        )
+    )
     assert config == ModelConfig(lora_rank=4, lora_alpha=8, lora_dropout=0.1, max_seq_length=1024)
     with pytest.raises(ConfigError, match=r"lora_config\['use_rslora'\]=True is not supported.*leave it at False"):
         model_config(_ArtModel(lora_config={"use_rslora": True}))
     with pytest.raises(ConfigError, match=r"_internal_config\['rollout_weight_update_mode'\]='in_flight_lora'"):
         model_config(_ArtModel(internal={"rollout_weight_update_mode": "in_flight_lora"}))
-    assert model_config(art.TrainableModel(name="m", project="p", base_model="art-sky/tiny",
-                                           lora_config=art.dev.LoRAConfig(rank=2))).lora_rank == 2
+    assert (
+        model_config(
+            art.TrainableModel(name="m", project="p", base_model="art-sky/tiny", lora_config=art.dev.LoRAConfig(rank=2))
+        ).lora_rank
+        == 2
+    )
 
 
 def test_the_chat_template_arguments_are_what_the_models_client_sends():
@@ -102,8 +144,11 @@ def test_the_chat_template_arguments_are_what_the_models_client_sends():
 
 def test_sft_takes_the_config_art_sends():
     config = types.SimpleNamespace(batch_size="auto", learning_rate=[1e-4, 1e-5], assistant_turns="last")
-    assert sft_settings(config, {"metric_logging": {"enabled": True, "target_training_step": 3}}) == \
-        (2, [1e-4, 1e-5], "last")
+    assert sft_settings(config, {"metric_logging": {"enabled": True, "target_training_step": 3}}) == (
+        2,
+        [1e-4, 1e-5],
+        "last",
+    )
     with pytest.raises(ConfigError, match=r"\['precision'\]"):
         sft_settings(config, {"precision": "fp8"})
 
@@ -118,8 +163,10 @@ def test_a_release_outside_the_range_is_a_warning_and_a_protocol_art_sky_lacks_a
     monkeypatch.setattr(releases, "_protocol_methods", lambda: {"register", "exact_adapter_lease", "train"})
     with caplog.at_level(logging.WARNING, "art_sky"):
         releases.check(backend, model)
-    assert f"openpipe-art 0.6.0 is outside the range art-sky is tested with ({releases.OLDEST} to " \
-           f"{releases.NEWEST})" in caplog.text
+    assert (
+        f"openpipe-art 0.6.0 is outside the range art-sky is tested with ({releases.OLDEST} to "
+        f"{releases.NEWEST})" in caplog.text
+    )
     monkeypatch.setattr(releases, "_protocol_methods", lambda: {"register", "stream_rollouts"})
     with pytest.raises(ConfigError, match=r"asks for stream_rollouts.*supports ART 0\.5\.18 to 0\.5\.23"):
         releases.check(backend, model)
@@ -127,45 +174,79 @@ def test_a_release_outside_the_range_is_a_warning_and_a_protocol_art_sky_lacks_a
 
 # -- capture-style trajectories (ART's Trajectory.exchanges) -----------------------------------------------------
 def _completion(text, prompt, sampled, model="m@1"):
-    return ChatCompletion.model_validate({
-        "id": "c", "object": "chat.completion", "created": 0, "model": model, "prompt_token_ids": prompt,
-        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text},
-                     "token_ids": sampled}]})
+    return ChatCompletion.model_validate(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "prompt_token_ids": prompt,
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": text},
+                    "token_ids": sampled,
+                }
+            ],
+        }
+    )
 
 
 def _captured(*calls, **kinds):
-    exchanges = types.SimpleNamespace(**({"completions": [], "responses": [], "messages": []} | kinds),
-                                      chat_completions=[types.SimpleNamespace(request=request, response=response)
-                                                        for request, response in calls])
-    return types.SimpleNamespace(exchanges=exchanges, reward=0.5, metrics={"m": 1.0}, metadata={}, logs=[],
-                                 initial_policy_version=1, final_policy_version=1)
+    exchanges = types.SimpleNamespace(
+        **({"completions": [], "responses": [], "messages": []} | kinds),
+        chat_completions=[types.SimpleNamespace(request=request, response=response) for request, response in calls],
+    )
+    return types.SimpleNamespace(
+        exchanges=exchanges,
+        reward=0.5,
+        metrics={"m": 1.0},
+        metadata={},
+        logs=[],
+        initial_policy_version=1,
+        final_policy_version=1,
+    )
 
 
 def test_captured_exchanges_become_conversations_their_turns_in_order():
     user = {"role": "user", "content": "a"}
     first = _completion("x", [1, 2], [3])
-    second_request = {"messages": [user, {"role": "assistant", "content": "x", "refusal": None},
-                                   {"role": "user", "content": "b"}],
-                      "chat_template_kwargs": {"preserve_thinking": True}}
+    second_request = {
+        "messages": [user, {"role": "assistant", "content": "x", "refusal": None}, {"role": "user", "content": "b"}],
+        "chat_template_kwargs": {"preserve_thinking": True},
+    }
     aside = {"messages": [{"role": "user", "content": "summarise"}], "tools": [{"type": "function"}]}
-    converted = legacy(_captured(({"messages": [user]}, first), (second_request, _completion("y", [1, 2, 3, 4], [5])),
-                                 (aside, _completion("z", [9], [8]))))
+    converted = legacy(
+        _captured(
+            ({"messages": [user]}, first),
+            (second_request, _completion("y", [1, 2, 3, 4], [5])),
+            (aside, _completion("z", [9], [8])),
+        )
+    )
     items = converted.messages_and_choices
-    assert [getattr(i, "message", i).get("content") if isinstance(i, dict) else i.message.content
-            for i in items] == ["a", "x", "b", "y"]  # one conversation: the second request continues the first
+    assert [getattr(i, "message", i).get("content") if isinstance(i, dict) else i.message.content for i in items] == [
+        "a",
+        "x",
+        "b",
+        "y",
+    ]  # one conversation: the second request continues the first
     assert items[3].model_extra["prompt_token_ids"] == [1, 2, 3, 4]
     assert [h.messages_and_choices[-1].message.content for h in converted.additional_histories] == ["z"]
     assert converted.additional_histories[0].tools == [{"type": "function"}]
     assert (converted.reward, converted.metrics, converted.initial_policy_version) == (0.5, {"m": 1.0}, 1)
-    with pytest.raises(ConfigError, match="captured /v1/responses exchanges: art-sky serves and trains chat completions"):
+    with pytest.raises(
+        ConfigError, match="captured /v1/responses exchanges: art-sky serves and trains chat completions"
+    ):
         legacy(_captured(responses=[object()]))
 
 
 # -- art-sky's gather_trajectory_groups(after_each=...), as ART's ------------------------------------------------
 async def test_after_each_replaces_drops_and_splits_groups_as_arts_does():
     def group(*rewards):
-        return art.TrajectoryGroup(art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}],
-                                                  reward=r) for r in rewards)
+        return art.TrajectoryGroup(
+            art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}], reward=r) for r in rewards
+        )
 
     async def rescore(g):
         if not g.trajectories:  # every rollout failed
@@ -180,8 +261,11 @@ async def test_after_each_replaces_drops_and_splits_groups_as_arts_does():
         raise ValueError("boom")
 
     kept = await art.gather_trajectory_groups(
-        [group(1, 1.5), group(0, 0), group(2, 2), art.TrajectoryGroup([fails()])], after_each=rescore,
-        pbar_desc=None, max_exceptions=1)
+        [group(1, 1.5), group(0, 0), group(2, 2), art.TrajectoryGroup([fails()])],
+        after_each=rescore,
+        pbar_desc=None,
+        max_exceptions=1,
+    )
     assert [[t.reward for t in g.trajectories] for g in kept] == [[10, 15], [5, 6], [7, 8], []]
     with pytest.raises(TypeError, match="after_each returned int"):
         await art.gather_trajectory_groups([group(1, 2)], after_each=lambda g: 3, pbar_desc=None)
@@ -194,8 +278,12 @@ async def _server(art_path, *register):
     from art_sky.cluster.server import create_app
 
     app = create_app(art_path, API_KEY, Settings(max_new_tokens_limit=8))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
-                                 headers={"authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://server",
+        headers={"authorization": f"Bearer {API_KEY}"},
+        timeout=120,
+    ) as client:
         for body in register:
             response = await client.post("/art/models", json=body)
             assert response.status_code == 200, response.text
@@ -204,12 +292,19 @@ async def _server(art_path, *register):
 
 async def _groups(client, name, count=2):
     async def turn(rank):
-        response = await client.post("/v1/chat/completions", json={
-            "model": name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "seed": rank})
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"model": name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "seed": rank},
+        )
         choice = response.json()["choices"][0]
-        return {"items": [{"role": "user", "content": "x"}, {"kind": "choice", "token_ids": choice["token_ids"],
-                                                             "prompt_token_ids": choice["prompt_token_ids"]}],
-                "reward": float(rank)}
+        return {
+            "items": [
+                {"role": "user", "content": "x"},
+                {"kind": "choice", "token_ids": choice["token_ids"], "prompt_token_ids": choice["prompt_token_ids"]},
+            ],
+            "reward": float(rank),
+        }
+
     return [{"trajectories": [await turn(r) for r in range(2)]} for _ in range(count)]
 
 
@@ -224,8 +319,10 @@ async def test_a_lease_keeps_its_step_served_and_undeleted_until_released(tmp_pa
         lease = (await client.post("/art/models/tiny/leases", json={"step": 1})).json()
         deleted = await client.post("/art/models/tiny/checkpoints/delete", json={"keep_steps": []})
         assert [c["step"] for c in deleted.json()] == [1, 2]  # the leased step and the current one
-        served = await client.post("/v1/chat/completions", json={
-            "model": "tiny@1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+        served = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny@1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+        )
         assert served.json()["model"] == "tiny@1"
         assert (await client.delete(f"/art/models/tiny/leases/{lease['id']}")).json() == {"released": True}
         assert (await client.delete(f"/art/models/tiny/leases/{lease['id']}")).json() == {"released": False}
@@ -240,11 +337,14 @@ async def test_a_step_without_a_checkpoint_is_served_and_a_restart_resumes_from_
     async with _server(tmp_path, TINY) as client:
         status, lines = await train_lines(client, "tiny", {"groups": await _groups(client, "tiny")})
         assert lines[-1]["checkpoint_path"] == str(checkpoints.step_dir(1))
-        status, lines = await train_lines(client, "tiny", {"groups": await _groups(client, "tiny"),
-                                                           "save_checkpoint": False})
+        status, lines = await train_lines(
+            client, "tiny", {"groups": await _groups(client, "tiny"), "save_checkpoint": False}
+        )
         assert status == 200 and lines[-1]["step"] == 2 and "checkpoint_path" not in lines[-1]
-        served = await client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+        served = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+        )
         assert served.json()["model"] == "tiny@2"
         assert not (checkpoints.step_dir(2) / OPTIMIZER_STATE).exists()
         assert (checkpoints.step_dir(1) / OPTIMIZER_STATE).exists()
@@ -277,8 +377,9 @@ async def test_a_new_run_name_is_a_new_lineage_at_step_zero(tmp_path):
 
 async def test_gradient_accumulation_makes_one_optimizer_step_per_that_many_sequences(tmp_path):
     async with _server(tmp_path, TINY) as client:
-        status, lines = await train_lines(client, "tiny", {"groups": await _groups(client, "tiny", 3),
-                                                           "config": {"grad_accumulation_sequences": 4}})
+        status, lines = await train_lines(
+            client, "tiny", {"groups": await _groups(client, "tiny", 3), "config": {"grad_accumulation_sequences": 4}}
+        )
         assert status == 200, lines
         metrics = lines[-1]["metrics"]
         assert (metrics["sequences"], metrics["num_gradient_steps"]) == (6.0, 2.0)
@@ -289,18 +390,21 @@ async def test_sft_trains_each_turn_of_a_template_that_rewrites_history(tmp_path
     in the context the template renders before it, as its own sequence; `assistant_turns="last"` trains only the
     final one."""
     model = TINY | {"name": "think", "base_model": str(template_model(tmp_path / "models", "think"))}
-    conversation = [{"role": "user", "content": "2 + 2?"},
-                    {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
-                    {"role": "user", "content": "3 + 3?"},
-                    {"role": "assistant", "content": "6", "reasoning_content": "three and three"}]
+    conversation = [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
+        {"role": "user", "content": "3 + 3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "three and three"},
+    ]
     body = {"trajectories": [{"items": conversation, "reward": 0.0}], "learning_rates": [1e-3]}
     async with _server(tmp_path / "art", model) as client:
         every = (await client.post("/art/models/think/sft", json=body)).text.splitlines()
         result = json.loads(every[-1])
         assert result["type"] == "result", result
         assert result["batches"][0]["sequences"] == 2.0  # the rewritten history: one sequence per turn
-        last = json.loads((await client.post("/art/models/think/sft", json=body | {"assistant_turns": "last"}))
-                          .text.splitlines()[-1])
+        last = json.loads(
+            (await client.post("/art/models/think/sft", json=body | {"assistant_turns": "last"})).text.splitlines()[-1]
+        )
         assert last["batches"][0]["sequences"] == 1.0
         assert last["batches"][0]["trained_tokens"] < result["batches"][0]["trained_tokens"]
         assert math.isfinite(last["batches"][0]["loss"])

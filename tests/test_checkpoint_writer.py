@@ -74,7 +74,8 @@ def test_kill_9_during_a_background_write_leaves_whole_steps_only(tmp_path):
     """A server killed while a step's files are being written: its directory was never renamed into place, so the
     disk lists step 0 alone, whole, and the next start removes what the write left."""
     script = tmp_path / "writer.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, time
         from pathlib import Path
         from art_sky.checkpoints import CheckpointDir, StepRecord
@@ -98,7 +99,8 @@ def test_kill_9_during_a_background_write_leaves_whole_steps_only(tmp_path):
         writer.commit(StepRecord(step=1, kind="train"), Staged(True))
         os.write(1, b"committed\\n")
         time.sleep(60)
-    """))
+    """)
+    )
     child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = [child.stdout.readline().strip(), child.stdout.readline().strip()]
@@ -111,8 +113,9 @@ def test_kill_9_during_a_background_write_leaves_whole_steps_only(tmp_path):
     assert checkpoints.steps() == [0]
     verify(checkpoints.step_dir(0), checkpoints.manifest(0))
     assert not checkpoints.step_dir(1).exists()
-    assert [p.name for p in checkpoints.remove_stale_temps()] and \
-        sorted(p.name for p in checkpoints.path.iterdir()) == ["0000"]
+    assert [p.name for p in checkpoints.remove_stale_temps()] and sorted(
+        p.name for p in checkpoints.path.iterdir()
+    ) == ["0000"]
 
 
 def test_a_staged_step_is_what_peft_and_the_optimizer_save(tmp_path):
@@ -131,8 +134,10 @@ def test_a_staged_step_is_what_peft_and_the_optimizer_save(tmp_path):
         for param in weights.trainable(model):
             param.add_(1.0)
     staged.write(tmp_path / "staged")
-    ours, peft = load_file(tmp_path / "staged" / "adapter_model.safetensors"), load_file(
-        tmp_path / "peft" / "adapter_model.safetensors")
+    ours, peft = (
+        load_file(tmp_path / "staged" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
     assert ours.keys() == peft.keys() and all(torch.equal(ours[k], peft[k]) for k in ours)
     configs = [json.loads((tmp_path / where / "adapter_config.json").read_text()) for where in ("staged", "peft")]
     for config in configs:  # a set in PEFT: its order is the set's

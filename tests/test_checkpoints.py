@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from art_sky.checkpoints import (CheckpointDir, CorruptCheckpointError, StepRecord, history_entry, steps_to_keep,
-                                 verify)
+from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, StepRecord, history_entry, steps_to_keep, verify
 from art_sky.layout import STEP_RECORD
 
 
@@ -14,6 +13,7 @@ def write_adapter(payload: bytes):
     def write(directory):
         (directory / "adapter_model.safetensors").write_bytes(payload)
         (directory / "adapter_config.json").write_text('{"r": 8}')
+
     return write
 
 
@@ -53,8 +53,12 @@ def test_flipped_byte_is_caught(tmp_path):
 
 
 def test_retention_keeps_newest_and_best():
-    history = [history_entry(1, "val", {"reward": 0.9}), history_entry(2, "val", {"reward": 0.2}),
-               history_entry(3, "train", {"reward": 1.0}), {"step": 4, "val/reward": None}]
+    history = [
+        history_entry(1, "val", {"reward": 0.9}),
+        history_entry(2, "val", {"reward": 0.2}),
+        history_entry(3, "train", {"reward": 1.0}),
+        {"step": 4, "val/reward": None},
+    ]
     assert steps_to_keep([0, 1, 2, 3, 4], history, "val/reward", keep_last=1) == {4, 1}
     assert steps_to_keep([0, 1, 2, 3, 4], history, "val/reward", keep_last=2) == {3, 4, 1}
     assert steps_to_keep([0, 1, 2], [], "val/reward", keep_last=1) == {2}
@@ -72,18 +76,33 @@ def test_lines_written_twice_are_removed_and_the_first_of_each_kept(tmp_path):
         def write(directory, step=step):
             write_adapter(b"x")(directory)
             (directory / STEP_RECORD).parent.mkdir()
-            (directory / STEP_RECORD).write_text(StepRecord(step=step, kind="train", history=records[step])
-                                                 .model_dump_json())
+            (directory / STEP_RECORD).write_text(
+                StepRecord(step=step, kind="train", history=records[step]).model_dump_json()
+            )
+
         store.save(step, write, base_model="b")
 
-    published = {step: history_entry(step, "train", {"loss": 0.5 / step, "trained_tokens": 10.0 * step,
-                                                     "time/step_wall_s": 1.0})  # as the step committed: timed
-                 for step in (1, 2)}
+    published = {
+        step: history_entry(
+            step, "train", {"loss": 0.5 / step, "trained_tokens": 10.0 * step, "time/step_wall_s": 1.0}
+        )  # as the step committed: timed
+        for step in (1, 2)
+    }
 
     val = history_entry(1, "val", {"reward": 0.5})
     art_line = history_entry(2, "train", {"loss": 0.25, "trained_tokens": 20.0})  # ART's model.log(metrics=...)
-    lines = [published[1], records[1], val, published[2], records[2], records[1], art_line, records[2], val,
-             records[3]]  # step 3: killed before its timed line, then completed from the record
+    lines = [
+        published[1],
+        records[1],
+        val,
+        published[2],
+        records[2],
+        records[1],
+        art_line,
+        records[2],
+        val,
+        records[3],
+    ]  # step 3: killed before its timed line, then completed from the record
     (store.model_dir / "history.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + "{half\n")
     assert store.remove_duplicate_history() == 5
     kept = (store.model_dir / "history.jsonl").read_text().splitlines()

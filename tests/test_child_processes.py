@@ -23,8 +23,12 @@ time.sleep(60)
 
 def group_alive(pgid: int) -> bool:
     """A process of the group runs (a zombie does not count: here nothing may reap an orphan's)."""
-    return any(ps.split()[1] == str(pgid) and not ps.split()[0].startswith("Z") for ps in subprocess.run(
-        ["ps", "-eo", "stat=,pgid="], capture_output=True, text=True, check=True).stdout.splitlines())
+    return any(
+        ps.split()[1] == str(pgid) and not ps.split()[0].startswith("Z")
+        for ps in subprocess.run(
+            ["ps", "-eo", "stat=,pgid="], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    )
 
 
 def start(code: str) -> subprocess.Popen:
@@ -41,16 +45,19 @@ def test_a_group_deaf_to_sigterm_is_killed_whole_after_the_grace():
 
 
 def test_a_child_asked_to_stop_ends_on_its_own_and_is_not_signalled():
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], start_new_session=True,
-                             stdin=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], start_new_session=True, stdin=subprocess.PIPE
+    )
     child.stdin.close()  # what "stop" is to this child
     stop_group(child, asked=True, grace=30)
     assert child.returncode == 0 and not group_alive(child.pid)
 
 
 def test_what_is_left_of_a_group_whose_leader_ended_is_stopped_and_a_gone_group_is_no_error():
-    leader = start("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; print(flush=True); "
-                   "time.sleep(60)'], stdout=sys.stdout)")
+    leader = start(
+        "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; print(flush=True); "
+        "time.sleep(60)'], stdout=sys.stdout)"
+    )
     leader.stdout.readline()
     leader.wait()
     assert group_alive(leader.pid)  # its child lives on in the group

@@ -37,9 +37,14 @@ class Job:
     """One `art-sky ci run` subprocess; its output lines with the time each arrived, read in a thread."""
 
     def __init__(self, args: list[str], workdir: Path, env: dict[str, str] | None = None):
-        self.process = subprocess.Popen(python_command("-m", "art_sky.cli", "ci", "run", *args),
-                                        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=os.environ | (env or {}) | {"PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            python_command("-m", "art_sky.cli", "ci", "run", *args),
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=os.environ | (env or {}) | {"PYTHONUNBUFFERED": "1"},
+        )
         self.lines: list[tuple[float, str]] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -60,7 +65,8 @@ class Job:
                     return at
             try:
                 if self._queue.get(timeout=max(0.1, deadline - time.monotonic())) is None and not any(
-                        text in line for _, line in self.lines):
+                    text in line for _, line in self.lines
+                ):
                     pytest.fail(f"the job ended without printing {text!r}:\n{self.text}")
             except queue.Empty:
                 pytest.fail(f"no {text!r} within {timeout}s:\n{self.text}")
@@ -134,13 +140,22 @@ def test_the_ci_template_marks_start_and_exit_as_the_runner_reads_them():
 
     text = (TEMPLATES / "ci-job.yaml").read_text()
     assert START_MARKER in text and EXIT_MARKER.strip() in text
-    spec = CIJobSpec(command="pytest -x", setup="pip install -e .", workdir=TEMPLATES, timeout_s=600,
-                     gpu=["H100", "A100-80GB"], spot=True, autodown_minutes=5, secrets={"HF_TOKEN": "hf-secret"})
+    spec = CIJobSpec(
+        command="pytest -x",
+        setup="pip install -e .",
+        workdir=TEMPLATES,
+        timeout_s=600,
+        gpu=["H100", "A100-80GB"],
+        spot=True,
+        autodown_minutes=5,
+        secrets={"HF_TOKEN": "hf-secret"},
+    )
     config = validate_task(render_ci_task(spec))
     task = provisioner.validate(config)  # what SkyPilot made of it
     assert [list(r["accelerators"]) for r in task["resources"]] == [["H100"], ["A100-80GB"]]
-    assert all(r["use_spot"] and r["autostop"] == {"enabled": True, "idle_minutes": 5, "down": True}
-               for r in task["resources"])
+    assert all(
+        r["use_spot"] and r["autostop"] == {"enabled": True, "idle_minutes": 5, "down": True} for r in task["resources"]
+    )
     assert task["envs"]["ART_SKY_CI_COMMAND"] == "pytest -x" and task["envs"]["ART_SKY_CI_TIMEOUT"] == "600"
     assert config["workdir"] == str(TEMPLATES) and "hf-secret" not in str(task["envs"])
 
@@ -149,8 +164,9 @@ def test_gpu_none_runs_on_cpus(project):
     """`--gpu none` is no accelerator (as for `art-sky up`), not an accelerator named "none"."""
     from art_sky.provisioners.sky_task import render_ci_task
 
-    options = dict(spot=False, timeout_s=60, workdir=project, env={}, setup="", infra=None, cpus="2", memory=None,
-                   autodown=True)
+    options = dict(
+        spot=False, timeout_s=60, workdir=project, env={}, setup="", infra=None, cpus="2", memory=None, autodown=True
+    )
     for gpu in ("none", "None", None):
         spec = ci_spec("true", gpu=gpu, **options)
         assert spec.gpu is None
@@ -175,7 +191,7 @@ def test_the_github_workflow_is_valid_yaml_and_runs_art_sky_ci():
 # ---- an SSH host: the five teardown paths ----------------------------------------------------------------------
 
 
-def host_args(sshd) -> list[str]:  # noqa: F811
+def host_args(sshd) -> list[str]:
     return ["--host", f"{sshd.target().user}@127.0.0.1:{sshd.port}", "--key", str(sshd.client_key)]
 
 
@@ -187,12 +203,16 @@ def assert_host_clean(job: Job, token: str) -> None:
 
 
 @pytest.mark.parametrize("code", [0, 7])
-def test_host_exit_code_propagates_and_output_streams_while_it_runs(sshd, art_sky_home, project, code):  # noqa: F811
+def test_host_exit_code_propagates_and_output_streams_while_it_runs(sshd, art_sky_home, project, code):
     token = f"tok-{secrets.token_hex(4)}"
-    command = (f"echo first; sleep 4 # {token}\necho second; ls -A; test -n \"$CI_SECRET\" && echo secret-seen; "
-               f"exit {code}")
-    job = Job([*host_args(sshd), "--env-file", ".env", "--setup", "echo installing", "--", command], project,
-              {"ART_SKY_HOME": str(art_sky_home)})
+    command = (
+        f'echo first; sleep 4 # {token}\necho second; ls -A; test -n "$CI_SECRET" && echo secret-seen; exit {code}'
+    )
+    job = Job(
+        [*host_args(sshd), "--env-file", ".env", "--setup", "echo installing", "--", command],
+        project,
+        {"ART_SKY_HOME": str(art_sky_home)},
+    )
     try:
         job.wait_for("] first", timeout=60)
         assert job.process.poll() is None and "second" not in job.text  # streamed, not printed at the end
@@ -208,10 +228,13 @@ def test_host_exit_code_propagates_and_output_streams_while_it_runs(sshd, art_sk
     assert_host_clean(job, token)
 
 
-def test_host_timeout_kills_the_command_and_exits_124(sshd, art_sky_home, project):  # noqa: F811
+def test_host_timeout_kills_the_command_and_exits_124(sshd, art_sky_home, project):
     token = f"tok-{secrets.token_hex(4)}"
-    job = Job([*host_args(sshd), "--timeout", "8s", "--", f"echo go; sleep 300 # {token}"], project,
-              {"ART_SKY_HOME": str(art_sky_home)})
+    job = Job(
+        [*host_args(sshd), "--timeout", "8s", "--", f"echo go; sleep 300 # {token}"],
+        project,
+        {"ART_SKY_HOME": str(art_sky_home)},
+    )
     try:
         assert job.finish(timeout=60) == 124
     finally:
@@ -221,7 +244,7 @@ def test_host_timeout_kills_the_command_and_exits_124(sshd, art_sky_home, projec
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_host_ci_cancel_tears_down(sshd, art_sky_home, project, sig, code):  # noqa: F811
+def test_host_ci_cancel_tears_down(sshd, art_sky_home, project, sig, code):
     token = f"tok-{secrets.token_hex(4)}"
     job = Job([*host_args(sshd), "--", f"echo go; sleep 300 # {token}"], project, {"ART_SKY_HOME": str(art_sky_home)})
     try:
@@ -235,9 +258,10 @@ def test_host_ci_cancel_tears_down(sshd, art_sky_home, project, sig, code):  # n
     assert_host_clean(job, token)
 
 
-def test_host_keep_leaves_the_dir_and_says_how_to_clean_up(sshd, art_sky_home, project):  # noqa: F811
-    job = Job([*host_args(sshd), "--keep", "--", "echo kept > marker.txt"], project,
-              {"ART_SKY_HOME": str(art_sky_home)})
+def test_host_keep_leaves_the_dir_and_says_how_to_clean_up(sshd, art_sky_home, project):
+    job = Job(
+        [*host_args(sshd), "--keep", "--", "echo kept > marker.txt"], project, {"ART_SKY_HOME": str(art_sky_home)}
+    )
     try:
         assert job.finish(timeout=60) == 0
         remote = Path.home() / ".art-sky" / "ci" / job.name
@@ -248,9 +272,12 @@ def test_host_keep_leaves_the_dir_and_says_how_to_clean_up(sshd, art_sky_home, p
         subprocess.run(["rm", "-rf", str(Path.home() / ".art-sky" / "ci" / job.name)], timeout=30)
 
 
-def test_an_unreachable_host_is_an_art_sky_error_exit_2(art_sky_home, project):  # noqa: F811
-    job = Job(["--host", "root@127.0.0.1:9", "--key", __file__, "--", "true"], project,
-              {"ART_SKY_HOME": str(art_sky_home), "ART_SKY_SSH_CONNECT_TIMEOUT": "5"})
+def test_an_unreachable_host_is_an_art_sky_error_exit_2(art_sky_home, project):
+    job = Job(
+        ["--host", "root@127.0.0.1:9", "--key", __file__, "--", "true"],
+        project,
+        {"ART_SKY_HOME": str(art_sky_home), "ART_SKY_SSH_CONNECT_TIMEOUT": "5"},
+    )
     assert job.finish(timeout=60) == 2
     assert "cannot reach root@127.0.0.1:9" in job.text or "refused" in job.text, job.text
 
@@ -301,8 +328,19 @@ def wait_for_idle_cpus(count: int, timeout: float = 300) -> None:
 @pytest.mark.slow
 def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix, project):
     wait_for_idle_cpus(2)
-    jobs = {code: Job([*sky_args(f"{clusters_prefix}-{code}"), "--timeout", "6m", "--",
-                       f"echo first-{code}; sleep 25; echo second-{code}; exit {code}"], project) for code in (0, 5)}
+    jobs = {
+        code: Job(
+            [
+                *sky_args(f"{clusters_prefix}-{code}"),
+                "--timeout",
+                "6m",
+                "--",
+                f"echo first-{code}; sleep 25; echo second-{code}; exit {code}",
+            ],
+            project,
+        )
+        for code in (0, 5)
+    }
     try:
         for code, job in jobs.items():
             assert job.finish() == code, job.text

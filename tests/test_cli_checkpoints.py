@@ -30,8 +30,12 @@ def invoke(*args: str):
 def test_push_ls_pull_rm(s3_env, tmp_path, monkeypatch):
     local = CheckpointDir(tmp_path / ".art", "proj", "agent")
     for step in (1, 2, 3):
-        local.save(step, lambda tmp: (tmp / "adapter_model.safetensors").write_bytes(os.urandom(300_000)),
-                   base_model="art-sky/tiny", metrics={"reward": step / 4})
+        local.save(
+            step,
+            lambda tmp: (tmp / "adapter_model.safetensors").write_bytes(os.urandom(300_000)),
+            base_model="art-sky/tiny",
+            metrics={"reward": step / 4},
+        )
         local.append_history({"step": step, "val/reward": [0.1, 0.9, 0.5][step - 1]})
 
     pushed = invoke("push", "proj", "agent", "--path", str(tmp_path / ".art"))
@@ -49,8 +53,9 @@ def test_push_ls_pull_rm(s3_env, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     pulled = invoke("pull", "proj", "agent")
     assert pulled.exit_code == 0, pulled.output
-    assert (tmp_path / "agent-0003" / "adapter_model.safetensors").read_bytes() == \
-        (local.step_dir(3) / "adapter_model.safetensors").read_bytes()
+    assert (tmp_path / "agent-0003" / "adapter_model.safetensors").read_bytes() == (
+        local.step_dir(3) / "adapter_model.safetensors"
+    ).read_bytes()
 
     pruned = invoke("rm", "proj", "agent", "--keep-last", "1", "--best-metric", "val/reward")
     assert pruned.exit_code == 0 and "[1]" in pruned.output  # keeps 3 (newest) and 2 (best val/reward)

@@ -45,7 +45,7 @@ def assert_quiet(output: str) -> None:
 
 
 @pytest.fixture
-def home(art_sky_home):  # noqa: F811
+def home(art_sky_home):
     """A private ART_SKY_HOME; servers a failed test left up are stopped."""
     yield art_sky_home
     for name in clusters.all_names(art_sky_home):
@@ -54,9 +54,19 @@ def home(art_sky_home):  # noqa: F811
 
 def fake_record(home: Path, name: str) -> None:
     """A recorded SSH cluster on a host that does not exist: enough to see which name a command acted on."""
-    clusters.save(home, clusters.ClusterRecord(
-        name=name, kind="ssh", where="someone@host.invalid:22", target=SSHTarget(host="host.invalid", user="someone"),
-        layout=ServerLayout.under("/nowhere"), port=1, pid=1, api_key="unused"))
+    clusters.save(
+        home,
+        clusters.ClusterRecord(
+            name=name,
+            kind="ssh",
+            where="someone@host.invalid:22",
+            target=SSHTarget(host="host.invalid", user="someone"),
+            layout=ServerLayout.under("/nowhere"),
+            port=1,
+            pid=1,
+            api_key="unused",
+        ),
+    )
 
 
 def alive(pid: int) -> bool:
@@ -73,6 +83,7 @@ def statuses(*names: str) -> dict[str, dict]:
 
 
 # -- names -----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("command", ["down", "logs", "tunnel", "ssh", "status"])
 def test_the_name_is_the_first_argument_and_name_an_alias(command, home):
@@ -124,6 +135,7 @@ def test_a_down_that_cannot_reach_its_host_says_what_to_do_and_force_forgets(hom
 
 # -- tables ----------------------------------------------------------------------------------------------------
 
+
 def test_a_table_cuts_other_columns_before_names():
     headers = ("NAME", "KIND", "SERVER", "MODELS (STEP)")
     rows = [(LONG, "ssh", "ok, portable on cpu", "agent (12), critic (3), planner (40)"), ("b", "local", "exited", "-")]
@@ -141,8 +153,14 @@ def in_terminal(*args: str, columns: int) -> str:
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")} | {"TERM": "dumb"}
-    process = subprocess.Popen([sys.executable, "-m", "art_sky.cli", *args], stdin=follower, stdout=follower,
-                               stderr=follower, env=env, close_fds=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "art_sky.cli", *args],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=env,
+        close_fds=True,
+    )
     os.close(follower)
     output = b""
     while True:
@@ -160,11 +178,20 @@ def in_terminal(*args: str, columns: int) -> str:
 
 # -- clusters of one host --------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-def test_two_clusters_on_one_host_up_status_and_down_independently(sshd, tmp_path, home):  # noqa: F811
+def test_two_clusters_on_one_host_up_status_and_down_independently(sshd, tmp_path, home):
     remote = tmp_path / "remote"
-    host = ["--host", f"{sshd.target().user}@127.0.0.1:{sshd.port}", "--key", str(sshd.client_key), "--python",
-            BASE_PYTHON, "--remote-dir", str(remote)]
+    host = [
+        "--host",
+        f"{sshd.target().user}@127.0.0.1:{sshd.port}",
+        "--key",
+        str(sshd.client_key),
+        "--python",
+        BASE_PYTHON,
+        "--remote-dir",
+        str(remote),
+    ]
     for name in ("a", LONG):
         result = cli("up", name, *host)
         assert result.exit_code == 0 and f"cluster {name!r} up" in result.output, result.output
@@ -185,8 +212,13 @@ def test_two_clusters_on_one_host_up_status_and_down_independently(sshd, tmp_pat
     assert [c["name"] for c in json.loads(cli("status", "a", "a", "--json").output)] == ["a"]  # once each
 
     # The table: one line per cluster, the name whole, in a pipe and in an 80-column terminal.
-    piped = subprocess.run([sys.executable, "-m", "art_sky.cli", "status"], capture_output=True, text=True,
-                           timeout=120, env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    piped = subprocess.run(
+        [sys.executable, "-m", "art_sky.cli", "status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )
     assert piped.returncode == 0, piped.stderr
     (line,) = [line for line in piped.stdout.splitlines() if LONG in line]
     assert "ok, portable on cpu" in line and "ssh" in line
@@ -217,20 +249,30 @@ def test_the_tests_children_take_ctrl_c_even_when_the_run_ignores_it():
     """`nohup bash tests/run.sh &` starts the run with SIGINT ignored, which children inherit: the CLI processes the
     tests send Ctrl-C to start with it at its default (Python's KeyboardInterrupt)."""
     probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
-    ignoring = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                "os.execv(sys.argv[1], sys.argv[1:])")
+    ignoring = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+    )
     for command, expected in ((python_command("-c", probe), "True"), ([sys.executable, "-c", probe], "False")):
-        result = subprocess.run([sys.executable, "-c", ignoring, *command], capture_output=True, text=True,
-                                timeout=60)
+        result = subprocess.run([sys.executable, "-c", ignoring, *command], capture_output=True, text=True, timeout=60)
         assert result.stdout.strip() == expected, (command, result.stderr)
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_tunnel_and_logs_and_errors_stay_short(sshd, tmp_path, home):  # noqa: F811
+def test_ctrl_c_ends_tunnel_and_logs_and_errors_stay_short(sshd, tmp_path, home):
     """Ctrl-C ends `tunnel` and `logs -f` promptly; a server that died behind a tunnel gives no library log lines
     (paramiko's "Secsh channel N open FAILED"), and its errors point to the log instead of pasting it."""
-    up = cli("up", "box", "--host", f"{sshd.target().user}@127.0.0.1:{sshd.port}", "--key", str(sshd.client_key),
-             "--python", BASE_PYTHON, "--remote-dir", str(tmp_path / "remote"))
+    up = cli(
+        "up",
+        "box",
+        "--host",
+        f"{sshd.target().user}@127.0.0.1:{sshd.port}",
+        "--key",
+        str(sshd.client_key),
+        "--python",
+        BASE_PYTHON,
+        "--remote-dir",
+        str(tmp_path / "remote"),
+    )
     assert up.exit_code == 0, up.output
     record = clusters.load(home, "box")
 
@@ -277,18 +319,25 @@ def test_ctrl_c_ends_tunnel_and_logs_and_errors_stay_short(sshd, tmp_path, home)
 
 # -- scripts ---------------------------------------------------------------------------------------------------
 
+
 def test_checkpoints_ls_json(tmp_path, home):
     local = CheckpointDir(tmp_path / ".art", "proj", "agent")
     for step in (1, 2):
-        local.save(step, lambda tmp: (tmp / "adapter_model.safetensors").write_bytes(b"x" * 1000),
-                   base_model="art-sky/tiny", metrics={"reward": step / 4})
+        local.save(
+            step,
+            lambda tmp: (tmp / "adapter_model.safetensors").write_bytes(b"x" * 1000),
+            base_model="art-sky/tiny",
+            metrics={"reward": step / 4},
+        )
     uri = f"file://{tmp_path / 'store'}"
     assert cli("checkpoints", "push", "proj", "agent", "--path", str(tmp_path / ".art"), "--uri", uri).exit_code == 0
     result = cli("checkpoints", "ls", "--uri", uri, "--json")
     assert result.exit_code == 0, result.output
     steps = json.loads(result.output)
     assert [(s["project"], s["model"], s["step"], s["metrics"]) for s in steps] == [
-        ("proj", "agent", 1, {"reward": 0.25}), ("proj", "agent", 2, {"reward": 0.5})]
+        ("proj", "agent", 1, {"reward": 0.25}),
+        ("proj", "agent", 2, {"reward": 0.5}),
+    ]
     assert steps[1]["where"] == f"{uri}/proj/models/agent/checkpoints/0002" and steps[1]["size_bytes"] >= 1000
     assert json.loads(cli("checkpoints", "ls", "other", "--uri", uri, "--json").output) == []
 
@@ -300,12 +349,15 @@ def test_status_json_with_no_clusters(home):
 
 # -- the demo --------------------------------------------------------------------------------------------------
 
+
 def demo(folder: Path, *args: str) -> tuple[str, list[float]]:
-    result = subprocess.run([sys.executable, "-m", "art_sky.cli", "demo", *args], capture_output=True, text=True,
-                            timeout=900, cwd=folder)
+    result = subprocess.run(
+        [sys.executable, "-m", "art_sky.cli", "demo", *args], capture_output=True, text=True, timeout=900, cwd=folder
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout, [float(line.split("reward")[1].split()[0]) for line in result.stdout.splitlines()
-                           if line.startswith("step")]
+    return result.stdout, [
+        float(line.split("reward")[1].split()[0]) for line in result.stdout.splitlines() if line.startswith("step")
+    ]
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ def wide_console(monkeypatch):
 
 
 @pytest.fixture
-def home(art_sky_home):  # noqa: F811
+def home(art_sky_home):
     """A private ART_SKY_HOME; a server a failed test left up is stopped with `art-sky down`."""
     yield art_sky_home
     for name in clusters.all_names(art_sky_home):
@@ -58,11 +58,22 @@ async def attached_round(name: str, project: str) -> None:
 
 
 @pytest.mark.slow
-def test_up_status_logs_tunnel_down(sshd, tmp_path, home):  # noqa: F811
+def test_up_status_logs_tunnel_down(sshd, tmp_path, home):
     runner = CliRunner()
     host = f"{sshd.target().user}@127.0.0.1:{sshd.port}"
-    up = ["up", "--host", host, "--key", str(sshd.client_key), "--name", "box", "--python", BASE_PYTHON,
-          "--remote-dir", str(tmp_path / "remote")]
+    up = [
+        "up",
+        "--host",
+        host,
+        "--key",
+        str(sshd.client_key),
+        "--name",
+        "box",
+        "--python",
+        BASE_PYTHON,
+        "--remote-dir",
+        str(tmp_path / "remote"),
+    ]
     result = runner.invoke(app, up)
     assert result.exit_code == 0, result.output
     assert "cluster 'box' up" in result.output
@@ -77,7 +88,9 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, home):  # noqa: F811
     asyncio.run(attached_round("box", "cli-ssh"))
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 0, result.output
-    assert "box" in result.output and "ok, portable on cpu" in result.output and "agent (1)" in result.output, result.output
+    assert "box" in result.output and "ok, portable on cpu" in result.output and "agent (1)" in result.output, (
+        result.output
+    )
     result = runner.invoke(app, ["logs", "--name", "box"])
     assert result.exit_code == 0 and "listening on 127.0.0.1" in result.output, result.output
     assert "done" in ssh_and_follow("box")
@@ -150,6 +163,6 @@ def test_every_command_has_help(command):
     assert result.exit_code == 0 and "Usage" in result.output
 
 
-def test_bad_host_spec(art_sky_home):  # noqa: F811
+def test_bad_host_spec(art_sky_home):
     result = CliRunner().invoke(app, ["up", "--host", "no-user-here"])
     assert result.exit_code == 1 and "write it as user@host" in result.output

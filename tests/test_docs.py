@@ -15,7 +15,7 @@ import pytest
 from doc_blocks import MARKER, ROOT, all_blocks, documents
 
 sys.path.insert(0, str(ROOT / "docs"))
-import reference_pages  # noqa: E402 (docs/ is not a package)
+import reference_pages
 
 # ART_SKY_* names the docs may use that are not settings: what `art-sky tunnel` prints for other programs, and the
 # SkyPilot template's own variable.
@@ -27,8 +27,14 @@ def site(tmp_path_factory):
     """The site as CI builds it: `mkdocs build --strict` into a temporary directory."""
     out = tmp_path_factory.mktemp("site")
     quiet = {"DISABLE_MKDOCS_2_WARNING": "true", "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about MkDocs 2
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, env=os.environ | quiet)
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | quiet,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return out
 
@@ -52,8 +58,10 @@ def test_every_setting_is_on_the_settings_page(site):
     from art_sky.settings import Settings
 
     html = (site / "reference" / "settings.html").read_text()
-    rows = {tuple(re.findall(r"<code>(.*?)</code>", first)): unescape(re.sub(r"<[^>]+>", "", rest))
-            for first, rest in re.findall(r"<tr>\s*<td>(.*?)</td>(.*?)</tr>", html, re.S)}
+    rows = {
+        tuple(re.findall(r"<code>(.*?)</code>", first)): unescape(re.sub(r"<[^>]+>", "", rest))
+        for first, rest in re.findall(r"<tr>\s*<td>(.*?)</td>(.*?)</tr>", html, re.S)
+    }
     for name, field in Settings.model_fields.items():
         variables = tuple(reference_pages.setting_names(name, field))
         assert variables in rows, f"{variables} has no row on the settings page"
@@ -90,8 +98,10 @@ def test_every_public_name_is_on_the_python_api_page(site):
 
 def test_every_python_block_runs_or_says_why():
     unmarked = [b.where for b in all_blocks() if not MARKER.fullmatch(b.marker.strip())]
-    assert not unmarked, ("a ```python block needs `<!-- docs: run -->` or `<!-- docs: illustration: REASON -->` on "
-                          f"the line above it (docs/development.md): {unmarked}")
+    assert not unmarked, (
+        "a ```python block needs `<!-- docs: run -->` or `<!-- docs: illustration: REASON -->` on "
+        f"the line above it (docs/development.md): {unmarked}"
+    )
     assert any(b.runs for b in all_blocks())
 
 
@@ -99,7 +109,10 @@ def test_every_art_sky_variable_the_docs_name_is_a_setting():
     from art_sky.settings import Settings
 
     settings = {v for n, f in Settings.model_fields.items() for v in reference_pages.setting_names(n, f)}
-    named = {v for path in [*documents(), ROOT / "ARCHITECTURE.md"] for v in re.findall(r"ART_SKY_[A-Z_]+\b",
-                                                                                      path.read_text())}
+    named = {
+        v
+        for path in [*documents(), ROOT / "ARCHITECTURE.md"]
+        for v in re.findall(r"ART_SKY_[A-Z_]+\b", path.read_text())
+    }
     unknown = sorted(named - settings - NOT_SETTINGS)
     assert not unknown, f"the docs name settings that art_sky/settings.py does not have: {unknown}"

@@ -52,8 +52,9 @@ async def backend(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("page", sorted(PAGES))
 async def test_a_pages_examples_run_in_order(page, backend):
-    model = art.TrainableModel(name=page.rsplit("/", 1)[-1].removesuffix(".md"), project="docs",
-                               base_model="art-sky/tiny")
+    model = art.TrainableModel(
+        name=page.rsplit("/", 1)[-1].removesuffix(".md"), project="docs", base_model="art-sky/tiny"
+    )
     await model.register(backend)
     namespace = {"art": art, "asyncio": asyncio, "backend": backend, "model": model, "rollout": readme_rollout()}
     for block in PAGES[page]:

@@ -20,9 +20,11 @@ KEY_HEADER = {"authorization": "Bearer key"}  # /health says what runs only to t
 @pytest.fixture
 def installed(monkeypatch):
     """Pretend these modules are (or are not) importable, and CUDA present or not."""
+
     def setup(*modules: str, cuda: bool = False):
         monkeypatch.setattr(selection, "importable", lambda name: name in modules)
         monkeypatch.setattr(selection, "device", lambda: type("D", (), {"type": "cuda" if cuda else "cpu"})())
+
     return setup
 
 
@@ -58,7 +60,6 @@ def test_health_reports_the_selected_pair(tmp_path, monkeypatch):
     with TestClient(create_app(tmp_path, "key", Settings()), headers=KEY_HEADER) as client:
         health = client.get("/health").json()
     assert (health["engine"], health["trainer"], health["engine_port"]) == ("portable", "peft", None)
-
 
 
 def test_vllm_beside_unsloth_on_one_gpu_shares_it(installed, tmp_path, monkeypatch):

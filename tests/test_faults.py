@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import API_KEY
 from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 
@@ -21,16 +22,23 @@ from art_sky import LocalBackend, TrainableModel, TrainConfig, Trajectory, Traje
 from art_sky.checkpoints import CheckpointDir, verify
 from art_sky.errors import BackendUnavailableError
 from art_sky.settings import Settings
-from conftest import API_KEY
 
 PROMPT = [{"role": "user", "content": "hi"}]
 
 
 def group(request_id: str | None = None, size: int = 4) -> dict:
     """A train request on fixed answers (no sampling): the same step in every run."""
-    body = {"groups": [{"trajectories": [
-        {"items": [*PROMPT, {"kind": "choice", "content": f"answer {i}"}], "reward": float(i)} for i in range(size)]}],
-        "config": {"learning_rate": 1e-2}}
+    body = {
+        "groups": [
+            {
+                "trajectories": [
+                    {"items": [*PROMPT, {"kind": "choice", "content": f"answer {i}"}], "reward": float(i)}
+                    for i in range(size)
+                ]
+            }
+        ],
+        "config": {"learning_rate": 1e-2},
+    }
     return body | ({"request_id": request_id} if request_id else {})
 
 
@@ -40,10 +48,15 @@ async def app_client(art_path: Path):
     from art_sky.cluster.server import create_app
 
     app = create_app(art_path, API_KEY, Settings())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
-                                 headers={"authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
-        response = await client.post("/art/models", json={"name": "tiny", "project": "faults",
-                                                          "base_model": "art-sky/tiny"})
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://server",
+        headers={"authorization": f"Bearer {API_KEY}"},
+        timeout=120,
+    ) as client:
+        response = await client.post(
+            "/art/models", json={"name": "tiny", "project": "faults", "base_model": "art-sky/tiny"}
+        )
         assert response.status_code == 200, response.text
         yield client
         await client.post("/art/checkpoints/flush")  # as a backend's close: the last step's write ends first
@@ -58,8 +71,10 @@ async def train(client: httpx.AsyncClient, body: dict) -> dict:
 
 async def served(client: httpx.AsyncClient) -> list[float]:
     """The live adapter's greedy logprobs."""
-    response = await client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": PROMPT, "max_tokens": 6, "temperature": 0.0, "logprobs": True})
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": PROMPT, "max_tokens": 6, "temperature": 0.0, "logprobs": True},
+    )
     return [token["logprob"] for token in response.json()["choices"][0]["logprobs"]["content"]]
 
 
@@ -72,8 +87,10 @@ def small_disk(tmp_path):
     """A 2 MiB tmpfs: room for the tiny model's checkpoints, until it is filled."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield mount
@@ -159,8 +176,9 @@ async def test_registering_on_a_full_disk_is_a_507_that_names_the_disk(small_dis
     """Not only a step: any request that writes (here a new model's step 0 checkpoint) says the disk is full."""
     async with app_client(small_disk / "art") as client:
         fill(small_disk)
-        response = await client.post("/art/models", json={"name": "other", "project": "faults",
-                                                          "base_model": "art-sky/tiny"})
+        response = await client.post(
+            "/art/models", json={"name": "other", "project": "faults", "base_model": "art-sky/tiny"}
+        )
         assert response.status_code == 507, response.text
         detail = response.json()["detail"]
         assert detail.startswith("the disk is full: writing ") and f"{small_disk} has " in detail, detail
@@ -199,10 +217,13 @@ async def test_a_server_killed_during_a_step_loses_nothing(tmp_path):
     model = TrainableModel(name="agent", project="faults", base_model="art-sky/tiny")
     try:
         await model.register(backend)
-        answer = Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant",
-                                                                                      content="x" * 300))
-        groups = [TrajectoryGroup(Trajectory(messages_and_choices=[*PROMPT, answer], reward=float(i))
-                                  for i in range(8)) for _ in range(8)]
+        answer = Choice(
+            index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content="x" * 300)
+        )
+        groups = [
+            TrajectoryGroup(Trajectory(messages_and_choices=[*PROMPT, answer], reward=float(i)) for i in range(8))
+            for _ in range(8)
+        ]
         call = asyncio.create_task(model.train(groups, TrainConfig(learning_rate=1e-3)))
         log = Path(backend.log_path)
         for _ in range(600):
@@ -285,8 +306,12 @@ async def test_history_holds_one_line_per_step_whatever_the_restarts(tmp_path, c
     node = start_node(tmp_path, "server")  # a server process, killed with -9 after its step
     try:
         with node.client() as client:
-            assert client.post("/art/models", json={"name": "tiny", "project": "faults",
-                                                    "base_model": "art-sky/tiny"}).status_code == 200
+            assert (
+                client.post(
+                    "/art/models", json={"name": "tiny", "project": "faults", "base_model": "art-sky/tiny"}
+                ).status_code
+                == 200
+            )
             assert json.loads(client.post("/art/models/tiny/train", json=group()).text.splitlines()[-1])["step"] == 1
     finally:
         node.kill()

@@ -33,15 +33,24 @@ def test_the_gpu_extra_pins_what_the_constraints_file_pins():
     for python in PYTHONS:
         tested = pins(python)
         assert {canonical(name): version for name, version in pinned.items()} == {
-            canonical(name): tested[canonical(name)] for name in pinned}
+            canonical(name): tested[canonical(name)] for name in pinned
+        }
         assert all(canonical(name) in tested for names in CHECKED.values() for name in names)
 
 
 def test_versions_differing_between_pythons_carry_markers():
-    lines = lock_lines({"3.11": {"torch": "2.13.0", "networkx": "3.6.1"},
-                        "3.12": {"torch": "2.13.0", "networkx": "3.7", "six": "1.17.0"}})
-    assert lines == ["networkx==3.6.1 ; python_version == '3.11'", "networkx==3.7 ; python_version == '3.12'",
-                     "six==1.17.0 ; python_version == '3.12'", "torch==2.13.0"]
+    lines = lock_lines(
+        {
+            "3.11": {"torch": "2.13.0", "networkx": "3.6.1"},
+            "3.12": {"torch": "2.13.0", "networkx": "3.7", "six": "1.17.0"},
+        }
+    )
+    assert lines == [
+        "networkx==3.6.1 ; python_version == '3.11'",
+        "networkx==3.7 ; python_version == '3.12'",
+        "six==1.17.0 ; python_version == '3.12'",
+        "torch==2.13.0",
+    ]
 
 
 @pytest.mark.slow
@@ -61,8 +70,10 @@ def test_untested_names_each_differing_package():
     assert untested("unsloth", good | {"torch": f"{tested['torch']}+cu130"}, tested) == []  # a CUDA build tag
     found = good | {"trl": "0.99.0"}
     del found["unsloth-zoo"]
-    assert untested("unsloth", found, tested) == [f"unsloth-zoo missing (tested: {tested['unsloth-zoo']})",
-                                                  f"trl 0.99.0 (tested: {tested['trl']})"]
+    assert untested("unsloth", found, tested) == [
+        f"unsloth-zoo missing (tested: {tested['unsloth-zoo']})",
+        f"trl 0.99.0 (tested: {tested['trl']})",
+    ]
 
 
 def fake_distributions(folder: Path, **versions: str) -> Path:
@@ -79,10 +90,20 @@ def fake_distributions(folder: Path, **versions: str) -> Path:
 
 def test_server_refuses_to_start_vllm_outside_the_tested_stack(tmp_path):
     fakes = fake_distributions(tmp_path / "site", vllm="0.0.1")
-    env = os.environ | {"PYTHONPATH": str(fakes), "ART_SKY_API_KEY": "key", "ART_SKY_ENGINE": "vllm",
-                        "ART_SKY_TRAINER": "peft", "ART_SKY_ALLOW_UNTESTED_STACK": "false"}
-    result = subprocess.run([sys.executable, "-m", "art_sky.cluster", "--port", "0", "--art-path",
-                             str(tmp_path / "art")], capture_output=True, text=True, timeout=120, env=env)
+    env = os.environ | {
+        "PYTHONPATH": str(fakes),
+        "ART_SKY_API_KEY": "key",
+        "ART_SKY_ENGINE": "vllm",
+        "ART_SKY_TRAINER": "peft",
+        "ART_SKY_ALLOW_UNTESTED_STACK": "false",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "art_sky.cluster", "--port", "0", "--art-path", str(tmp_path / "art")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode != 0
     tested = pins()
     assert f"vllm 0.0.1 (tested: {tested['vllm']})" in result.stderr
@@ -95,8 +116,10 @@ def test_health_reports_the_stack_and_the_override_runs_it(tmp_path, monkeypatch
     settings = Settings(engine="vllm", trainer="peft")
     with pytest.raises(ConfigError, match=r"vllm 0\.0\.1 \(tested: "):
         create_app(tmp_path / "art", "key", settings)
-    with TestClient(create_app(tmp_path / "art", "key", settings.model_copy(
-            update={"allow_untested_stack": True})), headers=KEY_HEADER) as client:
+    with TestClient(
+        create_app(tmp_path / "art", "key", settings.model_copy(update={"allow_untested_stack": True})),
+        headers=KEY_HEADER,
+    ) as client:
         health = client.get("/health").json()
     assert (health["engine"], health["stack"], health["versions"]["vllm"]) == ("vllm", "untested", "0.0.1")
     import torch
@@ -112,8 +135,9 @@ def test_the_tested_versions_start_and_report_tested(tmp_path, monkeypatch):
 
     if torch.__version__.split("+")[0] != tested["torch"]:
         pytest.skip(f"this venv's torch {torch.__version__} is not the tested {tested['torch']}")
-    monkeypatch.syspath_prepend(str(fake_distributions(
-        tmp_path / "site", vllm=tested["vllm"], transformers=tested["transformers"])))
+    monkeypatch.syspath_prepend(
+        str(fake_distributions(tmp_path / "site", vllm=tested["vllm"], transformers=tested["transformers"]))
+    )
     app = create_app(tmp_path / "art", "key", Settings(engine="vllm", trainer="peft"))
     with TestClient(app, headers=KEY_HEADER) as client:
         health = client.get("/health").json()

@@ -17,8 +17,9 @@ def test_advantages_are_reward_minus_mean_over_population_std():
 
 
 def test_two_level_rewards_give_unit_advantages():
-    assert group_advantages([1.0, -1.0, -1.0, 1.0]) == pytest.approx([0.999999, -0.999999, -0.999999, 0.999999],
-                                                                     abs=1e-6)
+    assert group_advantages([1.0, -1.0, -1.0, 1.0]) == pytest.approx(
+        [0.999999, -0.999999, -0.999999, 0.999999], abs=1e-6
+    )
 
 
 def test_equal_rewards_teach_nothing():
@@ -27,8 +28,15 @@ def test_equal_rewards_teach_nothing():
 
 def _loss(new, old, adv, mask, ref=None, eps=0.2, eps_high=0.2):
     t = lambda v: torch.tensor([v], dtype=torch.float64)  # noqa: E731
-    return grpo_loss_sums(t(new), t(old), torch.tensor([[adv]], dtype=torch.float64), torch.tensor([mask]),
-                          epsilon=eps, epsilon_high=eps_high, ref_logprobs=None if ref is None else t(ref))
+    return grpo_loss_sums(
+        t(new),
+        t(old),
+        torch.tensor([[adv]], dtype=torch.float64),
+        torch.tensor([mask]),
+        epsilon=eps,
+        epsilon_high=eps_high,
+        ref_logprobs=None if ref is None else t(ref),
+    )
 
 
 def test_positive_advantage_is_clipped_above():
@@ -58,8 +66,14 @@ def test_masked_tokens_do_not_count():
 
 def test_missing_old_logprob_means_ratio_one_with_policy_gradient():
     new = torch.tensor([[math.log(0.3)]], dtype=torch.float64, requires_grad=True)
-    parts = grpo_loss_sums(new, torch.tensor([[math.nan]], dtype=torch.float64), torch.tensor([[2.0]]),
-                           torch.tensor([[True]]), epsilon=0.2, epsilon_high=0.2)
+    parts = grpo_loss_sums(
+        new,
+        torch.tensor([[math.nan]], dtype=torch.float64),
+        torch.tensor([[2.0]]),
+        torch.tensor([[True]]),
+        epsilon=0.2,
+        epsilon_high=0.2,
+    )
     assert float(parts.policy) == pytest.approx(-2.0)
     parts.policy.backward()
     assert float(new.grad) == pytest.approx(-2.0)  # d/dnew of -A * exp(new - sg(new)) = -A
@@ -80,8 +94,15 @@ def test_cispo_weights_the_logprob_by_the_clipped_detached_ratio():
     # ratios 2 and 1, A=1, clip [0, 1.5]: loss = -(1.5 * log 0.5 + 1 * log 0.5) = 2.5 * 0.693147 = 1.732868
     new = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[math.log(0.25), math.log(0.5)]], dtype=torch.float64)
-    parts = grpo_loss_sums(new, old, torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[True, True]]),
-                           epsilon=1.0, epsilon_high=0.5, loss_fn="cispo")
+    parts = grpo_loss_sums(
+        new,
+        old,
+        torch.tensor([[1.0]], dtype=torch.float64),
+        torch.tensor([[True, True]]),
+        epsilon=1.0,
+        epsilon_high=0.5,
+        loss_fn="cispo",
+    )
     assert float(parts.policy) == pytest.approx(1.7328680, abs=1e-6)
     assert float(parts.clipped) == 1.0
     parts.policy.backward()
@@ -93,9 +114,16 @@ def test_kl_penalty_shifts_advantages_towards_the_mean_kl():
     # ratios 1 (old = new): ppo loss = -(0.9 + 1.1) = -2.0, but the gradient weights the tokens 0.9 and 1.1.
     new = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-1.2, -2.0]], dtype=torch.float64)
-    parts = grpo_loss_sums(new, torch.full((1, 2), math.nan, dtype=torch.float64),
-                           torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[True, True]]),
-                           epsilon=0.2, epsilon_high=0.2, ref_logprobs=ref, kl_penalty_coef=1.0)
+    parts = grpo_loss_sums(
+        new,
+        torch.full((1, 2), math.nan, dtype=torch.float64),
+        torch.tensor([[1.0]], dtype=torch.float64),
+        torch.tensor([[True, True]]),
+        epsilon=0.2,
+        epsilon_high=0.2,
+        ref_logprobs=ref,
+        kl_penalty_coef=1.0,
+    )
     assert float(parts.policy) == pytest.approx(-2.0, abs=1e-5)
     parts.policy.backward()
     assert new.grad[0].tolist() == pytest.approx([-0.9, -1.1], abs=1e-5)
@@ -110,14 +138,20 @@ ADV = [[1.0], [-0.5]]
 
 def _variant(**settings):
     new = torch.tensor(NEW, dtype=torch.float64, requires_grad=True)
-    parts = grpo_loss_sums(new, torch.tensor(OLD, dtype=torch.float64), torch.tensor(ADV, dtype=torch.float64),
-                           torch.tensor(MASK), **({"epsilon": 0.2, "epsilon_high": 0.2} | settings))
+    parts = grpo_loss_sums(
+        new,
+        torch.tensor(OLD, dtype=torch.float64),
+        torch.tensor(ADV, dtype=torch.float64),
+        torch.tensor(MASK),
+        **({"epsilon": 0.2, "epsilon_high": 0.2} | settings),
+    )
     parts.policy.backward()
     return [float(parts.policy), *new.grad.flatten().tolist()]
 
 
 def _expected(ratio_of, loss="ppo", eps=0.2, weight_of=lambda r, t: 1.0):
     """sum over trained tokens of the loss, by the formula, token by token; and d(loss)/d(new) numerically."""
+
     def loss_at(new):
         total = 0.0
         for r, row in enumerate(new):
@@ -162,11 +196,14 @@ def test_token_level_ratio_matches_the_formula():
     assert _variant() == pytest.approx(_expected(_token_ratio), abs=1e-5)
 
 
-@pytest.mark.parametrize("level, combine", [
-    ("sequence", lambda token, sequence: sequence),
-    ("average", lambda token, sequence: (token + sequence) / 2),
-    ("geometric_average", lambda token, sequence: math.sqrt(token * sequence)),
-])
+@pytest.mark.parametrize(
+    "level, combine",
+    [
+        ("sequence", lambda token, sequence: sequence),
+        ("average", lambda token, sequence: (token + sequence) / 2),
+        ("geometric_average", lambda token, sequence: math.sqrt(token * sequence)),
+    ],
+)
 def test_sequence_level_ratios_match_the_formula(level, combine):
     """GSPO: the exp of the mean log-ratio over the sequence's trained tokens (NaN old logprobs count as new ones)."""
     expected = _expected(lambda new, r, t: combine(_token_ratio(new, r, t), _sequence_ratio(new, r, t)))
@@ -178,8 +215,16 @@ def test_segments_group_tokens_of_one_sequence_within_a_packed_row():
     new = torch.tensor([[-1.0, -2.0, -0.5, -1.0]], dtype=torch.float64)
     old = torch.tensor([[-1.5, -2.0, -0.5, -0.0]], dtype=torch.float64)
     segments = torch.tensor([[0, 0, 1, 1]])
-    parts = grpo_loss_sums(new, old, torch.tensor([[1.0]], dtype=torch.float64), torch.ones(1, 4, dtype=torch.bool),
-                           epsilon=10.0, epsilon_high=10.0, importance_sampling_level="sequence", segments=segments)
+    parts = grpo_loss_sums(
+        new,
+        old,
+        torch.tensor([[1.0]], dtype=torch.float64),
+        torch.ones(1, 4, dtype=torch.bool),
+        epsilon=10.0,
+        epsilon_high=10.0,
+        importance_sampling_level="sequence",
+        segments=segments,
+    )
     first, second = math.exp((0.5 + 0.0) / 2), math.exp((0.0 - 1.0) / 2)
     assert float(parts.policy) == pytest.approx(-(2 * first + 2 * second), abs=1e-6)
 
@@ -189,16 +234,24 @@ def test_kl_penalty_from_the_sampler_uses_the_old_logprobs():
     new = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[-1.1, -2.3]], dtype=torch.float64)
     ref = torch.tensor([[-1.2, -2.0]], dtype=torch.float64)
-    parts = grpo_loss_sums(new, old, torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[True, True]]),
-                           epsilon=10.0, epsilon_high=10.0, ref_logprobs=ref, kl_penalty_coef=1.0,
-                           kl_penalty_source="sample")
+    parts = grpo_loss_sums(
+        new,
+        old,
+        torch.tensor([[1.0]], dtype=torch.float64),
+        torch.tensor([[True, True]]),
+        epsilon=10.0,
+        epsilon_high=10.0,
+        ref_logprobs=ref,
+        kl_penalty_coef=1.0,
+        kl_penalty_source="sample",
+    )
     parts.policy.backward()
     kl = [-1.1 + 1.2, -2.3 + 2.0]  # 0.1, -0.3: mean -0.1
     mean = sum(kl) / 2
     advantages = [1.0 + (mean - k) for k in kl]  # 0.8, 1.2
     ratios = [math.exp(-1.0 + 1.1), math.exp(-2.0 + 2.3)]
-    assert float(parts.policy) == pytest.approx(-sum(r * a for r, a in zip(ratios, advantages)), abs=1e-6)
-    assert new.grad[0].tolist() == pytest.approx([-r * a for r, a in zip(ratios, advantages)], abs=1e-6)
+    assert float(parts.policy) == pytest.approx(-sum(r * a for r, a in zip(ratios, advantages, strict=False)), abs=1e-6)
+    assert new.grad[0].tolist() == pytest.approx([-r * a for r, a in zip(ratios, advantages, strict=False)], abs=1e-6)
 
 
 def test_truncated_importance_sampling_weights_by_trainer_over_sampler_capped():
@@ -219,5 +272,6 @@ def test_trainer_old_logprobs_make_the_ratio_one_with_the_policy_gradient():
 
 def test_cispo_with_sequence_ratios_matches_the_formula():
     expected = _expected(_sequence_ratio, loss="cispo", eps=0.5)
-    assert _variant(loss_fn="cispo", epsilon=0.5, epsilon_high=0.5,
-                    importance_sampling_level="sequence") == pytest.approx(expected, abs=1e-5)
+    assert _variant(
+        loss_fn="cispo", epsilon=0.5, epsilon_high=0.5, importance_sampling_level="sequence"
+    ) == pytest.approx(expected, abs=1e-5)

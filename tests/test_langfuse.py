@@ -15,7 +15,7 @@ import pytest
 
 import art_sky as art
 
-pytest.importorskip("langfuse", reason="the langfuse extra: pip install \"art-sky[langfuse]\"")
+pytest.importorskip("langfuse", reason='the langfuse extra: pip install "art-sky[langfuse]"')
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}]
@@ -58,8 +58,14 @@ class LangfuseHost:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def spans(self) -> list:
-        return [span for path, _, request in self.requests if path.endswith("/otel/v1/traces")
-                for resource in request.resource_spans for scope in resource.scope_spans for span in scope.spans]
+        return [
+            span
+            for path, _, request in self.requests
+            if path.endswith("/otel/v1/traces")
+            for resource in request.resource_spans
+            for scope in resource.scope_spans
+            for span in scope.spans
+        ]
 
     def scores(self) -> list[dict]:
         found = []
@@ -71,9 +77,11 @@ class LangfuseHost:
 
 def attributes(span) -> dict:
     """A span's attributes as Python values (arrays as lists)."""
+
     def value(v):
         kind = v.WhichOneof("value")
         return [value(item) for item in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+
     return {a.key: value(a.value) for a in span.attributes}
 
 
@@ -99,13 +107,16 @@ async def test_langfuse_openai_rollouts_train_and_reach_langfuse_as_traces_with_
         client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
 
         async def rollout(reward: float) -> art.Trajectory:
-            completion = await client.chat.completions.create(model=model.name, messages=QUESTION, max_tokens=4,
-                                                              logprobs=True)
-            return art.Trajectory(messages_and_choices=[*QUESTION, completion.choices[0]], reward=reward,
-                                  metrics={"answered": 1.0})
+            completion = await client.chat.completions.create(
+                model=model.name, messages=QUESTION, max_tokens=4, logprobs=True
+            )
+            return art.Trajectory(
+                messages_and_choices=[*QUESTION, completion.choices[0]], reward=reward, metrics={"answered": 1.0}
+            )
 
         groups = await art.gather_trajectory_groups(
-            (art.TrajectoryGroup(rollout(reward) for reward in REWARDS) for _ in range(2)), pbar_desc=None)
+            (art.TrajectoryGroup(rollout(reward) for reward in REWARDS) for _ in range(2)), pbar_desc=None
+        )
         metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-3))
         # the wrapper's choices are the SDK's own, with the engine's ids: every token trains exactly
         assert metrics["step"] == 1 and metrics["num_trajectories_skipped"] == 0
@@ -116,18 +127,20 @@ async def test_langfuse_openai_rollouts_train_and_reach_langfuse_as_traces_with_
         await backend.close()
 
     auth = "Basic " + base64.b64encode(":".join(KEYS).encode()).decode()
-    assert langfuse_host.requests and all(headers.get("authorization") == auth
-                                          for _, headers, _ in langfuse_host.requests)
+    assert langfuse_host.requests and all(
+        headers.get("authorization") == auth for _, headers, _ in langfuse_host.requests
+    )
     spans = {span.span_id.hex(): (span, attributes(span)) for span in langfuse_host.spans()}
     # the wrapper's own generations: one per completion, naming the model and the step that sampled it
     generations = [a for _, a in spans.values() if a.get(A.OBSERVATION_TYPE) == "generation"]
     assert len(generations) == 6 and {a.get(A.OBSERVATION_MODEL) for a in generations} == {"traced@0"}
     # art-sky's: a trace per rollout, tagged with the model, the step and the split
     rollouts = [(span, a) for span, a in spans.values() if span.name == "rollout"]
-    by_split = {split: [(s, a) for s, a in rollouts if f"split:{split}" in a[A.TRACE_TAGS]]
-                for split in ("train", "val")}
+    by_split = {
+        split: [(s, a) for s, a in rollouts if f"split:{split}" in a[A.TRACE_TAGS]] for split in ("train", "val")
+    }
     assert len(by_split["train"]) == 6 and len(by_split["val"]) == 3 and len(rollouts) == 9
-    for span, a in rollouts:
+    for _, a in rollouts:
         assert {"model:traced", "step:1"} <= set(a[A.TRACE_TAGS]) and a[A.TRACE_NAME].startswith("traced ")
         assert a[A.TRACE_SESSION_ID] == "langfuse/traced/step-1"
         assert json.loads(a[A.OBSERVATION_INPUT])["messages"] == QUESTION

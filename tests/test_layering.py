@@ -16,10 +16,28 @@ from pathlib import Path
 import art_sky
 
 ROOT = Path(__file__).resolve().parent.parent
-LAPTOP = ("art_sky.backends", "art_sky.remote", "art_sky.cli", "art_sky.ci", "art_sky.clusters",
-          "art_sky.provisioners", "art_sky.demo", "paramiko", "sky")
-SHARED = ("art_sky.wire", "art_sky.errors", "art_sky.settings", "art_sky.layout", "art_sky.files", "art_sky.disk_full",
-          "art_sky.checkpoints", "art_sky.store", "art_sky.capacity")
+LAPTOP = (
+    "art_sky.backends",
+    "art_sky.remote",
+    "art_sky.cli",
+    "art_sky.ci",
+    "art_sky.clusters",
+    "art_sky.provisioners",
+    "art_sky.demo",
+    "paramiko",
+    "sky",
+)
+SHARED = (
+    "art_sky.wire",
+    "art_sky.errors",
+    "art_sky.settings",
+    "art_sky.layout",
+    "art_sky.files",
+    "art_sky.disk_full",
+    "art_sky.checkpoints",
+    "art_sky.store",
+    "art_sky.capacity",
+)
 # (importer prefix, what it must not import): the data path's layers, one way
 RULES = [
     ("art_sky.cluster", LAPTOP + ("art_sky.client",)),
@@ -28,31 +46,62 @@ RULES = [
     # builds): it knows neither a backend nor the server
     ("art_sky.art_compat", LAPTOP + ("art_sky.cluster",)),
     *((shared, LAPTOP + ("art_sky.client", "art_sky.cluster")) for shared in SHARED),
-    ("art_sky.remote", ("art_sky.backends", "art_sky.cli", "art_sky.ci", "art_sky.client", "art_sky.cluster",
-                        "art_sky.clusters")),
+    (
+        "art_sky.remote",
+        ("art_sky.backends", "art_sky.cli", "art_sky.ci", "art_sky.client", "art_sky.cluster", "art_sky.clusters"),
+    ),
     ("art_sky.backends", ("art_sky.cli", "art_sky.ci", "art_sky.cluster")),
     # ART's extra names: the judge and the internal config know nothing of backends or the server
     *((extra, LAPTOP + ("art_sky.cluster",)) for extra in ("art_sky.rewards", "art_sky.dev")),
     # the engines' helpers: grammars and tool-call parsing, each its own job, used by the engines, never the reverse
-    *((helper, ("art_sky.cluster.inference.portable_engine", "art_sky.cluster.inference.vllm_engine",
-                "art_sky.cluster.training", "art_sky.cluster.server"))
-      for helper in ("art_sky.cluster.inference.constraints", "art_sky.cluster.inference.tool_parsers")),
+    *(
+        (
+            helper,
+            (
+                "art_sky.cluster.inference.portable_engine",
+                "art_sky.cluster.inference.vllm_engine",
+                "art_sky.cluster.training",
+                "art_sky.cluster.server",
+            ),
+        )
+        for helper in ("art_sky.cluster.inference.constraints", "art_sky.cluster.inference.tool_parsers")
+    ),
     # how the server stops the children it starts: for the engines and trainers, knowing none of them
-    ("art_sky.cluster.processes", ("art_sky.cluster.inference", "art_sky.cluster.training", "art_sky.cluster.node",
-                                   "art_sky.cluster.server", "art_sky.cluster.steps", "art_sky.cluster.replica")),
+    (
+        "art_sky.cluster.processes",
+        (
+            "art_sky.cluster.inference",
+            "art_sky.cluster.training",
+            "art_sky.cluster.node",
+            "art_sky.cluster.server",
+            "art_sky.cluster.steps",
+            "art_sky.cluster.replica",
+        ),
+    ),
     # Inside the server: engines and trainers do not know each other; what composes them (the server, a step's
-    # transaction, node/ choosing what runs) sits above both; node/placement is data both read. Unsloth's trainer is the one exception: its model
-    # runs vLLM inside (fast_inference), sized as the vLLM engine sizes its LoRA slots.
-    ("art_sky.cluster.inference", ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps",
-                                   "art_sky.cluster.replica")),
+    # transaction, node/ choosing what runs) sits above both; node/placement is data both read. Unsloth's trainer is
+    # the one exception: its model runs vLLM inside (fast_inference), sized as the vLLM engine sizes its LoRA slots.
+    (
+        "art_sky.cluster.inference",
+        ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps", "art_sky.cluster.replica"),
+    ),
     # The fleet knows engines by their protocol only: each replica's is the head's or a replica server's.
-    ("art_sky.cluster.inference.fleet", ("art_sky.cluster.inference.portable_engine",
-                                         "art_sky.cluster.inference.vllm_engine", "art_sky.cluster.node")),
-    *((trainer, ("art_sky.cluster.inference", "art_sky.cluster.server", "art_sky.cluster.steps"))
-      for trainer in ("art_sky.cluster.training.sequences", "art_sky.cluster.training.grpo",
-                      "art_sky.cluster.training.peft_trainer", "art_sky.cluster.training.weights",
-                      "art_sky.cluster.training.sharded", "art_sky.cluster.training.rank_group",
-                      "art_sky.cluster.training.rank_commands")),
+    (
+        "art_sky.cluster.inference.fleet",
+        ("art_sky.cluster.inference.portable_engine", "art_sky.cluster.inference.vllm_engine", "art_sky.cluster.node"),
+    ),
+    *(
+        (trainer, ("art_sky.cluster.inference", "art_sky.cluster.server", "art_sky.cluster.steps"))
+        for trainer in (
+            "art_sky.cluster.training.sequences",
+            "art_sky.cluster.training.grpo",
+            "art_sky.cluster.training.peft_trainer",
+            "art_sky.cluster.training.weights",
+            "art_sky.cluster.training.sharded",
+            "art_sky.cluster.training.rank_group",
+            "art_sky.cluster.training.rank_commands",
+        )
+    ),
 ]
 
 
@@ -79,7 +128,7 @@ def imported(module: str, source: str, is_package: bool) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             names.add(base)
             for alias in node.names:
@@ -94,38 +143,54 @@ def violations(modules: dict[str, str], packages: set[str]) -> list[str]:
         for name in imported(module, source, module in packages):
             for importer, forbidden in RULES:
                 if (module == importer or module.startswith(importer + ".")) and any(
-                        name == f or name.startswith(f + ".") for f in forbidden):
+                    name == f or name.startswith(f + ".") for f in forbidden
+                ):
                     found.append(f"{module} imports {name}")
     return sorted(found)
 
 
 def _packages(modules: dict[str, str]) -> set[str]:
     return {m for m in modules if any(other.startswith(m + ".") for other in modules)} | {
-        "art_sky", "art_sky.client", "art_sky.cluster"}
+        "art_sky",
+        "art_sky.client",
+        "art_sky.cluster",
+    }
 
 
 def test_the_layers_import_one_way():
     modules = sources()
-    assert {"art_sky.cluster.server", "art_sky.cluster.replica", "art_sky.cluster.inference.fleet",
-            "art_sky.client.model", "art_sky.remote.lifecycle"} <= set(modules)
+    assert {
+        "art_sky.cluster.server",
+        "art_sky.cluster.replica",
+        "art_sky.cluster.inference.fleet",
+        "art_sky.client.model",
+        "art_sky.remote.lifecycle",
+    } <= set(modules)
     assert violations(modules, _packages(modules)) == []
 
 
 def test_the_checker_catches_a_violation():
-    fake = {"art_sky.cluster.fake": "from art_sky import SSHBackend\nfrom ..remote import tunnel\n",
-            "art_sky.client.fake": "if TYPE_CHECKING:\n    from art_sky.backends.base import Backend\n"}
+    fake = {
+        "art_sky.cluster.fake": "from art_sky import SSHBackend\nfrom ..remote import tunnel\n",
+        "art_sky.client.fake": "if TYPE_CHECKING:\n    from art_sky.backends.base import Backend\n",
+    }
     assert violations(fake, set()) == [
-        "art_sky.client.fake imports art_sky.backends.base", "art_sky.client.fake imports art_sky.backends.base.Backend",
-        "art_sky.cluster.fake imports art_sky.backends", "art_sky.cluster.fake imports art_sky.remote",
-        "art_sky.cluster.fake imports art_sky.remote.tunnel"]
+        "art_sky.client.fake imports art_sky.backends.base",
+        "art_sky.client.fake imports art_sky.backends.base.Backend",
+        "art_sky.cluster.fake imports art_sky.backends",
+        "art_sky.cluster.fake imports art_sky.remote",
+        "art_sky.cluster.fake imports art_sky.remote.tunnel",
+    ]
 
 
 def test_the_server_loads_no_ssh_stack():
     """What `python -m art_sky.cluster` imports (a head or a replica): no paramiko, no tunnel, no backend, no
     client."""
-    probe = ("import sys, art_sky.cluster.server, art_sky.cluster.replica; "
-             "print(sorted(m for m in sys.modules if m == 'paramiko' or "
-             "m.startswith(('art_sky.backends', 'art_sky.remote', 'art_sky.client', 'art_sky.cli'))))")
+    probe = (
+        "import sys, art_sky.cluster.server, art_sky.cluster.replica; "
+        "print(sorted(m for m in sys.modules if m == 'paramiko' or "
+        "m.startswith(('art_sky.backends', 'art_sky.remote', 'art_sky.client', 'art_sky.cli'))))"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -38,7 +38,8 @@ async def rollout(model: art_sky.TrainableModel, rank: int = 0) -> art_sky.Traje
     would train nothing), whatever a random model samples."""
     messages = [{"role": "user", "content": "Give me a number."}]
     completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_tokens=12, temperature=1.0)
+        model=model.get_inference_name(), messages=messages, max_tokens=12, temperature=1.0
+    )
     choice = completion.choices[0]
     reward = (rank + digit_share(choice.message.content)) / 4
     return art_sky.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
@@ -46,7 +47,8 @@ async def rollout(model: art_sky.TrainableModel, rank: int = 0) -> art_sky.Traje
 
 async def gather(model: art_sky.TrainableModel) -> list[art_sky.TrajectoryGroup]:
     return await art_sky.gather_trajectory_groups(
-        (art_sky.TrajectoryGroup(rollout(model, rank) for rank in range(4)) for _ in range(3)), pbar_desc=None)
+        (art_sky.TrajectoryGroup(rollout(model, rank) for rank in range(4)) for _ in range(3)), pbar_desc=None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,7 @@ def run(tmp_path_factory):
 
 async def _three_steps(runner: CliRunner) -> dict:
     backend = art_sky.attach("obs")
-    model = art_sky.TrainableModel(name="watched", project="obs", base_model="art-sky/tiny",
-                                   report_metrics=["wandb"])
+    model = art_sky.TrainableModel(name="watched", project="obs", base_model="art-sky/tiny", report_metrics=["wandb"])
     try:
         await model.register(backend)
         results, returned, statuses, seen = [], [], [], []
@@ -82,9 +83,16 @@ async def _three_steps(runner: CliRunner) -> dict:
             groups = await gather(model)
             if step == 1:  # a long completion in flight: the step waits for it, and status shows so
                 client = model.openai_client()
-                long = asyncio.create_task(client.chat.completions.create(
-                    model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=768,
-                    n=8, temperature=1.0, extra_body={"ignore_eos": True}))
+                long = asyncio.create_task(
+                    client.chat.completions.create(
+                        model=model.get_inference_name(),
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=768,
+                        n=8,
+                        temperature=1.0,
+                        extra_body={"ignore_eos": True},
+                    )
+                )
                 while not (await backend.models())[0].serving.in_flight:
                     await asyncio.sleep(0.01)
                 training = asyncio.create_task(model.train(groups))
@@ -101,8 +109,14 @@ async def _three_steps(runner: CliRunner) -> dict:
             returned.append(time.monotonic())
         after = await asyncio.to_thread(runner.invoke, app, ["status"])
         model._wandb.finish()
-        return {"results": results, "returned": returned, "statuses": statuses, "seen": seen, "after": after,
-                "history": await backend.history(model.name)}
+        return {
+            "results": results,
+            "returned": returned,
+            "statuses": statuses,
+            "seen": seen,
+            "after": after,
+            "history": await backend.history(model.name),
+        }
     finally:
         await backend.close()
 
@@ -124,8 +138,11 @@ def test_every_step_reports_its_numbers(run):
         assert "kl" not in metrics  # measured only when the step uses a reference (beta > 0)
         assert "peak_gpu_memory_gb" not in metrics  # CUDA only: absent on CPU
         assert metrics["throughput/train_tok_per_s"] > 0 and metrics["throughput/inference_tok_per_s"] > 0
-        parts = sum(value for key, value in metrics.items()  # the phases; inference's pause overlaps them
-                    if key.startswith("time/") and key not in ("time/step_wall_s", "time/step_inference_paused_s"))
+        parts = sum(
+            value
+            for key, value in metrics.items()  # the phases; inference's pause overlaps them
+            if key.startswith("time/") and key not in ("time/step_wall_s", "time/step_inference_paused_s")
+        )
         assert parts == pytest.approx(metrics["time/step_wall_s"], rel=0.05, abs=0.05)
         assert metrics["costs/gpu"] == pytest.approx(PRICE * metrics["time/step_wall_s"] / 3600)
     assert results[1]["time/step_wait_s"] > 0.1  # its swap waited for the long completion
@@ -238,7 +255,8 @@ print("trained with weave")
 
 async def gather_with(rollout_fn) -> list[art_sky.TrajectoryGroup]:
     return await art_sky.gather_trajectory_groups(
-        (art_sky.TrajectoryGroup(rollout_fn() for _ in range(4)) for _ in range(2)), pbar_desc=None)
+        (art_sky.TrajectoryGroup(rollout_fn() for _ in range(4)) for _ in range(2)), pbar_desc=None
+    )
 
 
 @pytest.mark.slow
@@ -254,8 +272,7 @@ def test_weave_traced_rollouts_train_unchanged(run):
     async def round_() -> int:
         backend = art_sky.attach("obs")
         try:
-            model = art_sky.TrainableModel(name="watched", project="obs", base_model="art-sky/tiny",
-                                           report_metrics=[])
+            model = art_sky.TrainableModel(name="watched", project="obs", base_model="art-sky/tiny", report_metrics=[])
             await model.register(backend)
             before = await model.get_step()
             result = await model.train(await gather_with(lambda: traced(model)))
@@ -265,8 +282,14 @@ def test_weave_traced_rollouts_train_unchanged(run):
 
     assert asyncio.run(round_()) == 1
     script = WEAVE_ROUND.format(tests=str(Path(__file__).parent))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                            env=os.environ | {"WEAVE_DISABLED": "true"}, cwd=run["tmp"])
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"WEAVE_DISABLED": "true"},
+        cwd=run["tmp"],
+    )
     assert result.returncode == 0 and "trained with weave" in result.stdout, result.stdout + result.stderr
 
 
@@ -274,24 +297,41 @@ async def test_sampled_tokens_count_from_responses_and_streams(server):
     """The server counts each completion's sampled tokens from the bytes its client gets (a response's usage, a
     stream's token_ids or its usage): the next step's `data/step_actor_tokens` is their sum."""
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "seed": 3}
-    body = (await server.post("/v1/chat/completions", json=chat | {"n": 2, "logprobs": True,
-                                                                     "return_tokens_as_token_ids": True})).json()
+    body = (
+        await server.post(
+            "/v1/chat/completions", json=chat | {"n": 2, "logprobs": True, "return_tokens_as_token_ids": True}
+        )
+    ).json()
     sampled = body["usage"]["completion_tokens"]
     for options in ({}, {"stream_options": {"include_usage": True}}):
         async with server.stream("POST", "/v1/chat/completions", json=chat | {"stream": True} | options) as response:
-            events = [json.loads(line[len("data: "):]) for line in (await response.aread()).decode().splitlines()
-                      if line.startswith("data: {")]
+            events = [
+                json.loads(line[len("data: ") :])
+                for line in (await response.aread()).decode().splitlines()
+                if line.startswith("data: {")
+            ]
         streamed = sum(len(choice.get("token_ids") or []) for event in events for choice in event["choices"])
         assert streamed > 0
         usage = [event["usage"]["completion_tokens"] for event in events if event.get("usage")]
         assert usage == ([streamed] if options else [])
         sampled += streamed
-    group = {"trajectories": [
-        {"items": [{"role": "user", "content": "hi"},
-                   {"kind": "choice", "content": choice["message"]["content"],
-                    "token_ids": [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]],
-                    "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}],
-         "reward": float(i)} for i, choice in enumerate(body["choices"])]}
+    group = {
+        "trajectories": [
+            {
+                "items": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "kind": "choice",
+                        "content": choice["message"]["content"],
+                        "token_ids": [int(t["token"].removeprefix("token_id:")) for t in choice["logprobs"]["content"]],
+                        "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]],
+                    },
+                ],
+                "reward": float(i),
+            }
+            for i, choice in enumerate(body["choices"])
+        ]
+    }
     status, lines = await train_lines(server, "tiny", {"groups": [group]})
     assert status == 200 and lines[-1]["type"] == "result", lines
     assert lines[-1]["metrics"]["data/step_actor_tokens"] == sampled

@@ -16,8 +16,7 @@ from art_sky.wire import ChatCompletionRequest, RegisterRequest
 
 
 def test_sampled_logprobs_match_the_trainer(tmp_path):
-    state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path,
-                               Settings())
+    state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path, Settings())
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello"}]
     request = ChatCompletionRequest(model="m", messages=messages, n=4, max_tokens=10, logprobs=True, seed=3)
     engine = PortableEngine(64)
@@ -27,36 +26,60 @@ def test_sampled_logprobs_match_the_trainer(tmp_path):
     policy = Policy(state.model, ensure_optimizer(state), pad_id(state.tokenizer))
     for choice in completion.choices:
         reported = [t.logprob for t in choice.logprobs.content]
-        built = build_sequences(state.tokenizer, wire_trajectory({"messages_and_choices": [*messages, choice],
-                                                                  "reward": 0}), 8192, 300, state.eos_token_ids)
+        built = build_sequences(
+            state.tokenizer,
+            wire_trajectory({"messages_and_choices": [*messages, choice], "reward": 0}),
+            8192,
+            300,
+            state.eos_token_ids,
+        )
         [seq] = built.sequences
         assert seq.token_ids == choice.prompt_token_ids + choice.token_ids  # the engine's own ids, end to end
         with torch.no_grad():
             recomputed, _ = trainer._scores(policy, trainer._layout(policy, [seq]))
         trained = [recomputed[0, i - 1].item() for i, t in enumerate(seq.trained) if t]
         assert len(trained) == len(reported) == built.exact_tokens
-        assert max(abs(a - b) for a, b in zip(trained, reported)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(trained, reported, strict=False)) < 1e-4
         assert all(not math.isnan(lp) for lp in reported)
 
 
 def test_batched_requests_sample_as_they_would_alone(tmp_path):
     """Left-padded batching must not change what a request gets: same seed, same tokens and logprobs."""
-    state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path,
-                               Settings())
+    state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path, Settings())
     engine = PortableEngine(64)
     engine.attach(state)
-    short = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
-                                  logprobs=True, return_tokens_as_token_ids=True, seed=5)
-    long = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a much longer question " * 3}],
-                                 n=1, max_tokens=9, logprobs=True, return_tokens_as_token_ids=True, seed=6,
-                                 temperature=0.7, top_p=0.9)
+    short = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        max_tokens=6,
+        logprobs=True,
+        return_tokens_as_token_ids=True,
+        seed=5,
+    )
+    long = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "a much longer question " * 3}],
+        n=1,
+        max_tokens=9,
+        logprobs=True,
+        return_tokens_as_token_ids=True,
+        seed=6,
+        temperature=0.7,
+        top_p=0.9,
+    )
     alone = [engine.complete(state, short), engine.complete(state, long)]
-    together = [ChatCompletion.model_validate(c)
-                for c in engine.run([engine.prepare(state, short), engine.prepare(state, long)])]
-    for a, b in zip(alone, together):
-        for ca, cb in zip(a.choices, b.choices):
+    together = [
+        ChatCompletion.model_validate(c)
+        for c in engine.run([engine.prepare(state, short), engine.prepare(state, long)])
+    ]
+    for a, b in zip(alone, together, strict=False):
+        for ca, cb in zip(a.choices, b.choices, strict=False):
             assert [t.token for t in ca.logprobs.content] == [t.token for t in cb.logprobs.content]
-            assert max(abs(x.logprob - y.logprob) for x, y in zip(ca.logprobs.content, cb.logprobs.content)) < 1e-4
+            assert (
+                max(abs(x.logprob - y.logprob) for x, y in zip(ca.logprobs.content, cb.logprobs.content, strict=False))
+                < 1e-4
+            )
             assert ca.finish_reason == cb.finish_reason
 
 
@@ -70,8 +93,7 @@ def test_packed_microbatches_train_as_one_row_at_a_time(tmp_path):
     from art_sky.cluster.training.sequences import Sequence
     from art_sky.wire import TrainConfig
 
-    state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path,
-                               Settings())
+    state = create_model_state(RegisterRequest(name="m", project="p", base_model="art-sky/tiny"), tmp_path, Settings())
     rng = random.Random(0)
     batch = []
     for length, prompt in ((40, 30), (25, 5), (33, 20), (12, 3)):

@@ -11,7 +11,6 @@ deterministically on the real server.
 
 from __future__ import annotations
 
-import ast
 import glob
 import json
 import math
@@ -29,9 +28,9 @@ import art_sky
 from art_sky.art_compat import releases
 from art_sky.art_compat.models import model_config
 from art_sky.art_compat.training import KEYWORDS, train_options
-from art_sky.remote.install import BootstrapOptions
 from art_sky.client.trajectories import History, wire_groups
 from art_sky.errors import ConfigError
+from art_sky.remote.install import BootstrapOptions
 from art_sky.wire import ModelConfig, TrainConfig
 
 PROGRAMS = Path(__file__).parent / "art_programs"
@@ -45,14 +44,17 @@ def run_program(name: str, cwd: Path, backend_line: str | None = None, python: s
     default)."""
     source = (PROGRAMS / f"{name}.py").read_text()
     if backend_line is not None:
-        source = "\n".join(line[:line.index("backend = ")] + f"backend = {backend_line}"
-                           if line.strip().startswith(BACKEND_LINE) else line for line in source.splitlines())
+        source = "\n".join(
+            line[: line.index("backend = ")] + f"backend = {backend_line}"
+            if line.strip().startswith(BACKEND_LINE)
+            else line
+            for line in source.splitlines()
+        )
     program = cwd / f"{name}.py"
     program.write_text(source)
     env = os.environ | {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "WANDB_MODE": "disabled"}
     env.pop("WANDB_API_KEY", None)
-    done = subprocess.run([str(python), str(program)], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run([str(python), str(program)], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -90,7 +92,7 @@ def test_art_programs_on_local_backend(tmp_path):
 
 
 @pytest.mark.slow
-def test_art_program_on_ssh_backend(sshd, tmp_path, art_sky_home):  # noqa: F811
+def test_art_program_on_ssh_backend(sshd, tmp_path, art_sky_home):
     remote = tmp_path / "remote"
     seen = run_program("multiply", tmp_path, _ssh_backend(sshd, remote))
     server_dir = remote / "art" / "art-compat" / "models" / "multiply"
@@ -105,12 +107,15 @@ def test_art_program_from_a_clean_venv_with_only_the_art_extra(tmp_path):
     venv = tmp_path / "art-venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    install = subprocess.run([python, "-m", "pip", "install", "-q", f"{ROOT}[art]"], capture_output=True, text=True,
-                             timeout=1800)
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", f"{ROOT}[art]"], capture_output=True, text=True, timeout=1800
+    )
     assert install.returncode == 0, install.stderr[-5000:]
     check = "import importlib.util as u; print([m for m in ('torch', 'transformers', 'fastapi') if u.find_spec(m)])"
-    assert subprocess.run([python, "-c", check], capture_output=True, text=True, check=True,
-                          cwd=tmp_path).stdout.strip() == "[]"  # the laptop side only: [art] pulls no server deps
+    assert (
+        subprocess.run([python, "-c", check], capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+        == "[]"
+    )  # the laptop side only: [art] pulls no server deps
     work = tmp_path / "work"
     work.mkdir()
     seen = run_program("multiply", work, f"art_sky.LocalBackend(python={sys.executable!r})", python=python)
@@ -118,11 +123,13 @@ def test_art_program_from_a_clean_venv_with_only_the_art_extra(tmp_path):
     check_multiply(seen, model_dir, model_dir)
 
 
-def _ssh_backend(sshd, remote: Path) -> str:  # noqa: F811
+def _ssh_backend(sshd, remote: Path) -> str:
     """An SSHBackend line for a program: this machine's sshd, the server on this venv's Python (a prepared one)."""
     options = f"__import__({BootstrapOptions.__module__!r}, fromlist=['_']).BootstrapOptions"
-    return (f"art_sky.SSHBackend('{sshd.target().user}@127.0.0.1:{sshd.port}', key_path='{sshd.client_key}', "
-            f"options={options}(remote_dir='{remote}', python='{sys.executable}'))")
+    return (
+        f"art_sky.SSHBackend('{sshd.target().user}@127.0.0.1:{sshd.port}', key_path='{sshd.client_key}', "
+        f"options={options}(remote_dir='{remote}', python='{sys.executable}'))"
+    )
 
 
 # -- the newest end of the range: ART 0.5.20+ on Python 3.12 -------------------------------------------------------
@@ -139,16 +146,22 @@ def _python312() -> str | None:
 def art_latest() -> Path:
     """The Python of .venv-art (the newest tested ART, installed by the `art` extra alone)."""
     if _python312() is None:
-        pytest.skip("no Python 3.12 on this machine: ART 0.5.20+ needs it (pyenv install 3.12), so the newest end of "
-                    "the supported range is not tested here")
+        pytest.skip(
+            "no Python 3.12 on this machine: ART 0.5.20+ needs it (pyenv install 3.12), so the newest end of "
+            "the supported range is not tested here"
+        )
     if not ART_LATEST.exists():
         pytest.fail(f"{ART_LATEST} is missing: run `bash tests/setup/50-art-latest.sh` (tests/run.sh does)")
     return ART_LATEST
 
 
 def _art_version(python: Path | str) -> str:
-    return subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('openpipe-art'))"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('openpipe-art'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 def test_the_art_extra_installs_the_newest_tested_release_on_python_312_and_keeps_any_in_the_range(art_latest):
@@ -157,27 +170,48 @@ def test_the_art_extra_installs_the_newest_tested_release_on_python_312_and_keep
     assert _art_version(art_latest) == releases.NEWEST
     assert _art_version(sys.executable) == releases.OLDEST  # Python 3.11: the last release for it
     check = "import importlib.util as u; print([m for m in ('torch', 'transformers', 'fastapi') if u.find_spec(m)])"
-    assert subprocess.run([str(art_latest), "-c", check], capture_output=True, text=True,
-                          check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run([str(art_latest), "-c", check], capture_output=True, text=True, check=True).stdout.strip()
+        == "[]"
+    )
     for version in ("0.5.20", releases.NEWEST):
-        report = subprocess.run([str(art_latest), "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
-                                 f"openpipe-art=={version}", "-e", f"{ROOT}[art]"],
-                                capture_output=True, text=True, timeout=300)
+        report = subprocess.run(
+            [
+                str(art_latest),
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--quiet",
+                "--report",
+                "-",
+                f"openpipe-art=={version}",
+                "-e",
+                f"{ROOT}[art]",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert report.returncode == 0, report.stderr[-3000:]
-        chosen = {item["metadata"]["name"]: item["metadata"]["version"]
-                  for item in json.loads(report.stdout)["install"]}
+        chosen = {
+            item["metadata"]["name"]: item["metadata"]["version"] for item in json.loads(report.stdout)["install"]
+        }
         assert chosen.get("openpipe-art", _art_version(art_latest)) == version
 
 
 def test_every_keyword_of_arts_backend_train_is_known_at_both_ends(art_latest):
     """The real LocalBackend.train signatures (read from each release's source: importing them needs ART's GPU
     stack): every keyword art-sky does not take is a TypeError today, so each must be in art-sky's table."""
-    probe = ("import ast, importlib.util, json; tree = ast.parse(open(importlib.util.find_spec('art').submodule_search_"
-             "locations[0] + '/local/backend.py').read()); print(json.dumps([a.arg for n in ast.walk(tree) if isinstance(n,"
-             " ast.AsyncFunctionDef) and n.name == 'train' for a in n.args.kwonlyargs]))")
+    probe = (
+        "import ast, importlib.util, json; tree = ast.parse(open(importlib.util.find_spec('art').submodule_search_"
+        "locations[0] + '/local/backend.py').read()); print(json.dumps([a.arg for n in ast.walk(tree) if isinstance(n,"
+        " ast.AsyncFunctionDef) and n.name == 'train' for a in n.args.kwonlyargs]))"
+    )
     for python in (sys.executable, art_latest):
-        keywords = set(json.loads(subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
-                                                 check=True).stdout)) - {"verbose"}
+        keywords = set(
+            json.loads(subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True).stdout)
+        ) - {"verbose"}
         assert keywords <= set(KEYWORDS), f"ART {_art_version(python)}: {sorted(keywords - set(KEYWORDS))}"
         version = _art_version(python)
         assert all(releases._key(KEYWORDS[k].since) <= releases._key(version) for k in keywords)
@@ -205,8 +239,9 @@ def check_latest(seen: dict, server_root: Path, frontend_root: Path) -> None:
     assert not list((run_a / "checkpoints" / "0005" / "training_state").glob("optimizer.*"))  # no resume point
     lora = json.loads((run_a / "checkpoints" / "0004" / "adapter_config.json").read_text())
     assert (lora["r"], lora["lora_alpha"]) == (4, 8)  # ART's lora_config
-    assert sorted(p.name for p in (server_root / "art-latest" / "models" / "run-b" / "checkpoints").iterdir()) == \
-        ["0000"]
+    assert sorted(p.name for p in (server_root / "art-latest" / "models" / "run-b" / "checkpoints").iterdir()) == [
+        "0000"
+    ]
     assert not (server_root / "art-latest" / "models" / "multiply").exists()  # keyed by run_name, as ART keys it
     frontend = frontend_root / "art-latest" / "models" / "run-a"
     assert any("val/reward" in e for e in history(frontend))  # ART's model.log, read by its delete_checkpoints
@@ -215,13 +250,14 @@ def check_latest(seen: dict, server_root: Path, frontend_root: Path) -> None:
 
 @pytest.mark.slow
 def test_art_latest_program_on_local_backend(art_latest, tmp_path):
-    seen = run_program("multiply_art_0520", tmp_path, f"art_sky.LocalBackend(python={sys.executable!r})",
-                       python=art_latest)
+    seen = run_program(
+        "multiply_art_0520", tmp_path, f"art_sky.LocalBackend(python={sys.executable!r})", python=art_latest
+    )
     check_latest(seen, tmp_path / ".art", tmp_path / ".art")
 
 
 @pytest.mark.slow
-def test_art_latest_program_on_ssh_backend(art_latest, sshd, tmp_path, art_sky_home):  # noqa: F811
+def test_art_latest_program_on_ssh_backend(art_latest, sshd, tmp_path, art_sky_home):
     remote = tmp_path / "remote"
     seen = run_program("multiply_art_0520", tmp_path, _ssh_backend(sshd, remote), python=art_latest)
     check_latest(seen, remote / "art", tmp_path / ".art")
@@ -234,21 +270,34 @@ def train_config(config, kwargs):
 
 def test_art_train_keywords_map_to_train_config():
     assert train_config(None, {}) == TrainConfig(loss_fn="cispo", epsilon=1.0, epsilon_high=4.0)  # ART's defaults
-    config = train_config(None, {"learning_rate": 1e-4, "loss_fn": "ppo", "kl_penalty_coef": 0.1,
-                                 "epsilon_high": 0.3, "normalize_advantages": False, "advantage_balance": 0.0})
-    assert config == TrainConfig(learning_rate=1e-4, loss_fn="ppo", kl_penalty_coef=0.1, epsilon_high=0.3,
-                                 scale_rewards=False)
+    config = train_config(
+        None,
+        {
+            "learning_rate": 1e-4,
+            "loss_fn": "ppo",
+            "kl_penalty_coef": 0.1,
+            "epsilon_high": 0.3,
+            "normalize_advantages": False,
+            "advantage_balance": 0.0,
+        },
+    )
+    assert config == TrainConfig(
+        learning_rate=1e-4, loss_fn="ppo", kl_penalty_coef=0.1, epsilon_high=0.3, scale_rewards=False
+    )
     assert train_config(TrainConfig(beta=0.1), {"learning_rate": 1e-3}) == TrainConfig(beta=0.1, learning_rate=1e-3)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"adam_params": {"beta1": 0.8}}, "adam_params"),
-    ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
-    ({"save_checkpoint": "no"}, "save_checkpoint"),
-    ({"kl_penalty_reference_step": 3}, "kl_penalty_reference_step"),
-    ({"loss_fn": "dro"}, "loss_fn"),
-    ({"learning_rate": -1.0}, "learning_rate"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"adam_params": {"beta1": 0.8}}, "adam_params"),
+        ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
+        ({"save_checkpoint": "no"}, "save_checkpoint"),
+        ({"kl_penalty_reference_step": 3}, "kl_penalty_reference_step"),
+        ({"loss_fn": "dro"}, "loss_fn"),
+        ({"learning_rate": -1.0}, "learning_rate"),
+    ],
+)
 def test_art_train_keywords_the_trainer_cannot_honour_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         train_config(None, kwargs)
@@ -268,10 +317,14 @@ class _ArtLikeModel:
 
 def test_lora_settings_come_from_art_internal_config_never_the_user_config():
     assert model_config(_ArtLikeModel(config={"lora_rank": 64})) == ModelConfig()  # the user's own config
-    internal = {"peft_args": {"r": 16, "lora_alpha": 32, "bias": "none"}, "init_args": {"max_seq_length": 4096},
-                "engine_args": {"gpu_memory_utilization": 0.7}}
-    assert model_config(_ArtLikeModel(internal=internal)) == ModelConfig(lora_rank=16, lora_alpha=32,
-                                                                         max_seq_length=4096)
+    internal = {
+        "peft_args": {"r": 16, "lora_alpha": 32, "bias": "none"},
+        "init_args": {"max_seq_length": 4096},
+        "engine_args": {"gpu_memory_utilization": 0.7},
+    }
+    assert model_config(_ArtLikeModel(internal=internal)) == ModelConfig(
+        lora_rank=16, lora_alpha=32, max_seq_length=4096
+    )
     assert model_config(_ArtLikeModel(config=ModelConfig(lora_rank=2))).lora_rank == 2  # art-sky's own option
     with pytest.raises(ConfigError, match="'peft_args'.*'use_rslora'"):
         model_config(_ArtLikeModel(internal={"peft_args": {"use_rslora": True}}))
@@ -288,16 +341,22 @@ def _trajectory(reward=1.0, items=None, **fields):
     return art_sky.Trajectory(messages_and_choices=items, reward=reward, **fields)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (_trajectory(reward=math.nan), r"group 1, trajectory 1: reward is nan"),
-    (_trajectory(items=[]), r"group 1, trajectory 1: messages_and_choices is empty"),
-    (_trajectory(items=[{"role": "user", "content": "x"}, {"content": "no role"}]),
-     r"group 1, trajectory 1, messages_and_choices\[1\]\): role: Field required"),
-    (_trajectory(metrics={"score": math.inf}), r"group 1, trajectory 1: metrics\['score'\] is inf"),
-    (_trajectory(additional_histories=[History(
-        messages_and_choices=[{"role": "wizard", "content": "x"}])]),
-     r"group 1, trajectory 1, additional_histories\[0\], messages_and_choices\[0\]\): role"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (_trajectory(reward=math.nan), r"group 1, trajectory 1: reward is nan"),
+        (_trajectory(items=[]), r"group 1, trajectory 1: messages_and_choices is empty"),
+        (
+            _trajectory(items=[{"role": "user", "content": "x"}, {"content": "no role"}]),
+            r"group 1, trajectory 1, messages_and_choices\[1\]\): role: Field required",
+        ),
+        (_trajectory(metrics={"score": math.inf}), r"group 1, trajectory 1: metrics\['score'\] is inf"),
+        (
+            _trajectory(additional_histories=[History(messages_and_choices=[{"role": "wizard", "content": "x"}])]),
+            r"group 1, trajectory 1, additional_histories\[0\], messages_and_choices\[0\]\): role",
+        ),
+    ],
+)
 def test_malformed_trajectory_names_its_group_index_and_field(bad, match):
     with pytest.raises(ConfigError, match=match):
         wire_groups([_group(_trajectory(), _trajectory(0.0)), _group(_trajectory(), bad)])
@@ -316,30 +375,44 @@ def test_art_fields_on_art_sky_trajectories():
 
 # -- the server side: additional histories, SFT and ART's checkpoint deletion, on the real in-process server ----
 async def _sampled(server, content: str) -> dict:
-    response = await server.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "logprobs": True})
+    response = await server.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "logprobs": True},
+    )
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert len(choice["token_ids"]) == len(choice["logprobs"]["content"])  # ids come with plain logprobs=True
-    return {"kind": "choice", "content": choice["message"]["content"], "token_ids": choice["token_ids"],
-            "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]]}
+    return {
+        "kind": "choice",
+        "content": choice["message"]["content"],
+        "token_ids": choice["token_ids"],
+        "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]],
+    }
 
 
 async def test_additional_histories_train_as_further_sequences(server):
     async def trajectory(reward: float, histories: int) -> dict:
-        return {"items": [{"role": "user", "content": "a"}, await _sampled(server, "a")], "reward": reward,
-                "additional_histories": [{"items": [{"role": "user", "content": "b"}, await _sampled(server, "b")]}
-                                         for _ in range(histories)]}
+        return {
+            "items": [{"role": "user", "content": "a"}, await _sampled(server, "a")],
+            "reward": reward,
+            "additional_histories": [
+                {"items": [{"role": "user", "content": "b"}, await _sampled(server, "b")]} for _ in range(histories)
+            ],
+        }
 
-    status, lines = await train_lines(server, "tiny", {"groups": [
-        {"trajectories": [await trajectory(1.0, 2), await trajectory(0.0, 1)]}]})
+    status, lines = await train_lines(
+        server, "tiny", {"groups": [{"trajectories": [await trajectory(1.0, 2), await trajectory(0.0, 1)]}]}
+    )
     assert status == 200, lines
     assert lines[-1]["metrics"]["sequences"] == 5.0  # 1 + 2 and 1 + 1
 
     bad = await trajectory(1.0, 0)
-    bad["additional_histories"] = [{"items": [{"role": "user", "content": "b"}, {"kind": "choice", "token_ids": [10**6]}]}]
-    status, lines = await train_lines(server, "tiny", {"groups": [
-        {"trajectories": [await trajectory(0.0, 0), bad, await trajectory(0.5, 0)]}]})
+    bad["additional_histories"] = [
+        {"items": [{"role": "user", "content": "b"}, {"kind": "choice", "token_ids": [10**6]}]}
+    ]
+    status, lines = await train_lines(
+        server, "tiny", {"groups": [{"trajectories": [await trajectory(0.0, 0), bad, await trajectory(0.5, 0)]}]}
+    )
     assert status == 200, lines  # skipped and reported; the rest trains
     assert lines[-1]["skipped"][0].startswith("group 0, trajectory 1: additional_histories[0], messages_and_choices[1]")
     assert lines[-1]["metrics"]["num_trajectories_skipped"] == 1 and lines[-1]["metrics"]["sequences"] == 2.0
@@ -348,8 +421,11 @@ async def test_additional_histories_train_as_further_sequences(server):
 async def test_sft_is_one_step_with_one_optimizer_step_per_batch(server):
     step = (await server.get("/art/models/tiny")).json()["step"]
     chat = [{"role": "user", "content": "2 * 3?"}, {"role": "assistant", "content": "6"}]
-    body = {"trajectories": [{"items": chat, "reward": 0.0}] * 3 + [{"items": chat[:1], "reward": 0.0}],
-            "batch_size": 2, "learning_rates": [1e-2, 1e-3]}
+    body = {
+        "trajectories": [{"items": chat, "reward": 0.0}] * 3 + [{"items": chat[:1], "reward": 0.0}],
+        "batch_size": 2,
+        "learning_rates": [1e-2, 1e-3],
+    }
     response = await server.post("/art/models/tiny/sft", json=body)
     lines = [json.loads(line) for line in response.text.splitlines()]
     result = lines[-1]
@@ -365,9 +441,15 @@ async def test_sft_is_one_step_with_one_optimizer_step_per_batch(server):
 
 async def test_art_delete_checkpoint_files_keeps_exactly_the_given_steps(server):
     for _ in range(2):
-        await server.post("/art/models/tiny/sft", json={
-            "trajectories": [{"items": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-                              "reward": 0.0}], "learning_rates": [1e-4]})
+        await server.post(
+            "/art/models/tiny/sft",
+            json={
+                "trajectories": [
+                    {"items": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "reward": 0.0}
+                ],
+                "learning_rates": [1e-4],
+            },
+        )
     steps = [c["step"] for c in (await server.get("/art/models/tiny/checkpoints")).json()]
     current = steps[-1]
     response = await server.post("/art/models/tiny/checkpoints/delete", json={"keep_steps": [steps[0]]})

@@ -30,7 +30,9 @@ async def test_completions_carry_the_step_that_sampled_them(server):
     first = (await server.post("/v1/chat/completions", json=body)).json()
     assert [c["art_sky_step"] for c in first["choices"]] == [0, 0]
     assert wire_item(first["choices"][0]).step == 0
-    trajectories = [{"messages_and_choices": [*PROMPT, c], "reward": r} for c, r in zip(first["choices"], (0, 1))]
+    trajectories = [
+        {"messages_and_choices": [*PROMPT, c], "reward": r} for c, r in zip(first["choices"], (0, 1), strict=False)
+    ]
     group = wire_groups([{"trajectories": trajectories}])[0]
     assert [c.step for t in group.trajectories for c in t.items[1:]] == [0, 0]
     status, lines = await train_lines(server, "tiny", {"groups": [json.loads(group.model_dump_json())]})
@@ -48,8 +50,12 @@ async def test_completions_carry_the_step_that_sampled_them(server):
 
 
 def test_the_step_travels_on_the_wire_from_any_client_type():
-    choice = {"message": {"role": "assistant", "content": "x"}, "token_ids": [5], "prompt_token_ids": [1, 2],
-              "logprobs": {"content": [{"token": "x", "logprob": -0.5}]}}
+    choice = {
+        "message": {"role": "assistant", "content": "x"},
+        "token_ids": [5],
+        "prompt_token_ids": [1, 2],
+        "logprobs": {"content": [{"token": "x", "logprob": -0.5}]},
+    }
     assert wire_item(choice | {"art_sky_step": 3}).step == 3
     assert wire_item(choice | {"provider_specific_fields": {"art_sky_step": 4}}).step == 4  # litellm keeps it here
     assert wire_item({"choices": [choice], "model": "agent@7"}).step == 7  # a completion: its model names the step
@@ -77,8 +83,9 @@ async def test_completions_go_on_while_a_step_trains_sampled_by_the_previous_ste
     choices = (await server.post("/v1/chat/completions", json=body)).json()["choices"]
     trajectories = [{"messages_and_choices": [*PROMPT, c], "reward": i % 2} for i, c in enumerate(choices)]
     group = json.loads(wire_groups([{"trajectories": trajectories}])[0].model_dump_json())
-    step = asyncio.create_task(train_lines(server, "tiny", {"groups": [group] * 16, "config": {
-        "learning_rate": 5e-2}}))  # a few seconds of training on this machine
+    step = asyncio.create_task(
+        train_lines(server, "tiny", {"groups": [group] * 16, "config": {"learning_rate": 5e-2}})
+    )  # a few seconds of training on this machine
     while await _phase(server) != "training":
         assert not step.done(), step.result()
         await asyncio.sleep(0.02)
@@ -117,8 +124,12 @@ async def test_an_engine_that_pauses_holds_completions_for_the_whole_step(tmp_pa
 
     monkeypatch.setattr(PortableEngine, "serves_while_training", False)
     app = create_app(tmp_path, API_KEY, Settings(max_new_tokens_limit=64))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server", timeout=120,
-                                 headers={"authorization": f"Bearer {API_KEY}"}) as server:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://server",
+        timeout=120,
+        headers={"authorization": f"Bearer {API_KEY}"},
+    ) as server:
         response = await server.post("/art/models", json={"name": "tiny", "project": "t", "base_model": "art-sky/tiny"})
         assert response.status_code == 200, response.text
         assert (await server.get("/health")).json()["serves_while_training"] is False
@@ -151,8 +162,9 @@ def _group(step: int | None, logprobs: bool = True, reward_offset: float = 0.0) 
         choice["logprobs"] = {"content": [{"token": "7", "logprob": -1.0}]}
     if step is not None:
         choice["art_sky_step"] = step
-    return {"trajectories": [{"messages_and_choices": [*PROMPT, choice], "reward": r + reward_offset}
-                             for r in (0.0, 1.0)]}
+    return {
+        "trajectories": [{"messages_and_choices": [*PROMPT, choice], "reward": r + reward_offset} for r in (0.0, 1.0)]
+    }
 
 
 @pytest.mark.parametrize("bound", [0, 1, 2])
@@ -164,16 +176,23 @@ def test_groups_beyond_the_bound_are_dropped_and_counted(bound):
     kept, metrics = drop_stale(wired, versions, 10, bound)
     # kept: every group at most `bound` steps behind step 10, and the one whose version is unknown
     assert len(kept) == bound + 2 and metrics["discarded_stale_groups"] == 3 - bound
-    assert kept[:bound + 1] == wired[:bound + 1] and kept[-1] is wired[-1]
+    assert kept[: bound + 1] == wired[: bound + 1] and kept[-1] is wired[-1]
     assert metrics["steps_off_policy"] == pytest.approx(sum(range(bound + 1)) * 2 / ((bound + 2) * 2))
 
 
 def test_a_group_is_as_old_as_its_oldest_turn_and_needs_logprobs_when_behind():
     mixed = _group(10)
     mixed["trajectories"][1]["messages_and_choices"].append(_group(8)["trajectories"][0]["messages_and_choices"][-1])
-    art_versioned = {"trajectories": [art.Trajectory(messages_and_choices=[*PROMPT, {"role": "assistant",
-                                                                                       "content": "7"}],
-                                                     reward=r, initial_policy_version=6) for r in (0.0, 1.0)]}
+    art_versioned = {
+        "trajectories": [
+            art.Trajectory(
+                messages_and_choices=[*PROMPT, {"role": "assistant", "content": "7"}],
+                reward=r,
+                initial_policy_version=6,
+            )
+            for r in (0.0, 1.0)
+        ]
+    }
     groups = [mixed, _group(9, logprobs=False), _group(10, logprobs=False), art_versioned]
     wired = wire_groups(groups)
     versions = group_versions(groups, wired)
@@ -209,8 +228,12 @@ async def _rollouts(model: art.TrainableModel, groups: int = 2, size: int = 4, s
     async def one(prompt: str) -> art.Trajectory:
         messages = [{"role": "user", "content": prompt}]
         completion = await model.openai_client().chat.completions.create(
-            model=model.get_inference_name(), messages=messages, max_tokens=8, temperature=1.0,
-            seed=rng.randrange(2**31))
+            model=model.get_inference_name(),
+            messages=messages,
+            max_tokens=8,
+            temperature=1.0,
+            seed=rng.randrange(2**31),
+        )
         choice = completion.choices[0]
         return art.Trajectory(messages_and_choices=[*messages, choice], reward=digit_share(choice.message.content))
 
@@ -283,14 +306,16 @@ async def _demo_batch(model: art.TrainableModel, rng: random.Random) -> list:
     async def one(prompt: str, seed: int) -> art.Trajectory:
         messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": prompt}]
         completion = await model.openai_client().chat.completions.create(
-            model=model.inference_model_name, messages=messages, max_tokens=8, temperature=1.0, seed=seed)
+            model=model.inference_model_name, messages=messages, max_tokens=8, temperature=1.0, seed=seed
+        )
         choice = completion.choices[0]
         await asyncio.sleep(0.05)  # an environment's answer: lets the next batch overlap the step
         return art.Trajectory(messages_and_choices=[*messages, choice], reward=digit_share(choice.message.content))
 
     return await art.gather_trajectory_groups(
         (art.TrajectoryGroup(one(rng.choice(PROMPTS), rng.randrange(2**31)) for _ in range(8)) for _ in range(6)),
-        pbar_desc=None)
+        pbar_desc=None,
+    )
 
 
 @pytest.mark.slow
@@ -321,6 +346,9 @@ async def test_the_pipelined_loop_learns_the_demo_task_as_the_sequential_one(bac
         batch = await _demo_batch(model, random.Random(99))
         evaluated.append(sum(t.reward for g in batch for t in g) / sum(len(g) for g in batch))
     seq_final, pipe_final = evaluated
-    assert seq_final >= seq_rewards[0] + 0.4 and pipe_final >= pipe_rewards[0] + 0.4, (seq_rewards, pipe_rewards,
-                                                                                      evaluated)
+    assert seq_final >= seq_rewards[0] + 0.4 and pipe_final >= pipe_rewards[0] + 0.4, (
+        seq_rewards,
+        pipe_rewards,
+        evaluated,
+    )
     assert pipe_final >= seq_final - 0.15, (seq_rewards, pipe_rewards, evaluated)

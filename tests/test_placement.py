@@ -41,10 +41,22 @@ def parameters(config) -> int:
         return base_parameters(AutoModelForCausalLM.from_config(config))
 
 
-LLAMA_70B = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=128256)
-LLAMA_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256)
+LLAMA_70B = LlamaConfig(
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
+LLAMA_8B = LlamaConfig(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +85,20 @@ def test_settings_override_the_layout():
     assert (shared.layout, shared.engine_gpus) == ("shared", ("0",))
     two_trainers = choose(node(8), Settings(trainer_gpus=2), vllm=True)
     assert (two_trainers.engine_gpus, two_trainers.trainer_gpus) == (tuple("012345"), ("6", "7"))
-    assert choose(node(0), Settings(gpu_layout="dedicated"), vllm=True).describe().startswith(
-        "dedicated: vLLM and the trainer in separate processes on CPUs")
+    assert (
+        choose(node(0), Settings(gpu_layout="dedicated"), vllm=True)
+        .describe()
+        .startswith("dedicated: vLLM and the trainer in separate processes on CPUs")
+    )
     with pytest.raises(ConfigError, match=r"ART_SKY_GPU_LAYOUT=dedicated needs two or more GPUs.*has one \(0\)"):
         choose(node(1), Settings(gpu_layout="dedicated"), vllm=True)
     with pytest.raises(ConfigError, match="ART_SKY_GPU_LAYOUT=dedicated .* portable"):
         choose(node(8), Settings(gpu_layout="dedicated"), vllm=False)
-    with pytest.raises(ConfigError, match=r"unknown GPU layout 'split' \(ART_SKY_GPU_LAYOUT\): use one of auto, "
-                                          "shared, dedicated"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown GPU layout 'split' \(ART_SKY_GPU_LAYOUT\): use one of auto, "
+        "shared, dedicated",
+    ):
         choose(node(8), Settings(gpu_layout="split"), vllm=True)
     with pytest.raises(ConfigError, match="ART_SKY_TRAINER_GPUS=8 leaves none of a node's 8 GPUs for vLLM.*at most 7"):
         choose(node(8), Settings(trainer_gpus=8), vllm=True)
@@ -95,8 +113,9 @@ def test_tensor_parallel_is_what_the_model_needs(sizes):
     assert 69e9 < sizes["70b"] < 72e9 and 7.5e9 < sizes["8b"] < 8.5e9  # the meta models are the real sizes
     big = eight.sized(LLAMA_70B, sizes["70b"], settings)  # 141 GB of bf16: a quarter each fits half of 0.9 x 80 GB
     assert (big.tensor_parallel, big.data_parallel) == (4, 1)
-    assert big.describe() == ("dedicated: vLLM on GPUs 0-3 (tensor parallel 4 x data parallel 1, GPUs 4-6 idle), "
-                              "trainer on GPU 7")
+    assert big.describe() == (
+        "dedicated: vLLM on GPUs 0-3 (tensor parallel 4 x data parallel 1, GPUs 4-6 idle), trainer on GPU 7"
+    )
     small = eight.sized(LLAMA_8B, sizes["8b"], settings)
     assert (small.tensor_parallel, small.data_parallel) == (1, 7)
     from art_sky.cluster.tiny_model import tiny_model_path
@@ -115,8 +134,14 @@ def test_tensor_parallel_is_what_the_model_needs(sizes):
 
 def test_tensor_parallel_respects_the_heads_and_the_override(sizes):
     # 28 attention heads, 4 KV heads (Qwen2.5-7B's shape): tensor parallel 4 splits both
-    qwen = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064)
+    qwen = Qwen2Config(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    )
     eight = choose(node(8, mib=11264), Settings(), vllm=True)  # 11 GiB GPUs: the 15 GB model needs 4 of them
     assert eight.sized(qwen, parameters(qwen), Settings()).tensor_parallel == 4
     forced = choose(node(8), Settings(engine_tensor_parallel=2), vllm=True)
@@ -146,15 +171,18 @@ def test_visible_gpus_respects_cuda_visible_devices():
 @pytest.fixture
 def fake_node(tmp_path, monkeypatch):
     """An `nvidia-smi` on PATH that lists `count` H100s (and refuses any other question than visible_gpus's)."""
+
     def install(count: int) -> Path:
         script = tmp_path / "bin" / "nvidia-smi"
         script.parent.mkdir(exist_ok=True)
         lines = "\\n".join(f"{i}, GPU-{i:04d}, {H100}" for i in range(count))
-        script.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=index,uuid,memory.total ] || exit 9\n"
-                          f"printf '{lines}\\n'\n")
+        script.write_text(
+            f"#!/bin/sh\n[ \"$1\" = --query-gpu=index,uuid,memory.total ] || exit 9\nprintf '{lines}\\n'\n"
+        )
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
         monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
         return script.parent
+
     return install
 
 
@@ -186,13 +214,17 @@ REQUEST = RegisterRequest(name="m", project="p", base_model="meta-llama/Llama-3.
 def test_vllm_command_for_its_own_gpus(sizes):
     settings = Settings()
     dedicated = choose(node(8), settings, vllm=True).sized(LLAMA_8B, sizes["8b"], settings)
-    args, env = vllm_command(settings, dedicated, "/models/llama", REQUEST, 8001, 16, on_cuda=True,
-                             sleep_mode=False, api_key=KEY)
+    args, env = vllm_command(
+        settings, dedicated, "/models/llama", REQUEST, 8001, 16, on_cuda=True, sleep_mode=False, api_key=KEY
+    )
     line = " ".join(args)
     assert "--tensor-parallel-size 1 --data-parallel-size 7 --gpu-memory-utilization 0.9" in line
     assert "--enable-sleep-mode" not in args and KEY not in line
-    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"], env["VLLM_API_KEY"]) == ("0,1,2,3,4,5,6",
-                                                                                           "PCI_BUS_ID", KEY)
+    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"], env["VLLM_API_KEY"]) == (
+        "0,1,2,3,4,5,6",
+        "PCI_BUS_ID",
+        KEY,
+    )
     big = choose(node(8), settings, vllm=True).sized(LLAMA_70B, sizes["70b"], settings)
     args, env = vllm_command(settings, big, "/models/llama", REQUEST, 8001, 16, True, False, KEY)
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # tp 4 x dp 1: the idle three stay out of vLLM's sight
@@ -201,8 +233,9 @@ def test_vllm_command_for_its_own_gpus(sizes):
 
 def test_vllm_command_beside_the_trainer_on_one_gpu():
     settings = Settings(engine_gpu_memory=0.4)
-    args, env = vllm_command(settings, choose(node(1), settings, vllm=True), "/models/llama", REQUEST, 8001, 16,
-                             True, True, KEY)
+    args, env = vllm_command(
+        settings, choose(node(1), settings, vllm=True), "/models/llama", REQUEST, 8001, 16, True, True, KEY
+    )
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.4"
     assert "--enable-sleep-mode" in args and "--tensor-parallel-size" not in args
     assert "CUDA_VISIBLE_DEVICES" not in env  # the one GPU the server process uses too
@@ -211,9 +244,9 @@ def test_vllm_command_beside_the_trainer_on_one_gpu():
 def test_vllm_writes_compact_json_unless_told_otherwise():
     """Constrained JSON without free whitespace, as the portable engine's: a named backend (vLLM's auto refuses the
     option); ART_SKY_VLLM_COMPACT_JSON=false leaves vLLM's auto backend."""
+
     def structured(settings: Settings) -> str | None:
-        args, _ = vllm_command(settings, choose(node(1), settings, vllm=True), "/m", REQUEST, 8001, 16, True, True,
-                               KEY)
+        args, _ = vllm_command(settings, choose(node(1), settings, vllm=True), "/m", REQUEST, 8001, 16, True, True, KEY)
         return args[args.index("--structured-outputs-config") + 1] if "--structured-outputs-config" in args else None
 
     assert json.loads(structured(Settings())) == {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -237,8 +270,9 @@ def test_unsloth_never_takes_standby_in_the_dedicated_layout(monkeypatch, tmp_pa
     monkeypatch.setattr(selection, "is_gpu_vllm", lambda: True)
     monkeypatch.setattr(selection, "require_tested", lambda component, allow: None)
     settings = Settings(engine="auto", trainer="auto")
-    assert isinstance(selection.select_engine(settings, tmp_path, KEY, choose(node(1), settings, True)),
-                      SharedGpuEngine)
+    assert isinstance(
+        selection.select_engine(settings, tmp_path, KEY, choose(node(1), settings, True)), SharedGpuEngine
+    )
     dedicated = selection.select_engine(settings, tmp_path, KEY, choose(node(8), settings, True))
     assert type(dedicated) is VllmEngine and not dedicated.sleep_mode
     assert sharing_of(dedicated) == "dedicated"
@@ -250,9 +284,14 @@ VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "pyth
 
 def start_server(python: str, root: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str | None]:
     """`python -m art_sky.cluster` as the SkyPilot task runs it; its URL, or None when it exited."""
-    server = subprocess.Popen([python, "-m", "art_sky.cluster", "--run-dir", str(root / "run"), "--art-path",
-                               str(root / "art")], env=os.environ | {"ART_SKY_API_KEY": KEY} | env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+    server = subprocess.Popen(
+        [python, "-m", "art_sky.cluster", "--run-dir", str(root / "run"), "--art-path", str(root / "art")],
+        env=os.environ | {"ART_SKY_API_KEY": KEY} | env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=root,
+    )
     port_file = root / "run" / "port.json"
     deadline = time.monotonic() + 120
     while not port_file.exists():
@@ -296,15 +335,17 @@ def test_a_server_asked_for_the_dedicated_layout_reports_it(tmp_path, fake_node)
         assert url, (tmp_path / "eight" / "run" / "server.log").read_text()
         found = health(url)
         assert found["gpu_sharing"] == "dedicated"
-        assert found["placement"] == ("dedicated: vLLM on GPUs 0-6 (parallelism set by the first model), "
-                                      "trainer on GPU 7")
+        assert found["placement"] == (
+            "dedicated: vLLM on GPUs 0-6 (parallelism set by the first model), trainer on GPU 7"
+        )
         assert "GPU layout: dedicated: vLLM on GPUs 0-6" in (tmp_path / "eight" / "run" / "server.log").read_text()
     finally:
         server.terminate()
         server.wait(30)
     (tmp_path / "portable").mkdir()
-    server, url = start_server(sys.executable, tmp_path / "portable",
-                               {"ART_SKY_ENGINE": "portable", "ART_SKY_GPU_LAYOUT": "dedicated"})
+    server, url = start_server(
+        sys.executable, tmp_path / "portable", {"ART_SKY_ENGINE": "portable", "ART_SKY_GPU_LAYOUT": "dedicated"}
+    )
     if url:
         server.terminate()
     server.wait(30)
@@ -323,12 +364,14 @@ def test_the_pinned_vllm_parses_the_dedicated_command(sizes):
     big = choose(node(8), settings, vllm=True).sized(LLAMA_70B, sizes["70b"], settings)
     args, _ = vllm_command(settings, big, "/models/llama", REQUEST, 8001, 16, True, False, KEY)
     assert args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    read = ("import json, sys\n"
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
-            "a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
-            "print(json.dumps([a.tensor_parallel_size, a.data_parallel_size, a.gpu_memory_utilization, "
-            "a.enable_sleep_mode, a.enable_lora, a.max_lora_rank]))\n")
+    read = (
+        "import json, sys\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+        "a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+        "print(json.dumps([a.tensor_parallel_size, a.data_parallel_size, a.gpu_memory_utilization, "
+        "a.enable_sleep_mode, a.enable_lora, a.max_lora_rank]))\n"
+    )
     result = subprocess.run([str(VLLM_PYTHON), "-c", read, *args[3:]], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [4, 1, 0.9, False, True, 16]

@@ -50,8 +50,19 @@ def fixed_group(step: int) -> TrajectoryGroup:
     from openai.types.chat.chat_completion import Choice
 
     return TrajectoryGroup(
-        Trajectory(messages_and_choices=[*PROMPT, Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(
-            role="assistant", content=f"answer {step}-{i} " * 3))], reward=float(i)) for i in range(24))
+        Trajectory(
+            messages_and_choices=[
+                *PROMPT,
+                Choice(
+                    index=0,
+                    finish_reason="stop",
+                    message=ChatCompletionMessage(role="assistant", content=f"answer {step}-{i} " * 3),
+                ),
+            ],
+            reward=float(i),
+        )
+        for i in range(24)
+    )
 
 
 def lose_the_disk(backend, jobs: list[str]) -> None:
@@ -92,10 +103,17 @@ def cluster(sky_slurm, s3_server, store, tmp_path_factory):
     """The recorded cluster, launched once with recovery on and the object store, and meanwhile the weights of an
     uninterrupted run (`cluster.uninterrupted`); torn down at the end."""
     with pytest.MonkeyPatch.context() as patch:
-        for key, value in s3_server.env().items() | {
-                "ART_SKY_REMOTE_PYTHON": sys.executable, "ART_SKY_SERVER_START_TIMEOUT": "300",
-                "ART_SKY_SSH_CONNECT_TIMEOUT": "90", "ART_SKY_RECOVER_AFTER": "3", "ART_SKY_RECOVER_TIMEOUT": "420",
-                "ART_SKY_HOME": str(tmp_path_factory.mktemp("art-sky-home"))}.items():
+        for key, value in (
+            s3_server.env().items()
+            | {
+                "ART_SKY_REMOTE_PYTHON": sys.executable,
+                "ART_SKY_SERVER_START_TIMEOUT": "300",
+                "ART_SKY_SSH_CONNECT_TIMEOUT": "90",
+                "ART_SKY_RECOVER_AFTER": "3",
+                "ART_SKY_RECOVER_TIMEOUT": "420",
+                "ART_SKY_HOME": str(tmp_path_factory.mktemp("art-sky-home")),
+            }.items()
+        ):
             patch.setenv(key, value)
         patch.delenv("ART_SKY_API_KEY", raising=False)
         env_file = tmp_path_factory.mktemp("env") / "server.env"
@@ -104,9 +122,16 @@ def cluster(sky_slurm, s3_server, store, tmp_path_factory):
         async def launch() -> float:
             started = time.monotonic()
             backend = await SkyPilotBackend.initialize_cluster(
-                cluster_name=CLUSTER, gpu=None, infra=f"{slurm_harness.INFRA}/{PARTITION}", env_path=env_file,
-                resources={"cpus": 1, "memory": 1}, autostop_minutes=None, api_key=API_KEY, recover=True,
-                checkpoint_uri=store)
+                cluster_name=CLUSTER,
+                gpu=None,
+                infra=f"{slurm_harness.INFRA}/{PARTITION}",
+                env_path=env_file,
+                resources={"cpus": 1, "memory": 1},
+                autostop_minutes=None,
+                api_key=API_KEY,
+                recover=True,
+                checkpoint_uri=store,
+            )
             await backend.close()
             return time.monotonic() - started
 
@@ -142,13 +167,17 @@ def test_recover_without_an_object_store_is_refused_before_anything_is_rented(mo
     monkeypatch.delenv("ART_SKY_CHECKPOINT_URI", raising=False)
     monkeypatch.chdir(tmp_path)  # no .env with a store
     monkeypatch.setenv("ART_SKY_HOME", str(tmp_path / "home"))
-    with pytest.raises(ConfigError, match=r"recover=True needs an object store: .*start from step 0.*"
-                                          r"ART_SKY_CHECKPOINT_URI.*recover='from-scratch'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"recover=True needs an object store: .*start from step 0.*"
+        r"ART_SKY_CHECKPOINT_URI.*recover='from-scratch'",
+    ):
         SkyPilotBackend.for_cluster(cluster_name="never", gpu=None, recover=True, settings=Settings())
     spot = SkyPilotBackend.for_cluster(cluster_name="never", gpu=None, spot=True, settings=Settings())
     assert spot.recovery is None  # on by default only where it is safe
-    stored = SkyPilotBackend.for_cluster(cluster_name="never", gpu=None, spot=True, checkpoint_uri="s3://b/p",
-                                         settings=Settings())
+    stored = SkyPilotBackend.for_cluster(
+        cluster_name="never", gpu=None, spot=True, checkpoint_uri="s3://b/p", settings=Settings()
+    )
     assert stored.recovery is not None and stored.recover is True
 
 
@@ -157,15 +186,17 @@ STEP_PHASES = ("preparing", "waiting", "training", "saving", "swapping")
 
 @pytest.mark.slow
 async def test_preempted_mid_train_and_mid_rollouts_both_loops_finish_each_step_once_with_uninterrupted_weights(
-        cluster, store, tmp_path):
+    cluster, store, tmp_path
+):
     """One loss, two loops on the cluster, each recovering in its own process. This process's art-sky loop trains
     with wait=False and rolls its next batch out meanwhile: the cluster's job ends with a train() step and those
     rollouts in flight. An unchanged openpipe-art program (echo, in its own process, its backend line attaching to
     the cluster) is in the middle of its run. One process relaunches the cluster, the other finds it relaunched and
     reconnects; both loops finish their steps, each trained once, this loop's with the weights of a run that was
     never interrupted. `art-sky status` says `recovering` meanwhile."""
-    art_program = asyncio.ensure_future(asyncio.to_thread(run_program, "echo", tmp_path,
-                                                          f"art_sky.attach({cluster.name!r})"))
+    art_program = asyncio.ensure_future(
+        asyncio.to_thread(run_program, "echo", tmp_path, f"art_sky.attach({cluster.name!r})")
+    )
     backend = attach(cluster.name)
     model = TrainableModel(name="agent", project="recover", base_model="art-sky/tiny")
     await model.register(backend)
@@ -214,16 +245,22 @@ async def test_preempted_mid_train_and_mid_rollouts_both_loops_finish_each_step_
     for step in range(STEPS):  # the loop, as a user writes it: the next batch rolls out while a step trains
         training = await model.train([fixed_group(step)], TrainConfig(learning_rate=1e-2), wait=False)
         rolling_out.set()
-        sampled += await asyncio.gather(*(client.chat.completions.create(
-            model=model.get_inference_name(), messages=PROMPT, max_tokens=24) for _ in range(6)))
+        sampled += await asyncio.gather(
+            *(
+                client.chat.completions.create(model=model.get_inference_name(), messages=PROMPT, max_tokens=24)
+                for _ in range(6)
+            )
+        )
         rolling_out.clear()
         results.append(await asyncio.wait_for(training, LIMIT))
     await preempting
-    (lost_step, lost_at), = lost
+    ((lost_step, lost_at),) = lost
     after = results[-1]
-    print(f"\nrecovery (art-sky loop, step {lost_step} and rollouts in flight): {after['cluster/downtime_s']:.0f} s of "
-          f"downtime, {after['cluster/steps_replayed']:.0f} step(s) trained again, "
-          f"{after['cluster/lost_gpu_hours']:.4f} machine-hours lost")
+    print(
+        f"\nrecovery (art-sky loop, step {lost_step} and rollouts in flight): {after['cluster/downtime_s']:.0f} s of "
+        f"downtime, {after['cluster/steps_replayed']:.0f} step(s) trained again, "
+        f"{after['cluster/lost_gpu_hours']:.4f} machine-hours lost"
+    )
     assert [r["step"] for r in results] == list(range(1, STEPS + 1))
     assert after["cluster/recoveries"] == 1 and after["cluster/downtime_s"] > 0 and after["cluster/lost_gpu_hours"] > 0
     assert all(r["discarded_stale_groups"] == 0 for r in results)  # the staleness bound held across the switch

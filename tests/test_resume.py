@@ -24,15 +24,19 @@ def new_model() -> TrainableModel:
 
 async def train_step(model: TrainableModel) -> dict[str, float]:
     completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=PROMPT, max_tokens=6, n=4, temperature=1.0)
-    group = TrajectoryGroup(Trajectory(messages_and_choices=[*PROMPT, choice], reward=float(i))
-                            for i, choice in enumerate(completion.choices))
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=6, n=4, temperature=1.0
+    )
+    group = TrajectoryGroup(
+        Trajectory(messages_and_choices=[*PROMPT, choice], reward=float(i))
+        for i, choice in enumerate(completion.choices)
+    )
     return await model.train([group], TrainConfig(learning_rate=1e-3))
 
 
 async def greedy(model: TrainableModel) -> tuple[str, list[float]]:
     completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=PROMPT, max_tokens=6, temperature=0.0, logprobs=True)
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=6, temperature=0.0, logprobs=True
+    )
     choice = completion.choices[0]
     return choice.message.content, [token.logprob for token in choice.logprobs.content]
 
@@ -132,8 +136,12 @@ async def test_the_server_restores_from_the_store_on_its_own_event_loop(tmp_path
 
     async def register(art_path) -> dict:
         app = create_app(art_path, "key", settings)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
-                                     headers={"authorization": "Bearer key"}, timeout=120) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://server",
+            headers={"authorization": "Bearer key"},
+            timeout=120,
+        ) as client:
             response = await client.post("/art/models", json=body)
             assert response.status_code == 200, response.text
             assert (await client.post("/art/checkpoints/flush")).json()["errors"] == []
@@ -160,8 +168,15 @@ def fixed_group(step: int) -> TrajectoryGroup:
 
     answers = [f"answer {step}-{i}" for i in range(4)]
     return TrajectoryGroup(
-        Trajectory(messages_and_choices=[*PROMPT, Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(
-            role="assistant", content=text))], reward=float(i)) for i, text in enumerate(answers))
+        Trajectory(
+            messages_and_choices=[
+                *PROMPT,
+                Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content=text)),
+            ],
+            reward=float(i),
+        )
+        for i, text in enumerate(answers)
+    )
 
 
 async def train_fixed(model: TrainableModel, steps: range) -> None:

@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-
 from conftest import API_KEY, train_lines
 from loop import trajectory
 
@@ -28,7 +27,9 @@ async def test_health_needs_no_key_and_says_more_with_it(server):
     anonymous = await server.get("/health", headers={"authorization": ""})
     assert anonymous.status_code == 200
     assert {k: v for k, v in anonymous.json().items() if v not in (None, [], {})} == {
-        "status": "ok", "version": art_sky.__version__}  # alive and which version: no model names, no engine
+        "status": "ok",
+        "version": art_sky.__version__,
+    }  # alive and which version: no model names, no engine
     health = (await server.get("/health")).json()
     assert health["engine"] == "portable" and health["models"] == ["tiny"]
 
@@ -41,13 +42,15 @@ async def test_the_api_description_needs_the_key_and_lists_every_body(server):
     body = document["paths"]["/art/models/{name}/train"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/TrainRequest"
     assert {"TrainRequest", "SFTRequest", "WireTrajectory", "ChatCompletionRequest"} <= set(
-        document["components"]["schemas"])
+        document["components"]["schemas"]
+    )
     assert "/v1/chat/completions" in document["paths"]
 
 
 async def test_completion_parameters(server):
-    body = await completion(server, n=3, max_tokens=5, logprobs=True, top_logprobs=2,
-                            return_tokens_as_token_ids=True, seed=7)
+    body = await completion(
+        server, n=3, max_tokens=5, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True, seed=7
+    )
     assert len(body["choices"]) == 3
     for choice in body["choices"]:
         tokens = choice["logprobs"]["content"]
@@ -56,16 +59,18 @@ async def test_completion_parameters(server):
         assert all(len(t["top_logprobs"]) == 2 for t in tokens)
         assert choice["finish_reason"] in ("stop", "length")
     assert body["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in body["choices"])
-    again = await completion(server, n=3, max_tokens=5, logprobs=True, top_logprobs=2,
-                             return_tokens_as_token_ids=True, seed=7)
+    again = await completion(
+        server, n=3, max_tokens=5, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True, seed=7
+    )
     assert [c["message"] for c in again["choices"]] == [c["message"] for c in body["choices"]]
 
 
 async def test_greedy_stop_and_max_completion_tokens(server):
     greedy = await completion(server, temperature=0, max_completion_tokens=12)
     text = greedy["choices"][0]["message"]["content"]
-    assert (await completion(server, temperature=0, max_completion_tokens=12))["choices"][0]["message"]["content"] \
-        == text
+    assert (await completion(server, temperature=0, max_completion_tokens=12))["choices"][0]["message"][
+        "content"
+    ] == text
     assert greedy["usage"]["completion_tokens"] <= 12
     if len(text) >= 3:
         stopped = await completion(server, temperature=0, max_completion_tokens=12, stop=[text[2]])
@@ -84,8 +89,9 @@ async def test_train_step_advances_and_changes_the_served_adapter(server):
     probe = CHAT | {"max_tokens": 4, "temperature": 0, "logprobs": True, "return_tokens_as_token_ids": True}
     before = (await server.post("/v1/chat/completions", json=probe)).json()["choices"][0]["logprobs"]["content"]
     step = (await server.get("/art/models/tiny")).json()["step"]
-    status, lines = await train_lines(server, "tiny", {"groups": [await sampled_group(server)],
-                                                       "config": {"learning_rate": 0.05}})
+    status, lines = await train_lines(
+        server, "tiny", {"groups": [await sampled_group(server)], "config": {"learning_rate": 0.05}}
+    )
     assert status == 200 and lines[-1]["type"] == "result", lines
     assert lines[-1]["step"] == step + 1
     assert any(line["type"] == "progress" for line in lines)
@@ -108,8 +114,11 @@ async def test_all_equal_rewards_are_skipped_and_reported(server):
 
 def checkpoint_state(server):
     root = server.art_path
-    return sorted((p.relative_to(root).as_posix(), p.stat().st_mtime_ns) for p in root.rglob("*")
-                  if p.is_file() and p.name != "history.jsonl")
+    return sorted(
+        (p.relative_to(root).as_posix(), p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file() and p.name != "history.jsonl"
+    )
 
 
 async def expect_refused(server, method, path, status, match, **kwargs):
@@ -131,39 +140,83 @@ async def test_bad_inputs_get_clear_4xx(server):
     train = "/art/models/tiny/train"
     await expect_refused(server, "POST", train, 422, "groups", json={"groups": []})
     await expect_refused(server, "POST", train, 422, "at least 2 trajectories", json={"groups": [one]})
-    await expect_refused(server, "POST", train, 422, "at least 2 trajectories",
-                         json={"groups": [{"trajectories": []}]})
-    await expect_refused(server, "POST", train, 422, "invalid request", json={"groups": [{"trajectories": [
-        {"items": [{"role": "wizard", "content": "x"}], "reward": 1}] * 2}]})
-    await expect_refused(server, "POST", train, 422, "invalid request", content=b"{not json",
-                         headers={"content-type": "application/json"})
+    await expect_refused(server, "POST", train, 422, "at least 2 trajectories", json={"groups": [{"trajectories": []}]})
+    await expect_refused(
+        server,
+        "POST",
+        train,
+        422,
+        "invalid request",
+        json={"groups": [{"trajectories": [{"items": [{"role": "wizard", "content": "x"}], "reward": 1}] * 2}]},
+    )
+    await expect_refused(
+        server,
+        "POST",
+        train,
+        422,
+        "invalid request",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     for bad in (math.nan, math.inf):
         group = {"trajectories": [dict(t, reward=bad) for t in good["trajectories"]]}
-        await expect_refused(server, "POST", train, 422, "finite", content=json.dumps({"groups": [group]}),
-                             headers={"content-type": "application/json"})
+        await expect_refused(
+            server,
+            "POST",
+            train,
+            422,
+            "finite",
+            content=json.dumps({"groups": [group]}),
+            headers={"content-type": "application/json"},
+        )
     await expect_refused(server, "POST", "/art/models/nope/train", 404, "not registered", json={"groups": [good]})
     await expect_refused(server, "POST", "/v1/chat/completions", 404, "not registered", json=CHAT | {"model": "x"})
-    await expect_refused(server, "POST", "/v1/chat/completions", 400, "exceeds this server's limit",
-                         json=CHAT | {"max_tokens": 10_000})
-    await expect_refused(server, "POST", "/v1/chat/completions", 413, "larger than the server's limit",
-                         content=b"{" + b" " * 2_100_000 + b"}", headers={"content-type": "application/json"})
-    await expect_refused(server, "POST", train, 401, "API key", json={"groups": [good]},
-                         headers={"authorization": "Bearer wrong"})
+    await expect_refused(
+        server, "POST", "/v1/chat/completions", 400, "exceeds this server's limit", json=CHAT | {"max_tokens": 10_000}
+    )
+    await expect_refused(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        413,
+        "larger than the server's limit",
+        content=b"{" + b" " * 2_100_000 + b"}",
+        headers={"content-type": "application/json"},
+    )
+    await expect_refused(
+        server, "POST", train, 401, "API key", json={"groups": [good]}, headers={"authorization": "Bearer wrong"}
+    )
     await expect_refused(server, "GET", "/v1/models", 401, "API key", headers={"authorization": ""})
     for method, path in (("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/chat/completions")):
-        await expect_refused(server, method, path, 404, f"{method} {path} is not served here: art-sky serves POST "
-                                                        "/v1/chat/completions", json={"model": "tiny", "prompt": "x"})
-    await expect_refused(server, "POST", "/art/models", 422, "cannot load base model",
-                         json={"name": "other", "project": "p", "base_model": "/no/such/model"})
+        await expect_refused(
+            server,
+            method,
+            path,
+            404,
+            f"{method} {path} is not served here: art-sky serves POST /v1/chat/completions",
+            json={"model": "tiny", "prompt": "x"},
+        )
+    await expect_refused(
+        server,
+        "POST",
+        "/art/models",
+        422,
+        "cannot load base model",
+        json={"name": "other", "project": "p", "base_model": "/no/such/model"},
+    )
 
 
 async def test_trajectories_that_cannot_be_built_are_skipped_and_reported(server):
     """One bad trajectory never fails the batch: it is left out, counted and named with the reason."""
     good = await sampled_group(server)
-    bad = [{**good["trajectories"][0], "items": [{"role": "user", "content": "hi"}]},  # nothing sampled
-           {**good["trajectories"][1], "items": []},
-           {**good["trajectories"][2], "items": [{"role": "user", "content": "hi"},
-                                                 {"kind": "choice", "token_ids": [10**6]}]}]
+    bad = [
+        {**good["trajectories"][0], "items": [{"role": "user", "content": "hi"}]},  # nothing sampled
+        {**good["trajectories"][1], "items": []},
+        {
+            **good["trajectories"][2],
+            "items": [{"role": "user", "content": "hi"}, {"kind": "choice", "token_ids": [10**6]}],
+        },
+    ]
     status, lines = await train_lines(server, "tiny", {"groups": [good, {"trajectories": bad}]})
     assert status == 200 and lines[-1]["type"] == "result", lines
     result = lines[-1]
@@ -192,14 +245,17 @@ async def test_a_chunked_oversize_body_gets_413_before_any_work(server):
         assert "larger than the server's limit" in response.json()["detail"]
 
 
-@pytest.mark.parametrize("item, field", [
-    ({"kind": "choice", "content": "a", "token_ids": [-1]}, "token_ids.0"),
-    ({"kind": "choice", "content": "a", "token_ids": [1], "logprobs": [0.5]}, "logprobs.0"),
-    ({"content": "no role"}, "role"),
-    ({"role": "wizard", "content": "x"}, "role"),
-    ({"role": "user", "content": 7}, "content"),
-    ({"role": "user", "content": [{"text": "a part with no type"}]}, "content"),
-])
+@pytest.mark.parametrize(
+    "item, field",
+    [
+        ({"kind": "choice", "content": "a", "token_ids": [-1]}, "token_ids.0"),
+        ({"kind": "choice", "content": "a", "token_ids": [1], "logprobs": [0.5]}, "logprobs.0"),
+        ({"content": "no role"}, "role"),
+        ({"role": "wizard", "content": "x"}, "role"),
+        ({"role": "user", "content": 7}, "content"),
+        ({"role": "user", "content": [{"text": "a part with no type"}]}, "content"),
+    ],
+)
 async def test_a_bad_wire_field_is_a_422_naming_its_trajectory_and_field(server, item, field):
     good = {"items": [{"role": "user", "content": "hi"}, {"kind": "choice", "content": "a"}], "reward": 1.0}
     bad = {"items": [{"role": "user", "content": "hi"}, item], "reward": 0.0}
@@ -209,8 +265,16 @@ async def test_a_bad_wire_field_is_a_422_naming_its_trajectory_and_field(server,
     assert field in response.json()["detail"]
 
 
-@pytest.mark.parametrize("messages", [[{"content": "no role"}], [{"role": "wizard", "content": "x"}],
-                                      [{"role": "user", "content": 7}], "not a list", []])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"content": "no role"}],
+        [{"role": "wizard", "content": "x"}],
+        [{"role": "user", "content": 7}],
+        "not a list",
+        [],
+    ],
+)
 async def test_a_chat_message_no_client_would_send_is_a_400(server, messages):
     response = await server.post("/v1/chat/completions", json=CHAT | {"messages": messages})
     assert response.status_code == 400, response.text
@@ -230,8 +294,9 @@ async def test_a_maximum_size_request_does_not_stall_the_others(server):
     assert 1_500_000 < len(body) < 2_000_000  # the fixture's limit
 
     began = time.monotonic()
-    big = asyncio.create_task(server.post("/art/models/tiny/train", content=body,
-                                          headers={"content-type": "application/json"}))
+    big = asyncio.create_task(
+        server.post("/art/models/tiny/train", content=body, headers={"content-type": "application/json"})
+    )
     waits = []
     while not big.done():
         start = time.monotonic()

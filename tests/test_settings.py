@@ -14,21 +14,32 @@ from art_sky.store import server_env
 @pytest.fixture
 def project(tmp_path, monkeypatch):
     """A working directory whose .env is the only place the store is configured."""
-    for name in ("ART_SKY_CHECKPOINT_URI", "ART_SKY_CHECKPOINT_ENDPOINT", "AWS_ACCESS_KEY_ID",
-                 "AWS_SECRET_ACCESS_KEY", "ART_SKY_REQUEST_TIMEOUT"):
+    for name in (
+        "ART_SKY_CHECKPOINT_URI",
+        "ART_SKY_CHECKPOINT_ENDPOINT",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "ART_SKY_REQUEST_TIMEOUT",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
 def test_a_store_configured_only_in_dotenv_is_forwarded(project, monkeypatch):
-    (project / ".env").write_text("ART_SKY_CHECKPOINT_URI=s3://bucket/runs\nART_SKY_CHECKPOINT_ENDPOINT="
-                                  "http://127.0.0.1:8333\nAWS_ACCESS_KEY_ID=from-dotenv\nAWS_SECRET_ACCESS_KEY=s\n")
+    (project / ".env").write_text(
+        "ART_SKY_CHECKPOINT_URI=s3://bucket/runs\nART_SKY_CHECKPOINT_ENDPOINT="
+        "http://127.0.0.1:8333\nAWS_ACCESS_KEY_ID=from-dotenv\nAWS_SECRET_ACCESS_KEY=s\n"
+    )
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "from-environment")  # the environment wins over .env
     env = server_env(Settings())
-    assert env == {"ART_SKY_CHECKPOINT_URI": "s3://bucket/runs", "ART_SKY_CHECKPOINT_STRICT": "false",
-                   "ART_SKY_CHECKPOINT_ENDPOINT": "http://127.0.0.1:8333", "AWS_ACCESS_KEY_ID": "from-environment",
-                   "AWS_SECRET_ACCESS_KEY": "s"}
+    assert env == {
+        "ART_SKY_CHECKPOINT_URI": "s3://bucket/runs",
+        "ART_SKY_CHECKPOINT_STRICT": "false",
+        "ART_SKY_CHECKPOINT_ENDPOINT": "http://127.0.0.1:8333",
+        "AWS_ACCESS_KEY_ID": "from-environment",
+        "AWS_SECRET_ACCESS_KEY": "s",
+    }
     # every backend forwards that same environment (the SkyPilot one as secrets)
     assert art.SSHBackend("me@127.0.0.1").options.env == env
     assert art.LocalBackend().env == env

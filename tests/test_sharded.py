@@ -36,8 +36,9 @@ def batch(step: int) -> list[Sequence]:
         prompt = rng.randint(2, length - 3)
         ids = [rng.randint(3, 250) for _ in range(length)]
         old = [float("nan")] * prompt + [rng.uniform(-6.0, -4.0) for _ in range(length - prompt)]
-        sequences.append(Sequence(ids, [False] * prompt + [True] * (length - prompt), old,
-                                  rng.choice([-1.0, -0.5, 0.5, 1.0])))
+        sequences.append(
+            Sequence(ids, [False] * prompt + [True] * (length - prompt), old, rng.choice([-1.0, -0.5, 0.5, 1.0]))
+        )
     return sequences
 
 
@@ -51,8 +52,7 @@ def test_two_cpu_ranks_train_as_one_process(tmp_path):
     one = create_model_state(request, tmp_path / "one", settings, single.load_model, None, single.load_weights)
     sharded = ShardedTrainer(RankGroup(settings, ranks_per_node=2), mirrored=False)
     try:
-        two = create_model_state(request, tmp_path / "two", settings, sharded.load_model, None,
-                                 sharded.load_weights)
+        two = create_model_state(request, tmp_path / "two", settings, sharded.load_model, None, sharded.load_weights)
         for step in range(3):
             expected = single.train(one, batch(step), config)
             got = sharded.train(two, batch(step), config)
@@ -73,9 +73,12 @@ def test_two_cpu_ranks_train_as_one_process(tmp_path):
 
 async def sampled_group(model: TrainableModel) -> TrajectoryGroup:
     completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=PROMPT, max_tokens=24, n=8, temperature=1.0, logprobs=True)
-    return TrajectoryGroup(Trajectory(messages_and_choices=[*PROMPT, choice], reward=float(i % 3))
-                           for i, choice in enumerate(completion.choices))
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=24, n=8, temperature=1.0, logprobs=True
+    )
+    return TrajectoryGroup(
+        Trajectory(messages_and_choices=[*PROMPT, choice], reward=float(i % 3))
+        for i, choice in enumerate(completion.choices)
+    )
 
 
 def ranks_of(server_pid: int) -> dict[int, psutil.Process]:
@@ -93,8 +96,9 @@ def ranks_of(server_pid: int) -> dict[int, psutil.Process]:
 async def test_a_rank_killed_mid_step_rolls_the_step_back_and_it_trains_again(tmp_path, caplog):
     """The step in flight is rolled back on every rank (503: the ranks restart from the last commit) and the
     client trains it again with its request id: it commits once, on the restarted ranks."""
-    backend = LocalBackend(path=tmp_path / "art", env={"ART_SKY_TRAINER_CPU_RANKS": "2",
-                                                       "ART_SKY_TRAIN_MICROBATCH_TOKENS": "48"})
+    backend = LocalBackend(
+        path=tmp_path / "art", env={"ART_SKY_TRAINER_CPU_RANKS": "2", "ART_SKY_TRAIN_MICROBATCH_TOKENS": "48"}
+    )
     try:
         model = TrainableModel(name="agent", project="sharded", base_model="art-sky/tiny")
         await model.register(backend)
@@ -121,8 +125,11 @@ async def test_a_rank_killed_mid_step_rolls_the_step_back_and_it_trains_again(tm
         # the 503 in the cluster's words: which step rolled back, which rank saw what, what happens next; gloo's own
         # text stays in the server log
         assert "training agent step 2 failed and was rolled back: the model is as it was at step 1" in caplog.text
-        assert re.search(r"rank \d \(on .+\) lost its connection to the other ranks during train|the trainer's ranks "
-                         r"stopped during train: the leading rank's connection closed", caplog.text), caplog.text
+        assert re.search(
+            r"rank \d \(on .+\) lost its connection to the other ranks during train|the trainer's ranks "
+            r"stopped during train: the leading rank's connection closed",
+            caplog.text,
+        ), caplog.text
         assert "reload the last committed step" in caplog.text and "pair.cc" not in caplog.text
         assert "()" not in caplog.text
         restarted = ranks_of(backend.server.pid)
@@ -150,8 +157,9 @@ def test_more_ranks_than_a_step_has_sequences(tmp_path):
     one = create_model_state(request, tmp_path / "one", settings, single.load_model, None, single.load_weights)
     sharded = ShardedTrainer(RankGroup(settings, ranks_per_node=3), mirrored=True)
     try:
-        three = create_model_state(request, tmp_path / "three", settings, sharded.load_model, None,
-                                   sharded.load_weights)
+        three = create_model_state(
+            request, tmp_path / "three", settings, sharded.load_model, None, sharded.load_weights
+        )
         expected = single.train(one, batch(0)[:2], TrainConfig(learning_rate=1e-3))
         got = sharded.train(three, batch(0)[:2], TrainConfig(learning_rate=1e-3))
         assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)

@@ -58,8 +58,17 @@ def cluster(sky_slurm, prepared_python):
 
 
 async def initialize(**kwargs) -> SkyPilotBackend:
-    arguments = dict(cluster_name=CLUSTER, gpu=None, infra=slurm_harness.INFRA, resources={"cpus": 1, "memory": 1},
-                     autostop_minutes=None, api_key=API_KEY) | kwargs
+    arguments = (
+        dict(
+            cluster_name=CLUSTER,
+            gpu=None,
+            infra=slurm_harness.INFRA,
+            resources={"cpus": 1, "memory": 1},
+            autostop_minutes=None,
+            api_key=API_KEY,
+        )
+        | kwargs
+    )
     return await asyncio.wait_for(SkyPilotBackend.initialize_cluster(**arguments), LIMIT)
 
 
@@ -88,11 +97,19 @@ Host c1
 def test_an_unreachable_api_server_says_what_to_run():
     """In a child process: SkyPilot caches its API server's address for the life of a process."""
     probe = "import asyncio; from art_sky.provisioners import sky; asyncio.run(sky.cluster_status('c1'))"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                            env=os.environ | {"SKYPILOT_API_SERVER_ENDPOINT": "http://127.0.0.1:9"})
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"SKYPILOT_API_SERVER_ENDPOINT": "http://127.0.0.1:9"},
+    )
     assert result.returncode != 0
-    assert re.search(r"BackendUnavailableError: cannot start or reach the SkyPilot API server .*run `\S*/sky api "
-                     r"start`", result.stderr), result.stderr[-2000:]
+    assert re.search(
+        r"BackendUnavailableError: cannot start or reach the SkyPilot API server .*run `\S*/sky api "
+        r"start`",
+        result.stderr,
+    ), result.stderr[-2000:]
 
 
 async def test_an_infra_that_is_not_enabled_says_what_to_run(sky_slurm, prepared_python):
@@ -151,8 +168,16 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
         target = restarted.target  # plain paramiko through the same ProxyCommand
         client = paramiko.SSHClient()
         client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-        client.connect(target.host, target.port, target.user, key_filename=str(target.key_path), timeout=30,
-                       sock=paramiko.ProxyCommand(target.proxy_command), allow_agent=False, look_for_keys=False)
+        client.connect(
+            target.host,
+            target.port,
+            target.user,
+            key_filename=str(target.key_path),
+            timeout=30,
+            sock=paramiko.ProxyCommand(target.proxy_command),
+            allow_agent=False,
+            look_for_keys=False,
+        )
         _, out, _ = client.exec_command("echo ok", timeout=30)
         assert out.read().decode().strip() == "ok"
         client.close()
@@ -167,8 +192,20 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
 def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
     monkeypatch.setattr(console, "width", 200)
     runner = CliRunner()
-    up = ["up", CLI_CLUSTER, "--infra", slurm_harness.INFRA, "--gpu", "none", "--cpus", "1",
-          "--memory", "1", "--autostop", "0"]
+    up = [
+        "up",
+        CLI_CLUSTER,
+        "--infra",
+        slurm_harness.INFRA,
+        "--gpu",
+        "none",
+        "--cpus",
+        "1",
+        "--memory",
+        "1",
+        "--autostop",
+        "0",
+    ]
     for _ in range(6):  # the one local node may be full of other test runs' clusters for a while
         result = runner.invoke(app, up)
         if "found no resources" not in result.output:
@@ -194,8 +231,9 @@ def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     (line,) = [line for line in lines if line.split()[:1] == [CLI_CLUSTER]]  # the cluster's row
-    assert all(part in line for part in ("sky", "Slurm/localcluster (UP)", "CPUs", "$0.00/h", "ok, portable",
-                                         "agent (1)")), result.output
+    assert all(
+        part in line for part in ("sky", "Slurm/localcluster (UP)", "CPUs", "$0.00/h", "ok, portable", "agent (1)")
+    ), result.output
     (model,) = [line for line in lines if line.startswith(f"{CLI_CLUSTER}/agent ")]  # then the model's
     assert model.split()[1] == "1", result.output
     result = runner.invoke(app, ["logs", CLI_CLUSTER, "--lines", "200"])

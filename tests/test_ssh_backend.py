@@ -34,18 +34,20 @@ def alive(pid: int) -> bool:
 
 async def rollout(model: art_sky.TrainableModel, reward: float) -> art_sky.Trajectory:
     completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=PROMPT, max_tokens=8, temperature=1.0)
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=8, temperature=1.0
+    )
     assert completion.choices[0].logprobs is not None
     return art_sky.Trajectory(messages_and_choices=[*PROMPT, completion.choices[0]], reward=reward)
 
 
 @pytest.mark.slow
-async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_path, art_sky_home):  # noqa: F811
+async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_path, art_sky_home):
     remote_dir = tmp_path / "remote"
     # A fresh venv on the "host", with the CPU build of torch this machine has on disk (PyPI's default is CUDA).
     options = BootstrapOptions(remote_dir=str(remote_dir), venv_python=BASE_PYTHON, constraints=["torch==2.13.0"])
-    backend = art_sky.SSHBackend(f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key,
-                                 options=options)
+    backend = art_sky.SSHBackend(
+        f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key, options=options
+    )
     model = art_sky.TrainableModel(name="agent", project="ssh", base_model="art-sky/tiny")
     try:
         await model.register(backend)
@@ -89,11 +91,12 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
     assert not (remote_dir / "clusters" / "default" / "run" / "server.pid").exists()
 
 
-async def stream_through_a_drop(model: art_sky.TrainableModel, sshd) -> str:  # noqa: F811
+async def stream_through_a_drop(model: art_sky.TrainableModel, sshd) -> str:
     """Stream a long completion, drop the SSH connections after its first chunk, read on: "error" when the stream
     raised (a truncated stream), "complete" when every choice had finished before the drop reached it."""
     stream = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=PROMPT, max_tokens=400, n=8, temperature=1.0, stream=True)
+        model=model.get_inference_name(), messages=PROMPT, max_tokens=400, n=8, temperature=1.0, stream=True
+    )
     finished: set[int] = set()
     dropped = False
     try:
@@ -114,20 +117,20 @@ def prepared(tmp_path) -> BootstrapOptions:
     return BootstrapOptions(remote_dir=str(tmp_path / "remote"), python=BASE_PYTHON)
 
 
-async def test_unreachable_host(sshd, prepared, art_sky_home):  # noqa: F811
+async def test_unreachable_host(sshd, prepared, art_sky_home):
     backend = art_sky.SSHBackend(sshd.target().model_copy(update={"port": free_port()}), options=prepared)
     with pytest.raises(SSHError, match="cannot reach"):
         await backend.health()
 
 
-async def test_wrong_key(sshd, prepared, art_sky_home):  # noqa: F811
+async def test_wrong_key(sshd, prepared, art_sky_home):
     backend = art_sky.SSHBackend(sshd.target(key=sshd.other_key), options=prepared)
     with pytest.raises(SSHError, match="refused the login"):
         await backend.health()
 
 
 @pytest.mark.parametrize("field", ["python", "venv_python"])
-async def test_host_without_python(sshd, prepared, art_sky_home, field):  # noqa: F811
+async def test_host_without_python(sshd, prepared, art_sky_home, field):
     options = prepared.model_copy(update={"python": None, field: "/nonexistent/bin/python3"})
     backend = art_sky.SSHBackend(sshd.target(), options=options)
     with pytest.raises(SSHError, match="no Python >= 3.11 at '/nonexistent/bin/python3'"):
@@ -135,18 +138,21 @@ async def test_host_without_python(sshd, prepared, art_sky_home, field):  # noqa
 
 
 @pytest.mark.slow
-async def test_remote_port_already_in_use(sshd, prepared, art_sky_home):  # noqa: F811
+async def test_remote_port_already_in_use(sshd, prepared, art_sky_home):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         backend = art_sky.SSHBackend(sshd.target(), options=prepared.model_copy(update={"port": port}))
-        with pytest.raises(BackendUnavailableError, match=rf"exited before it was listening(.|\n)*cannot bind "
-                                                          rf"127.0.0.1:{port}"):
+        with pytest.raises(
+            BackendUnavailableError,
+            match=rf"exited before it was listening(.|\n)*cannot bind "
+            rf"127.0.0.1:{port}",
+        ):
             await backend.health()
 
 
-async def test_server_that_never_gets_healthy(sshd, prepared, tmp_path, art_sky_home, monkeypatch):  # noqa: F811
+async def test_server_that_never_gets_healthy(sshd, prepared, tmp_path, art_sky_home, monkeypatch):
     """The error names the timeout and carries the server log's last lines; the stuck server is stopped."""
     pid_file = tmp_path / "stuck.pid"
     fake = tmp_path / "python"
@@ -170,7 +176,7 @@ exec {BASE_PYTHON} "$@"
     assert not alive(int(pid_file.read_text()))
 
 
-async def test_logs_and_stop_reach_the_remote_server(sshd, prepared, art_sky_home):  # noqa: F811
+async def test_logs_and_stop_reach_the_remote_server(sshd, prepared, art_sky_home):
     """keep_server leaves the server running after close(); stop_server() ends it."""
     backend = art_sky.SSHBackend(sshd.target(), options=prepared, keep_server=True)
     await backend.health()
@@ -186,7 +192,7 @@ async def test_logs_and_stop_reach_the_remote_server(sshd, prepared, art_sky_hom
 
 
 @pytest.mark.slow
-async def test_checkpoints_survive_a_lost_host(sshd, prepared, tmp_path, art_sky_home, monkeypatch):  # noqa: F811
+async def test_checkpoints_survive_a_lost_host(sshd, prepared, tmp_path, art_sky_home, monkeypatch):
     """Train on one "host" whose store is configured only in the working directory's .env, lose the host's whole
     directory, resume on a fresh one from the object store at the same step."""
     import shutil

@@ -25,7 +25,7 @@ def make_step(root, step: int, size: int) -> CheckpointDir:
     checkpoints = CheckpointDir(root, PROJECT, MODEL)
 
     def write(tmp):
-        (tmp / "adapter_config.json").write_text('{"r": 8, "step": %d}' % step)
+        (tmp / "adapter_config.json").write_text(f'{{"r": 8, "step": {step}}}')
         (tmp / "adapter_model.safetensors").write_bytes(os.urandom(size))
 
     checkpoints.save(step, write, base_model="art-sky/tiny", metrics={"reward": step / 10})
@@ -104,10 +104,11 @@ async def test_upload_killed_halfway_leaves_no_visible_step(s3_uri, s3_server, t
             if sent > {3 * CHUNK}:
                 os.kill(os.getpid(), signal.SIGKILL)
         store = CheckpointStore({s3_uri!r})
-        asyncio.run(store.upload_step(CheckpointDir({str(tmp_path / 'a')!r}, {PROJECT!r}, {MODEL!r}), 5, progress))
+        asyncio.run(store.upload_step(CheckpointDir({str(tmp_path / "a")!r}, {PROJECT!r}, {MODEL!r}), 5, progress))
     """)
-    result = subprocess.run([sys.executable, "-c", script], env=os.environ | s3_server.env(), timeout=120,
-                            capture_output=True)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=os.environ | s3_server.env(), timeout=120, capture_output=True
+    )
     assert result.returncode == -9, result.stderr.decode()
 
     store = CheckpointStore(s3_uri)
@@ -145,8 +146,11 @@ async def test_flipped_byte_is_caught_and_the_step_skipped(s3_uri, s3_server, tm
 
 
 def test_unknown_scheme_and_malformed_uris_are_named():
-    for uri, problem in [("ftp://host/x", "unknown scheme 'ftp'"), ("s3:///prefix-only", "names no bucket"),
-                         ("file://relative/path", "not an absolute")]:
+    for uri, problem in [
+        ("ftp://host/x", "unknown scheme 'ftp'"),
+        ("s3:///prefix-only", "names no bucket"),
+        ("file://relative/path", "not an absolute"),
+    ]:
         with pytest.raises(ConfigError, match=problem) as caught:
             CheckpointStore(uri)
         assert uri in str(caught.value)

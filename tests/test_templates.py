@@ -25,14 +25,24 @@ WHEEL = Path("/tmp/dist/art_sky-0.1.0-py3-none-any.whl")
 
 VARIANTS = {
     "default GPU, shipped wheel": ClusterSpec(wheel=WHEEL),
-    "fallback list, spot, region": ClusterSpec(gpu=["H100", "A100-80GB:1"], spot=True, infra="gcp/us-central1",
-                                               version="0.1.0"),
-    "multi-GPU on kubernetes": ClusterSpec(gpu="A100:8", infra="k8s/my-context", wheel=WHEEL,
-                                           resources={"disk_size": 512}),
-    "CPU on slurm, prepared python": ClusterSpec(gpu=None, infra="slurm/localcluster", python="/opt/venv/bin/python",
-                                                 resources={"cpus": 1, "memory": 1}, autostop_minutes=None),
-    "user env and overrides": ClusterSpec(wheel=WHEEL, env={"ART_SKY_ENGINE": "portable"},
-                                          overrides={"resources": {"region": "us-east-1"}, "num_nodes": 1}),
+    "fallback list, spot, region": ClusterSpec(
+        gpu=["H100", "A100-80GB:1"], spot=True, infra="gcp/us-central1", version="0.1.0"
+    ),
+    "multi-GPU on kubernetes": ClusterSpec(
+        gpu="A100:8", infra="k8s/my-context", wheel=WHEEL, resources={"disk_size": 512}
+    ),
+    "CPU on slurm, prepared python": ClusterSpec(
+        gpu=None,
+        infra="slurm/localcluster",
+        python="/opt/venv/bin/python",
+        resources={"cpus": 1, "memory": 1},
+        autostop_minutes=None,
+    ),
+    "user env and overrides": ClusterSpec(
+        wheel=WHEEL,
+        env={"ART_SKY_ENGINE": "portable"},
+        overrides={"resources": {"region": "us-east-1"}, "num_nodes": 1},
+    ),
 }
 
 
@@ -114,8 +124,10 @@ def test_the_api_key_travels_as_a_secret_not_an_env():
 
 
 def test_overrides_merge_replace_and_delete():
-    spec = ClusterSpec(wheel=WHEEL, overrides={"resources": {"disk_size": 100, "autostop": None},
-                                               "envs": {"HF_HOME": "/data/hf"}, "workdir": None})
+    spec = ClusterSpec(
+        wheel=WHEEL,
+        overrides={"resources": {"disk_size": 100, "autostop": None}, "envs": {"HF_HOME": "/data/hf"}, "workdir": None},
+    )
     config = render_task(spec, KEY)
     assert config["resources"]["disk_size"] == 100 and "autostop" not in config["resources"]
     assert config["resources"]["accelerators"] == "H100:1"

@@ -65,12 +65,13 @@ def reference_loss(model, batch: list[Sequence], pad: int, config: TrainConfig):
     start = max(min(s.trained.index(True) for s in batch) - 1, 0)
     trained = torch.tensor([s.trained + [False] * (width - len(s.trained)) for s in batch], device=device)
     old = torch.tensor([s.old_logprobs + [math.nan] * (width - len(s.trained)) for s in batch], device=device)
-    trained, old = trained[:, start + 1:], old[:, start + 1:]
+    trained, old = trained[:, start + 1 :], old[:, start + 1 :]
 
     def logprobs(logits):
         flat = logits[:, :-1].float()
-        return -F.cross_entropy(flat.reshape(-1, flat.shape[-1]), ids[:, start + 1:].reshape(-1),
-                                reduction="none").view(len(batch), -1)
+        return -F.cross_entropy(
+            flat.reshape(-1, flat.shape[-1]), ids[:, start + 1 :].reshape(-1), reduction="none"
+        ).view(len(batch), -1)
 
     logits = model(input_ids=ids, logits_to_keep=width - start).logits
     new = logprobs(logits)
@@ -82,9 +83,17 @@ def reference_loss(model, batch: list[Sequence], pad: int, config: TrainConfig):
         with torch.no_grad(), model.disable_adapter():
             ref = logprobs(model(input_ids=ids, logits_to_keep=width - start).logits)
     advantages = torch.tensor([[s.advantage] for s in batch], device=device)
-    parts = grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
-                           epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
-                           loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef)
+    parts = grpo_loss_sums(
+        new,
+        old,
+        advantages,
+        trained,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_high or config.epsilon,
+        ref_logprobs=ref,
+        loss_fn=config.loss_fn,
+        kl_penalty_coef=config.kl_penalty_coef,
+    )
     return parts, (entropies * trained).sum()
 
 
@@ -129,8 +138,13 @@ def test_a_packed_step_over_several_micro_batches_trains_as_one_plain_pass(tiny)
     twin = copy.deepcopy(model)
     trainer = PeftTrainer(64)
     assert len(trainer.microbatches(sequences, packed=True)) > 2
-    metrics = trainer.grpo_step(Policy(model, make_optimizer(model), pad), trainer.microbatches(sequences, True),
-                                sum(s.trained_tokens for s in sequences), len(sequences), config)
+    metrics = trainer.grpo_step(
+        Policy(model, make_optimizer(model), pad),
+        trainer.microbatches(sequences, True),
+        sum(s.trained_tokens for s in sequences),
+        len(sequences),
+        config,
+    )
 
     optimizer, total = make_optimizer(twin), sum(s.trained_tokens for s in sequences)
     for group in optimizer.param_groups:
@@ -169,8 +183,12 @@ class LargestVocabularyTensor(TorchDispatchMode):
         if func.is_view:
             return out
         for tensor in out if isinstance(out, tuple | list) else [out]:
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim() \
-                    and tensor.shape[-1] == self.vocabulary:
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.is_floating_point()
+                and tensor.dim()
+                and tensor.shape[-1] == self.vocabulary
+            ):
                 self.rows = max(self.rows, tensor.numel() // self.vocabulary)
         return out
 
@@ -184,8 +202,10 @@ def test_the_chunked_head_never_makes_a_tokens_by_vocabulary_tensor(tiny, monkey
     sequences, config = batch(2), CONFIGS["ppo"]
     policy = Policy(model, make_optimizer(model), pad)
     PeftTrainer(4096)._loss(policy, sequences, config)  # the head's one-time check runs outside the count
-    for run, most in [(lambda: PeftTrainer(4096)._loss(policy, sequences, config), 8),
-                      (lambda: reference_loss(model, sequences, pad, config), 100)]:
+    for run, most in [
+        (lambda: PeftTrainer(4096)._loss(policy, sequences, config), 8),
+        (lambda: reference_loss(model, sequences, pad, config), 100),
+    ]:
         with LargestVocabularyTensor(vocabulary) as largest:
             loss_and_grads(run, model, config)
         assert (largest.rows <= most) if most == 8 else (largest.rows >= most), largest.rows
@@ -237,15 +257,27 @@ def test_packed_attention_attends_within_each_sequence(window):
     total = sum(lengths)
     query, key, value = torch.randn(1, 4, total, 8), torch.randn(1, 2, total, 8), torch.randn(1, 2, total, 8)
     bounds = torch.tensor([0, 4, 11, 13], dtype=torch.int32)
-    out, _ = packing.packed_attention(None, query, key, value, None, scaling=0.3, sliding_window=window,
-                                      cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=7, max_length_k=7)
+    out, _ = packing.packed_attention(
+        None,
+        query,
+        key,
+        value,
+        None,
+        scaling=0.3,
+        sliding_window=window,
+        cu_seq_lens_q=bounds,
+        cu_seq_lens_k=bounds,
+        max_length_q=7,
+        max_length_k=7,
+    )
     sequence = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     at = torch.arange(total)
     allowed = (sequence[:, None] == sequence[None, :]) & (at[:, None] >= at[None, :])
     if window:
         allowed &= at[:, None] - at[None, :] < window
-    expected = F.scaled_dot_product_attention(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1),
-                                              attn_mask=allowed, scale=0.3)
+    expected = F.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=allowed, scale=0.3
+    )
     assert out.shape == (1, total, 4, 8)
     assert torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
 
@@ -269,8 +301,9 @@ def test_activation_checkpointing_recomputes_each_layer_and_changes_no_gradient(
 
     mlp.forward = counted
     try:
-        expected, expected_grads = loss_and_grads(lambda: PeftTrainer(4096, "off")._loss(policy, sequences, config),
-                                                  model, config)
+        expected, expected_grads = loss_and_grads(
+            lambda: PeftTrainer(4096, "off")._loss(policy, sequences, config), model, config
+        )
         without = len(calls)
         got, grads = loss_and_grads(lambda: PeftTrainer(4096, "on")._loss(policy, sequences, config), model, config)
     finally:

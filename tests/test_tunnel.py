@@ -47,7 +47,7 @@ def roundtrip(port: int, payload: bytes = b"hello") -> bytes:
         return received
 
 
-def test_forwards_to_the_remote_port(sshd, echo_port, art_sky_home):  # noqa: F811
+def test_forwards_to_the_remote_port(sshd, echo_port, art_sky_home):
     with Tunnel(sshd.target(), echo_port, Settings()) as tunnel:
         assert tunnel.base_url == f"http://127.0.0.1:{tunnel.local_port}"
         assert roundtrip(tunnel.local_port) == b"HELLO"
@@ -56,7 +56,7 @@ def test_forwards_to_the_remote_port(sshd, echo_port, art_sky_home):  # noqa: F8
     assert (art_sky_home / "known_hosts").read_text().startswith(f"[127.0.0.1]:{sshd.port} ssh-ed25519 ")
 
 
-def test_reconnects_after_the_connection_drops(sshd, echo_port, art_sky_home):  # noqa: F811
+def test_reconnects_after_the_connection_drops(sshd, echo_port, art_sky_home):
     with Tunnel(sshd.target(), echo_port, Settings()) as tunnel:
         assert roundtrip(tunnel.local_port) == b"HELLO"
         assert sshd.drop_connections() >= 1
@@ -67,7 +67,7 @@ def test_reconnects_after_the_connection_drops(sshd, echo_port, art_sky_home):  
         assert roundtrip(tunnel.local_port, b"again") == b"AGAIN"
 
 
-def test_reconnects_when_the_server_goes_silent(sshd, echo_port, art_sky_home):  # noqa: F811
+def test_reconnects_when_the_server_goes_silent(sshd, echo_port, art_sky_home):
     with Tunnel(sshd.target(), echo_port, Settings(), keepalive=1.0) as tunnel:
         assert roundtrip(tunnel.local_port) == b"HELLO"
         frozen = sshd.freeze_connections()
@@ -89,8 +89,11 @@ class _Reverse(socketserver.BaseRequestHandler):
             self.request.sendall(data[::-1])
 
 
-def test_a_held_tunnel_keeps_its_port_and_forwards_to_its_new_target_once_released(sshd, echo_port,  # noqa: F811
-                                                                                    art_sky_home):  # noqa: F811
+def test_a_held_tunnel_keeps_its_port_and_forwards_to_its_new_target_once_released(
+    sshd,
+    echo_port,
+    art_sky_home,
+):
     """As a relaunched cluster is reached: the local port stays, connections made meanwhile wait and then reach
     the new remote port."""
     other = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Reverse)
@@ -116,17 +119,19 @@ def test_a_held_tunnel_keeps_its_port_and_forwards_to_its_new_target_once_releas
         other.server_close()
 
 
-def test_through_a_proxy_command(sshd, echo_port, art_sky_home):  # noqa: F811
+def test_through_a_proxy_command(sshd, echo_port, art_sky_home):
     """As SkyPilot's clusters are reached: ProxyCommand with %h/%p, here an `ssh -W` through the same sshd."""
-    proxy = (f"ssh -i {sshd.client_key} -p {sshd.port} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
-             f"-o BatchMode=yes -W %h:%p {sshd.target().user}@127.0.0.1")
+    proxy = (
+        f"ssh -i {sshd.client_key} -p {sshd.port} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
+        f"-o BatchMode=yes -W %h:%p {sshd.target().user}@127.0.0.1"
+    )
     target = sshd.target().model_copy(update={"proxy_command": proxy})
     with Tunnel(target, echo_port, Settings()) as tunnel:
         assert roundtrip(tunnel.local_port) == b"HELLO"
     assert not (art_sky_home / "known_hosts").exists()  # a proxied host's key is not pinned
 
 
-def test_remote_port_with_nothing_listening_closes_the_connection(sshd, art_sky_home):  # noqa: F811
+def test_remote_port_with_nothing_listening_closes_the_connection(sshd, art_sky_home):
     """The client sees its connection closed (EOF or reset), at once, rather than a hang."""
     with Tunnel(sshd.target(), free_port(), Settings()) as tunnel:
         try:
@@ -135,7 +140,7 @@ def test_remote_port_with_nothing_listening_closes_the_connection(sshd, art_sky_
             pass
 
 
-def test_local_port_in_use(sshd, echo_port, art_sky_home):  # noqa: F811
+def test_local_port_in_use(sshd, echo_port, art_sky_home):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -143,17 +148,17 @@ def test_local_port_in_use(sshd, echo_port, art_sky_home):  # noqa: F811
             Tunnel(sshd.target(), echo_port, Settings(), local_port=busy.getsockname()[1]).start()
 
 
-def test_wrong_key(sshd, echo_port, art_sky_home):  # noqa: F811
+def test_wrong_key(sshd, echo_port, art_sky_home):
     with pytest.raises(SSHError, match="refused the login.*authorized_keys"):
         Tunnel(sshd.target(key=sshd.other_key), echo_port, Settings()).start()
 
 
-def test_missing_key_file(sshd, tmp_path, art_sky_home):  # noqa: F811
+def test_missing_key_file(sshd, tmp_path, art_sky_home):
     with pytest.raises(SSHError, match="does not exist"):
         SSHRunner(sshd.target(key=tmp_path / "nope"), Settings()).run("true", timeout=10)
 
 
-def test_unreachable_host(sshd, art_sky_home):  # noqa: F811
+def test_unreachable_host(sshd, art_sky_home):
     target = sshd.target().model_copy(update={"port": free_port()})
     started = time.monotonic()
     with pytest.raises(SSHError, match="cannot reach .*check the host, port"):
@@ -161,7 +166,7 @@ def test_unreachable_host(sshd, art_sky_home):  # noqa: F811
     assert time.monotonic() - started < 10
 
 
-def test_changed_host_key_is_refused(sshd, art_sky_home):  # noqa: F811
+def test_changed_host_key_is_refused(sshd, art_sky_home):
     known_hosts = art_sky_home / "known_hosts"
     with SSHRunner(sshd.target(), Settings()) as runner:
         runner.run("true", timeout=10)
@@ -172,10 +177,11 @@ def test_changed_host_key_is_refused(sshd, art_sky_home):  # noqa: F811
         SSHRunner(sshd.target(), Settings()).run("true", timeout=10)
 
 
-def test_run_captures_output_exit_code_and_stdin(sshd, art_sky_home):  # noqa: F811
+def test_run_captures_output_exit_code_and_stdin(sshd, art_sky_home):
     with SSHRunner(sshd.target(), Settings()) as session:
-        result = session.run("read -r secret; echo out-$secret; echo err >&2; exit 3", timeout=10,
-                             stdin=b"s3cret\n", check=False)
+        result = session.run(
+            "read -r secret; echo out-$secret; echo err >&2; exit 3", timeout=10, stdin=b"s3cret\n", check=False
+        )
         assert (result.exit_code, result.stdout, result.stderr) == (3, "out-s3cret\n", "err\n")
         with pytest.raises(SSHError, match="exit code 3"):
             session.run("exit 3", timeout=10)

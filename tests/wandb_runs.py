@@ -19,8 +19,8 @@ def wandb_history(run_dir: Path) -> list[dict]:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 0:
             break
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -31,6 +31,7 @@ def wandb_history(run_dir: Path) -> list[dict]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return rows

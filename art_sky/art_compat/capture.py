@@ -40,29 +40,41 @@ def legacy(trajectory: Any) -> Any:
     calls = list(getattr(exchanges, "chat_completions", None) or [])
     others = [kind for kind in _OTHER_KINDS if getattr(exchanges, kind, None)]
     if others:
-        raise ConfigError(f"the trajectory captured {', '.join(_OTHER_KINDS[k] for k in others)} exchanges: art-sky "
-                          "serves and trains chat completions (/v1/chat/completions) only")
+        raise ConfigError(
+            f"the trajectory captured {', '.join(_OTHER_KINDS[k] for k in others)} exchanges: art-sky "
+            "serves and trains chat completions (/v1/chat/completions) only"
+        )
     if not calls:
         return trajectory
     conversations: list[History] = []
-    for number, call in enumerate(calls):
+    for call in calls:
         request = call.request if isinstance(call.request, dict) else dict(call.request)
         messages = [dict(m) for m in request.get("messages") or []]
         for choice in call.response.choices:
             conversation = _continued(conversations, messages)
             if conversation is None:
-                conversation = History(messages_and_choices=list(messages), tools=request.get("tools"),
-                                       chat_template_kwargs=request.get("chat_template_kwargs"))
+                conversation = History(
+                    messages_and_choices=list(messages),
+                    tools=request.get("tools"),
+                    chat_template_kwargs=request.get("chat_template_kwargs"),
+                )
                 conversations.append(conversation)
             else:
-                conversation.messages_and_choices += messages[_length(conversation):]
+                conversation.messages_and_choices += messages[_length(conversation) :]
             conversation.messages_and_choices.append(_with_prompt(choice, call.response))
     main, *others_ = conversations
-    return Trajectory(messages_and_choices=main.messages_and_choices, tools=main.tools,
-                      chat_template_kwargs=main.chat_template_kwargs, additional_histories=others_,
-                      reward=trajectory.reward, metrics=dict(trajectory.metrics), metadata=dict(trajectory.metadata),
-                      logs=list(trajectory.logs), initial_policy_version=trajectory.initial_policy_version,
-                      final_policy_version=trajectory.final_policy_version)
+    return Trajectory(
+        messages_and_choices=main.messages_and_choices,
+        tools=main.tools,
+        chat_template_kwargs=main.chat_template_kwargs,
+        additional_histories=others_,
+        reward=trajectory.reward,
+        metrics=dict(trajectory.metrics),
+        metadata=dict(trajectory.metadata),
+        logs=list(trajectory.logs),
+        initial_policy_version=trajectory.initial_policy_version,
+        final_policy_version=trajectory.final_policy_version,
+    )
 
 
 def _continued(conversations: list[History], messages: list[dict]) -> History | None:
@@ -70,9 +82,14 @@ def _continued(conversations: list[History], messages: list[dict]) -> History | 
     message: the client serialises it its own way), then an assistant turn (the choice it sampled last)."""
     for conversation in reversed(conversations):
         done = conversation.messages_and_choices
-        if len(messages) > len(done) and messages[len(done) - 1].get("role") == "assistant" and all(
+        if (
+            len(messages) > len(done)
+            and messages[len(done) - 1].get("role") == "assistant"
+            and all(
                 given.get("role") == "assistant" if not isinstance(item, dict) else given == item
-                for item, given in zip(done[:-1], messages)):
+                for item, given in zip(done[:-1], messages, strict=False)
+            )
+        ):
             return conversation
     return None
 

@@ -23,36 +23,79 @@ from art_sky.wire import ModelConfig, RegisterRequest
 log = logging.getLogger("art_sky")
 
 # ART 0.5.18's `_internal_config.peft_args` and 0.5.20's `lora_config` keys -> ModelConfig fields.
-_PEFT_ARGS = {"r": "lora_rank", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-              "target_modules": "target_modules"}
-_LORA_CONFIG = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
-                "target_modules": "target_modules", "max_seq_length": "max_seq_length"}
+_PEFT_ARGS = {
+    "r": "lora_rank",
+    "lora_alpha": "lora_alpha",
+    "lora_dropout": "lora_dropout",
+    "target_modules": "target_modules",
+}
+_LORA_CONFIG = {
+    "rank": "lora_rank",
+    "alpha": "lora_alpha",
+    "dropout": "lora_dropout",
+    "target_modules": "target_modules",
+    "max_seq_length": "max_seq_length",
+}
 # Settings of ART's own engine and trainer processes: art-sky's server has its own (ART_SKY_* variables).
-_TUNING = {"engine_args", "trainer_gpu_ids", "inference_gpu_ids", "allow_unvalidated_arch", "trainer_args",
-           "vllm_runtime", "chat_template_content_format", "chat_template_tool_schema_format",
-           "init_args.gpu_memory_utilization", "init_args.fast_inference", "init_args.enable_prefix_caching",
-           "init_args.disable_log_stats", "init_args.use_async", "init_args.max_lora_rank",
-           "init_args.use_gradient_checkpointing", "init_args.random_state", "init_args.float8_kv_cache",
-           "peft_args.use_gradient_checkpointing", "peft_args.random_state", "peft_args.max_seq_length",
-           "lora_config.use_gradient_checkpointing", "lora_config.random_state", "lora_config.temporary_location"}
+_TUNING = {
+    "engine_args",
+    "trainer_gpu_ids",
+    "inference_gpu_ids",
+    "allow_unvalidated_arch",
+    "trainer_args",
+    "vllm_runtime",
+    "chat_template_content_format",
+    "chat_template_tool_schema_format",
+    "init_args.gpu_memory_utilization",
+    "init_args.fast_inference",
+    "init_args.enable_prefix_caching",
+    "init_args.disable_log_stats",
+    "init_args.use_async",
+    "init_args.max_lora_rank",
+    "init_args.use_gradient_checkpointing",
+    "init_args.random_state",
+    "init_args.float8_kv_cache",
+    "peft_args.use_gradient_checkpointing",
+    "peft_args.random_state",
+    "peft_args.max_seq_length",
+    "lora_config.use_gradient_checkpointing",
+    "lora_config.random_state",
+    "lora_config.temporary_location",
+}
 # ART's options whose default is what art-sky does: accepted at that value.
-_DEFAULTS = {"rollout_weight_update_mode": "step_lora", "peft_args.bias": "none", "lora_config.bias": "none",
-             "lora_config.use_rslora": False, "lora_config.init_weights": True,
-             "lora_config.layers_to_transform": None, "lora_config.layers_pattern": None,
-             "lora_config.modules_to_save": None}
-_SUPPORTED = ("lora_config rank, alpha, dropout, target_modules, max_seq_length; _internal_config.peft_args r, "
-              "lora_alpha, lora_dropout, target_modules; init_args.max_seq_length; chat_template_kwargs")
+_DEFAULTS = {
+    "rollout_weight_update_mode": "step_lora",
+    "peft_args.bias": "none",
+    "lora_config.bias": "none",
+    "lora_config.use_rslora": False,
+    "lora_config.init_weights": True,
+    "lora_config.layers_to_transform": None,
+    "lora_config.layers_pattern": None,
+    "lora_config.modules_to_save": None,
+}
+_SUPPORTED = (
+    "lora_config rank, alpha, dropout, target_modules, max_seq_length; _internal_config.peft_args r, "
+    "lora_alpha, lora_dropout, target_modules; init_args.max_seq_length; chat_template_kwargs"
+)
 
 
 def register_request(model: Any, request_id: str) -> RegisterRequest:
     """The registration of a trainable model (art-sky's or ART's, read by its fields)."""
     try:
-        return RegisterRequest(name=model.name, project=model.project, run_name=run_name(model),
-                               base_model=model.base_model, config=model_config(model), request_id=request_id)
+        return RegisterRequest(
+            name=model.name,
+            project=model.project,
+            run_name=run_name(model),
+            base_model=model.base_model,
+            config=model_config(model),
+            request_id=request_id,
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise ConfigError(f"model {getattr(model, 'name', '?')!r}: {'.'.join(str(p) for p in first['loc'])}: "
-                          f"{first['msg']} (names are letters, digits, '.', '_' and '-', up to 128)") from exc
+        raise ConfigError(
+            f"model {getattr(model, 'name', '?')!r}: {'.'.join(str(p) for p in first['loc'])}: "
+            f"{first['msg']} (names are letters, digits, '.', '_' and '-', up to 128)"
+        ) from exc
 
 
 def run_name(model: Any) -> str | None:
@@ -90,8 +133,11 @@ def model_config(model: Any) -> ModelConfig:
         else:
             _other(f"lora_config.{key}", value, f"lora_config[{key!r}]", ignored)
     if ignored:
-        log.warning("art-sky ignores these settings of ART's own engine and trainer (the cluster server has its own, "
-                    "ART_SKY_* variables): %s", ", ".join(ignored))
+        log.warning(
+            "art-sky ignores these settings of ART's own engine and trainer (the cluster server has its own, "
+            "ART_SKY_* variables): %s",
+            ", ".join(ignored),
+        )
     try:
         return ModelConfig(**values)
     except ValidationError as exc:
@@ -106,8 +152,9 @@ def _other(key: str, value: Any, where: str, ignored: list[str]) -> None:
     elif key in _DEFAULTS and value == _DEFAULTS[key]:
         return
     elif key in _DEFAULTS:
-        raise ConfigError(f"{where}={value!r} is not supported by art-sky: leave it at {_DEFAULTS[key]!r} "
-                          f"(supported: {_SUPPORTED})")
+        raise ConfigError(
+            f"{where}={value!r} is not supported by art-sky: leave it at {_DEFAULTS[key]!r} (supported: {_SUPPORTED})"
+        )
     else:
         raise ConfigError(f"{where} is not supported by art-sky: remove it (supported: {_SUPPORTED})")
 

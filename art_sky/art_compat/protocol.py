@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # The steps leases pin, per model name, in this task and the tasks it starts (as ART's own LocalBackend pins them):
 # inside `async with backend.adapter_lease(model, step)`, `model.get_inference_name()` is `name@step`.
-_pinned: ContextVar[dict[str, int]] = ContextVar("art_sky_pinned_steps", default={})
+_pinned: ContextVar[dict[str, int] | None] = ContextVar("art_sky_pinned_steps", default=None)
 
 
 class ArtProtocol:
@@ -40,8 +40,15 @@ class ArtProtocol:
 
         async def _ensure_started(self) -> None: ...
 
-        async def _request(self, method: str, path: str, *, json: object = None, idempotent: bool | None = None,
-                           retry_for: float | None = None) -> Any: ...
+        async def _request(
+            self,
+            method: str,
+            path: str,
+            *,
+            json: object = None,
+            idempotent: bool | None = None,
+            retry_for: float | None = None,
+        ) -> Any: ...
 
         async def register(self, model: Any) -> ModelInfo | None: ...
 
@@ -54,8 +61,10 @@ class ArtProtocol:
     async def _prepare_backend_for_training(self, model: Any, config: Any = None) -> tuple[str, str]:
         """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses."""
         if config:
-            raise ConfigError("register(_openai_client_config=...) is not supported by art-sky: the engine runs on "
-                              "the cluster server, set with ART_SKY_* variables there")
+            raise ConfigError(
+                "register(_openai_client_config=...) is not supported by art-sky: the engine runs on "
+                "the cluster server, set with ART_SKY_* variables there"
+            )
         await self.register(model)  # idempotent: ART registered it a moment ago
         assert self.api_key is not None
         return self.inference_base_url, self.api_key
@@ -63,7 +72,7 @@ class ArtProtocol:
     def _model_inference_name(self, model: Any, step: int | None = None) -> str:
         """The model's name serves its newest step; `name@step` an earlier one, or the step a lease pins."""
         if step is None:
-            step = _pinned.get().get(model.name)
+            step = (_pinned.get() or {}).get(model.name)
         return model.name if step is None else f"{model.name}@{step}"
 
     async def _get_step(self, model: Any) -> int:
@@ -100,15 +109,22 @@ class ArtProtocol:
     async def adapter_retention_lease(self, model: Any, step: int) -> AsyncIterator[None]:
         """ART's: step `step`'s checkpoint is kept while held (the server refuses a step it does not have)."""
         await self._ensure_started()
-        lease = Lease.model_validate(await self._request("POST", f"/art/models/{model.name}/leases",
-                                                         json=LeaseRequest(step=step).model_dump()))
+        lease = Lease.model_validate(
+            await self._request("POST", f"/art/models/{model.name}/leases", json=LeaseRequest(step=step).model_dump())
+        )
         try:
             yield
         finally:
             await self._request("DELETE", f"/art/models/{model.name}/leases/{lease.id}", idempotent=True)
 
-    async def _train_sft(self, model: Any, trajectories: Iterable[Any], config: Any,
-                         dev_config: dict | None = None, verbose: bool = False) -> AsyncIterator[dict[str, float]]:
+    async def _train_sft(
+        self,
+        model: Any,
+        trajectories: Iterable[Any],
+        config: Any,
+        dev_config: dict | None = None,
+        verbose: bool = False,
+    ) -> AsyncIterator[dict[str, float]]:
         """ART's SFT on the model's LoRA: next-token loss on the assistant turns (`assistant_turns` "all" or
         "last"), one optimizer step per batch of `config.batch_size` trajectories ("auto": 2, as ART's
         LocalBackend), one training step per call. Yields each batch's metrics with ART's names."""
@@ -123,16 +139,20 @@ class ArtProtocol:
             raise ConfigError(f"train_sft: {exc}") from exc
         result = await self._stream_step(model, "sft", request, verbose)
         for batch in result.batches:
-            yield {"loss/train": batch["loss"], "loss/learning_rate": batch["learning_rate"],
-                   "loss/grad_norm": batch["grad_norm"], "data/step_trainer_tokens": batch["trained_tokens"],
-                   "data/step_num_trajectories": result.metrics["num_trajectories"],
-                   "data/step_num_dropped_trajectories": result.metrics["num_dropped_trajectories"],
-                   "data/step_num_gradient_steps": float(len(result.batches))}
+            yield {
+                "loss/train": batch["loss"],
+                "loss/learning_rate": batch["learning_rate"],
+                "loss/grad_norm": batch["grad_norm"],
+                "data/step_trainer_tokens": batch["trained_tokens"],
+                "data/step_num_trajectories": result.metrics["num_trajectories"],
+                "data/step_num_dropped_trajectories": result.metrics["num_dropped_trajectories"],
+                "data/step_num_gradient_steps": float(len(result.batches)),
+            }
 
 
 @asynccontextmanager
 async def _pin(name: str, step: int) -> AsyncIterator[None]:
-    token = _pinned.set(_pinned.get() | {name: step})
+    token = _pinned.set((_pinned.get() or {}) | {name: step})
     try:
         yield
     finally:

@@ -23,12 +23,12 @@ OLDEST, NEWEST = "0.5.18", "0.5.23"
 # What each release line brought that art-sky takes (the docs' per-line tables follow this).
 LINES = {
     "0.5.18": "the Backend protocol (register, _prepare_backend_for_training, _get_step, train, _train_sft, "
-              "_delete_checkpoint_files), backend.train's keywords, _internal_config.peft_args",
+    "_delete_checkpoint_files), backend.train's keywords, _internal_config.peft_args",
     "0.5.20": "run_name lineages, lora_config, exact_adapter_lease and adapter_lease, PipelineTrainer, "
-              "backend.train's kl_penalty_source, optimizer_save_interval, final_training_step and "
-              "grad_accumulation_sequences, TrainSFTConfig.assistant_turns and metric_logging, capture-style "
-              "trajectories (art.trajectory), the client's extra_body (return_token_ids, "
-              "return_tokens_as_token_ids, chat_template_kwargs with preserve_thinking)",
+    "backend.train's kl_penalty_source, optimizer_save_interval, final_training_step and "
+    "grad_accumulation_sequences, TrainSFTConfig.assistant_turns and metric_logging, capture-style "
+    "trajectories (art.trajectory), the client's extra_body (return_token_ids, "
+    "return_tokens_as_token_ids, chat_template_kwargs with preserve_thinking)",
     "0.5.21": "nvext in the client's extra_body",
 }
 
@@ -62,14 +62,22 @@ def check(backend: Any, model: Any) -> None:
     version = installed() or "unknown"
     missing = sorted(name for name in _protocol_methods() if not hasattr(backend, name))
     if missing:
-        raise ConfigError(f"openpipe-art {version}'s Backend protocol asks for {', '.join(missing)}, which art-sky "
-                          f"does not implement: art-sky supports ART {OLDEST} to {NEWEST} (pip install "
-                          f"\"openpipe-art>={OLDEST},<={NEWEST}\"), or upgrade art-sky")
+        raise ConfigError(
+            f"openpipe-art {version}'s Backend protocol asks for {', '.join(missing)}, which art-sky "
+            f"does not implement: art-sky supports ART {OLDEST} to {NEWEST} (pip install "
+            f'"openpipe-art>={OLDEST},<={NEWEST}"), or upgrade art-sky'
+        )
     _stand_in_for_arts_local_backend()
     if version == "unknown" or not in_range(version):
-        log.warning("openpipe-art %s is outside the range art-sky is tested with (%s to %s): its Backend protocol "
-                    "matches, so it runs, but pin openpipe-art>=%s,<=%s for a tested combination", version, OLDEST,
-                    NEWEST, OLDEST, NEWEST)
+        log.warning(
+            "openpipe-art %s is outside the range art-sky is tested with (%s to %s): its Backend protocol "
+            "matches, so it runs, but pin openpipe-art>=%s,<=%s for a tested combination",
+            version,
+            OLDEST,
+            NEWEST,
+            OLDEST,
+            NEWEST,
+        )
 
 
 def _protocol_methods() -> set[str]:
@@ -78,8 +86,11 @@ def _protocol_methods() -> set[str]:
         from art.backend import Backend
     except ImportError:
         return set()
-    return {name for name, value in vars(Backend).items()
-            if not name.startswith("__") and (callable(value) or isinstance(value, property))}
+    return {
+        name
+        for name, value in vars(Backend).items()
+        if not name.startswith("__") and (callable(value) or isinstance(value, property))
+    }
 
 
 def _stand_in_for_arts_local_backend() -> None:
@@ -95,9 +106,11 @@ def _stand_in_for_arts_local_backend() -> None:
         """ART's own LocalBackend, which needs torch and ART's GPU stack (pip install "openpipe-art[backend]")."""
 
         def __init__(self, *args: Any, **kwargs: Any):
-            raise ConfigError("ART's own LocalBackend needs torch and ART's GPU stack (pip install "
-                              "\"openpipe-art[backend]\"); art-sky's backends (art_sky.LocalBackend, SSHBackend, "
-                              "SkyPilotBackend) need neither on this machine")
+            raise ConfigError(
+                "ART's own LocalBackend needs torch and ART's GPU stack (pip install "
+                '"openpipe-art[backend]"); art-sky\'s backends (art_sky.LocalBackend, SSHBackend, '
+                "SkyPilotBackend) need neither on this machine"
+            )
 
     module.LocalBackend = LocalBackend  # type: ignore[attr-defined]
     sys.modules["art.local.backend"] = module

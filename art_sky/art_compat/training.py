@@ -43,8 +43,11 @@ KEYWORDS: dict[str, Keyword] = {
     "adam_params": Keyword("0.5.18", None, "default", "the optimizer is AdamW with the learning rate you pass"),
     "kl_penalty_coef": Keyword("0.5.18", 0.0, "config"),
     "kl_penalty_reference_step": Keyword(
-        "0.5.18", None, "config", "the KL reference is the base model, which is step 0 (a fresh LoRA changes "
-                                  "nothing): leave it None or 0"),
+        "0.5.18",
+        None,
+        "config",
+        "the KL reference is the base model, which is step 0 (a fresh LoRA changes nothing): leave it None or 0",
+    ),
     "kl_ref_adapter_path": Keyword("0.5.18", None, "default", "the KL reference is the base model"),
     "kl_penalty_source": Keyword("0.5.20", "current_learner", "config"),
     "epsilon": Keyword("0.5.18", None, "config"),
@@ -53,7 +56,8 @@ KEYWORDS: dict[str, Keyword] = {
     "scale_rewards": Keyword("0.5.18", True, "config"),
     "importance_sampling_level": Keyword("0.5.18", "token", "config"),
     "max_negative_advantage_importance_sampling_weight": Keyword(
-        "0.5.18", None, "default", "ratios are clipped by epsilon/epsilon_high only"),
+        "0.5.18", None, "default", "ratios are clipped by epsilon/epsilon_high only"
+    ),
     "mask_prob_ratio": Keyword("0.5.18", False, "default", "ratios are clipped, not masked"),
     "kimi_k2_tau": Keyword("0.5.18", None, "default", "not implemented"),
     "precalculate_logprobs": Keyword("0.5.18", False, "config"),
@@ -62,16 +66,21 @@ KEYWORDS: dict[str, Keyword] = {
     "truncated_importance_sampling": Keyword("0.5.18", None, "config"),
     "scale_learning_rate_by_reward_std_dev": Keyword("0.5.18", False, "default", "the learning rate is used as given"),
     "logprob_calculation_chunk_size": Keyword(
-        "0.5.18", 1024, "accepted", "memory is bounded by ART_SKY_TRAIN_MICROBATCH_TOKENS on the server"),
+        "0.5.18", 1024, "accepted", "memory is bounded by ART_SKY_TRAIN_MICROBATCH_TOKENS on the server"
+    ),
     "packed_sequence_length": Keyword(
-        "0.5.18", None, "accepted", "memory is bounded by ART_SKY_TRAIN_MICROBATCH_TOKENS on the server"),
+        "0.5.18", None, "accepted", "memory is bounded by ART_SKY_TRAIN_MICROBATCH_TOKENS on the server"
+    ),
     "num_trajectories_learning_rate_multiplier_power": Keyword(
-        "0.5.18", 0.0, "default", "the learning rate is used as given"),
+        "0.5.18", 0.0, "default", "the learning rate is used as given"
+    ),
     "save_checkpoint": Keyword("0.5.18", True, "step"),
     "optimizer_save_interval": Keyword(
-        "0.5.20", 5, "accepted", "every checkpoint art-sky writes holds the optimizer state (an exact resume)"),
+        "0.5.20", 5, "accepted", "every checkpoint art-sky writes holds the optimizer state (an exact resume)"
+    ),
     "final_training_step": Keyword(
-        "0.5.20", None, "accepted", "every checkpoint art-sky writes holds the optimizer state (an exact resume)"),
+        "0.5.20", None, "accepted", "every checkpoint art-sky writes holds the optimizer state (an exact resume)"
+    ),
     "grad_accumulation_sequences": Keyword("0.5.20", None, "config"),
 }
 
@@ -93,9 +102,19 @@ def train_options(config: TrainConfig | None, kwargs: dict[str, Any]) -> tuple[T
         _check(name, value)
     given = {name: value for name, value in kwargs.items() if KEYWORDS[name].role == "config"}
     values: dict[str, Any] = {}
-    for name in ("learning_rate", "loss_fn", "kl_penalty_coef", "kl_penalty_source", "epsilon", "epsilon_high",
-                 "scale_rewards", "importance_sampling_level", "allow_training_without_logprobs",
-                 "truncated_importance_sampling", "grad_accumulation_sequences"):
+    for name in (
+        "learning_rate",
+        "loss_fn",
+        "kl_penalty_coef",
+        "kl_penalty_source",
+        "epsilon",
+        "epsilon_high",
+        "scale_rewards",
+        "importance_sampling_level",
+        "allow_training_without_logprobs",
+        "truncated_importance_sampling",
+        "grad_accumulation_sequences",
+    ):
         if given.get(name) is not None:
             values[name] = given[name]
     if given.get("normalize_advantages") is False:
@@ -113,27 +132,35 @@ def train_options(config: TrainConfig | None, kwargs: dict[str, Any]) -> tuple[T
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         given_value = f"={kwargs[where]!r}" if where in kwargs else "=..." if where else ""
-        raise ConfigError(f"backend.train({where}{given_value}): {first['msg'].removeprefix('Value error, ')}") \
-            from exc
+        raise ConfigError(f"backend.train({where}{given_value}): {first['msg'].removeprefix('Value error, ')}") from exc
     return merged, StepOptions(save_checkpoint=bool(kwargs.get("save_checkpoint", True)))
 
 
 def _check(name: str, value: Any) -> None:
     keyword = KEYWORDS.get(name)
     if keyword is None:
-        raise TypeError(f"backend.train() got an unexpected keyword argument {name!r}: art-sky takes the keywords "
-                        f"of ART's LocalBackend.train ({', '.join(sorted(KEYWORDS))}) or config=TrainConfig(...)")
+        raise TypeError(
+            f"backend.train() got an unexpected keyword argument {name!r}: art-sky takes the keywords "
+            f"of ART's LocalBackend.train ({', '.join(sorted(KEYWORDS))}) or config=TrainConfig(...)"
+        )
     if keyword.role == "default" and value != keyword.default:
-        raise ConfigError(f"backend.train({name}={value!r}) is not supported by art-sky's trainer ({keyword.why}); "
-                          f"ART {keyword.since} added {name}: leave it at {keyword.default!r}")
+        raise ConfigError(
+            f"backend.train({name}={value!r}) is not supported by art-sky's trainer ({keyword.why}); "
+            f"ART {keyword.since} added {name}: leave it at {keyword.default!r}"
+        )
     if name == "kl_penalty_reference_step" and value not in (None, 0):
-        raise ConfigError(f"backend.train(kl_penalty_reference_step={value!r}) is not supported by art-sky's "
-                          f"trainer ({keyword.why})")
+        raise ConfigError(
+            f"backend.train(kl_penalty_reference_step={value!r}) is not supported by art-sky's trainer ({keyword.why})"
+        )
     if name in ("optimizer_save_interval", "logprob_calculation_chunk_size") and (
-            not isinstance(value, int) or value < 1):
+        not isinstance(value, int) or value < 1
+    ):
         raise ConfigError(f"backend.train({name}={value!r}): a positive integer, as ART takes it")
-    if name in ("final_training_step", "packed_sequence_length") and value is not None and (
-            not isinstance(value, int) or value < 1):
+    if (
+        name in ("final_training_step", "packed_sequence_length")
+        and value is not None
+        and (not isinstance(value, int) or value < 1)
+    ):
         raise ConfigError(f"backend.train({name}={value!r}): None or a positive integer, as ART takes it")
     if name == "save_checkpoint" and not isinstance(value, bool):
         raise ConfigError(f"backend.train(save_checkpoint={value!r}): True or False")
@@ -170,14 +197,24 @@ async def _awaited(awaitable: Awaitable[Any]) -> None:
     await awaitable
 
 
-def train_result(step: int, metrics: dict[str, float], checkpoint_path: str | None = None,
-                 totals: dict[str, float] | None = None, checkpoint_ready: Awaitable[None] | None = None) -> TrainResult:
+def train_result(
+    step: int,
+    metrics: dict[str, float],
+    checkpoint_path: str | None = None,
+    totals: dict[str, float] | None = None,
+    checkpoint_ready: Awaitable[None] | None = None,
+) -> TrainResult:
     """A TrainResult; an instance of ART's own result class too in a program that imported openpipe-art."""
     art = sys.modules.get("art")
     local = getattr(art, "LocalTrainResult", None) if art is not None else None
     kind = _subclass_of(local) if isinstance(local, type) else TrainResult
-    return kind(step=step, metrics=metrics, checkpoint_path=checkpoint_path, totals=totals or {},
-                checkpoint_ready=checkpoint_ready)
+    return kind(
+        step=step,
+        metrics=metrics,
+        checkpoint_path=checkpoint_path,
+        totals=totals or {},
+        checkpoint_ready=checkpoint_ready,
+    )
 
 
 @functools.cache

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from art_sky import clusters
+from art_sky.art_compat.training import TrainResult
 from art_sky.settings import Settings
 
-from art_sky.art_compat.training import TrainResult
 from .base import Backend
 from .cluster import ClusterBackend
 from .local import LocalBackend
@@ -16,8 +16,7 @@ from .ssh import SSHBackend
 KINDS: dict[str, type[ClusterBackend]] = {"local": LocalBackend, "ssh": SSHBackend, "sky": SkyPilotBackend}
 
 
-def attach(name: str, *, local_port: int = 0, settings: Settings | None = None,
-           recover: bool = True) -> ClusterBackend:
+def attach(name: str, *, local_port: int = 0, settings: Settings | None = None, recover: bool = True) -> ClusterBackend:
     """The backend of the recorded cluster `name` (what `art-sky up` or `initialize_cluster` started), whatever its
     kind: the one place a record's kind picks its backend. `close()` leaves the server running; `down()` (or
     `art-sky down`) stops it. A SkyPilot cluster recorded with recovery is relaunched by this backend when it is
@@ -29,5 +28,13 @@ def attach(name: str, *, local_port: int = 0, settings: Settings | None = None,
     return KINDS[record.kind].from_record(record, local_port=local_port, settings=settings)
 
 
-__all__ = ["Backend", "ClusterBackend", "KINDS", "LocalBackend", "SSHBackend", "SkyPilotBackend", "TrainResult",
-           "attach"]
+__all__ = [
+    "Backend",
+    "ClusterBackend",
+    "KINDS",
+    "LocalBackend",
+    "SSHBackend",
+    "SkyPilotBackend",
+    "TrainResult",
+    "attach",
+]

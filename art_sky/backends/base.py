@@ -13,13 +13,20 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from tqdm.auto import tqdm
 
 import art_sky
+from art_sky.art_compat import releases
+from art_sky.art_compat.capture import conversations
+from art_sky.art_compat.models import chat_template_kwargs, register_request
+from art_sky.art_compat.protocol import ArtProtocol
+from art_sky.art_compat.training import Ready, StepOptions, TrainResult, train_options, train_result
+from art_sky.client.pipeline import check_bound, drop_stale, group_versions
+from art_sky.client.trajectories import wire_groups
 from art_sky.errors import (
     AuthError,
     BackendUnavailableError,
@@ -37,7 +44,6 @@ from art_sky.wire import (
     HealthResponse,
     LogRequest,
     ModelInfo,
-    RegisterRequest,
     SFTRequest,
     StepClock,
     SyncStatus,
@@ -46,14 +52,6 @@ from art_sky.wire import (
     TrainRequest,
     WireGroup,
 )
-
-from art_sky.art_compat import releases
-from art_sky.art_compat.capture import conversations
-from art_sky.art_compat.models import chat_template_kwargs, register_request
-from art_sky.art_compat.protocol import ArtProtocol
-from art_sky.art_compat.training import Ready, StepOptions, TrainResult, train_options, train_result
-from art_sky.client.pipeline import check_bound, drop_stale, group_versions
-from art_sky.client.trajectories import wire_groups
 
 if TYPE_CHECKING:  # the backend serves the client's models; the client knows backends only by a protocol
     from art_sky.client import Model, TrainableModel
@@ -119,7 +117,8 @@ class Backend(ArtProtocol):
             raise VersionMismatchError(
                 f"the cluster server runs art-sky {health.version}, this client {art_sky.__version__}: restart the "
                 f"server with this client's build (e.g. `art-sky up --force-restart`) or install art-sky=="
-                f"{health.version} here")
+                f"{health.version} here"
+            )
         return health
 
     async def health(self) -> HealthResponse:
@@ -133,8 +132,11 @@ class Backend(ArtProtocol):
             return None
         releases.check(self, model)
         request = register_request(model, uuid.uuid4().hex)
-        info = ModelInfo.model_validate(await self._request("POST", "/art/models", json=request.model_dump(),
-                                                            retry_for=self.settings.train_retry_timeout))
+        info = ModelInfo.model_validate(
+            await self._request(
+                "POST", "/art/models", json=request.model_dump(), retry_for=self.settings.train_retry_timeout
+            )
+        )
         self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
         self._at_step[model.name] = info.step
         return info
@@ -153,8 +155,11 @@ class Backend(ArtProtocol):
     async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None:
         """Add a line to the model's history (at `step`, default the current one)."""
         await self._ensure_started()
-        await self._request("POST", f"/art/models/{model.name}/log",
-                            json=LogRequest(split=split, metrics=metrics, step=step).model_dump())
+        await self._request(
+            "POST",
+            f"/art/models/{model.name}/log",
+            json=LogRequest(split=split, metrics=metrics, step=step).model_dump(),
+        )
 
     async def history(self, name: str) -> list[dict]:
         """Model `name`'s history.jsonl on the server: a line per step and per `model.log`, ART's flat keys."""
@@ -182,17 +187,22 @@ class Backend(ArtProtocol):
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]:
         await self._ensure_started()
-        return [CheckpointInfo.model_validate(c) for c in
-                await self._request("GET", f"/art/models/{model.name}/checkpoints")]
+        return [
+            CheckpointInfo.model_validate(c)
+            for c in await self._request("GET", f"/art/models/{model.name}/checkpoints")
+        ]
 
     async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]:
         return await self._delete(model, DeleteCheckpointsRequest(best_checkpoint_metric=best_checkpoint_metric))
 
     async def _delete(self, model: Model, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
         await self._ensure_started()
-        return [CheckpointInfo.model_validate(c) for c in
-                await self._request("POST", f"/art/models/{model.name}/checkpoints/delete", json=body.model_dump(),
-                                    idempotent=True)]
+        return [
+            CheckpointInfo.model_validate(c)
+            for c in await self._request(
+                "POST", f"/art/models/{model.name}/checkpoints/delete", json=body.model_dump(), idempotent=True
+            )
+        ]
 
     async def flush_checkpoints(self) -> SyncStatus:
         """Wait until every checkpoint so far is on the cluster's disk (each step's is written in the background) and in
@@ -203,8 +213,9 @@ class Backend(ArtProtocol):
         await self._ensure_started()
         status = SyncStatus.model_validate(await self._request("POST", "/art/checkpoints/flush", idempotent=True))
         if status.errors:
-            raise CheckpointStoreError(f"{len(status.errors)} checkpoint(s) are not in the store: "
-                                       + "; ".join(status.errors))
+            raise CheckpointStoreError(
+                f"{len(status.errors)} checkpoint(s) are not in the store: " + "; ".join(status.errors)
+            )
         return status
 
     async def _finish_steps(self, force: bool) -> None:
@@ -229,16 +240,25 @@ class Backend(ArtProtocol):
         except CheckpointStoreError as exc:
             raise CheckpointStoreError(
                 f"{exc}. The server is still running: fix the store and close again, or `close(force=True)` to stop "
-                f"it anyway (the steps stay in {where})") from exc
+                f"it anyway (the steps stay in {where})"
+            ) from exc
 
-    async def train(self, model: TrainableModel, trajectory_groups: Iterable[Any], *,
-                    config: TrainConfig | None = None, verbose: bool = False, wait: bool = True,
-                    max_steps_off_policy: int | None | _Default = DEFAULT,
-                    **kwargs: Any) -> TrainResult | asyncio.Task[TrainResult]:
+    async def train(
+        self,
+        model: TrainableModel,
+        trajectory_groups: Iterable[Any],
+        *,
+        config: TrainConfig | None = None,
+        verbose: bool = False,
+        wait: bool = True,
+        max_steps_off_policy: int | None | _Default = DEFAULT,
+        **kwargs: Any,
+    ) -> TrainResult | asyncio.Task[TrainResult]:
         """One training step on these groups (art-sky's or openpipe-art's), ART's `backend.train`: ART's keywords
         (`learning_rate`, `loss_fn`, `importance_sampling_level`, `save_checkpoint`, ...; see
-        art_sky/art_compat/training.py) or art-sky's `config=TrainConfig(...)`. Inference goes on with the previous step while it trains (where the
-        engine can: /health's serves_while_training); progress streams from the server.
+        art_sky/art_compat/training.py) or art-sky's `config=TrainConfig(...)`. Inference goes on with the previous
+        step while it trains (where the engine can: /health's serves_while_training); progress streams from the
+        server.
 
         `wait=False` returns at once with an asyncio.Task of the TrainResult, so the next batch can be gathered
         while this one trains; a model's steps train in the order they were asked for, and `close()` waits for
@@ -255,8 +275,9 @@ class Backend(ArtProtocol):
         if not groups:
             raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
         versions = group_versions(trajectory_groups, groups)
-        step = asyncio.create_task(self._train_in_turn(self._steps.get(model.name), model, groups, versions, bound,
-                                                       config, options, verbose))
+        step = asyncio.create_task(
+            self._train_in_turn(self._steps.get(model.name), model, groups, versions, bound, config, options, verbose)
+        )
         self._steps[model.name] = step
 
         def forget(done: asyncio.Task) -> None:
@@ -266,9 +287,17 @@ class Backend(ArtProtocol):
         step.add_done_callback(forget)
         return await step if wait else step
 
-    async def _train_in_turn(self, previous: asyncio.Task | None, model: TrainableModel, groups: list[WireGroup],
-                             versions: list[int | None], bound: int | None, config: TrainConfig, options: StepOptions,
-                             verbose: bool) -> TrainResult:
+    async def _train_in_turn(
+        self,
+        previous: asyncio.Task | None,
+        model: TrainableModel,
+        groups: list[WireGroup],
+        versions: list[int | None],
+        bound: int | None,
+        config: TrainConfig,
+        options: StepOptions,
+        verbose: bool,
+    ) -> TrainResult:
         """After the model's previous step (whose errors are its caller's), the groups still within the staleness
         bound at the step the model is now at (as registering, `get_step()` and the last step told this backend;
         asked when it does not know), trained."""
@@ -279,8 +308,13 @@ class Backend(ArtProtocol):
             current = await self._get_step(model)
         kept, staleness = drop_stale(groups, versions, current, bound)
         if staleness["discarded_stale_groups"]:  # never without a bound
-            log.warning("%s: dropped %d group(s) sampled more than %d step(s) before step %d (or behind it without "
-                        "logprobs)", model.name, int(staleness["discarded_stale_groups"]), bound, current)
+            log.warning(
+                "%s: dropped %d group(s) sampled more than %d step(s) before step %d (or behind it without logprobs)",
+                model.name,
+                int(staleness["discarded_stale_groups"]),
+                bound,
+                current,
+            )
         if not kept:
             return train_result(current, staleness | {"num_trajectories": 0.0})
         request = TrainRequest(groups=kept, config=config, save_checkpoint=options.save_checkpoint)
@@ -299,8 +333,9 @@ class Backend(ArtProtocol):
         step returns); None where that path is on another machine."""
         return None
 
-    async def _stream_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
-                           verbose: bool) -> TrainProgress:
+    async def _stream_step(
+        self, model: Model, route: str, request: TrainRequest | SFTRequest, verbose: bool
+    ) -> TrainProgress:
         """POST a training request and follow its progress stream to the result.
 
         The request carries the step's clock (how long its rollouts took, the machine's price) and an id. A
@@ -312,8 +347,9 @@ class Backend(ArtProtocol):
         seconds raises TrainingStalledError, naming what the server is doing."""
         await self._ensure_started()
         returned = self._returned.get(model.name)
-        clock = StepClock(gather_s=time.monotonic() - returned if returned is not None else None,
-                          hourly_cost=await self.hourly_cost())
+        clock = StepClock(
+            gather_s=time.monotonic() - returned if returned is not None else None, hourly_cost=await self.hourly_cost()
+        )
         request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex, "clock": clock})
         deadline = time.monotonic() + self.settings.train_retry_timeout
         bar = tqdm(desc=f"{route} {model.name}", unit="batch", disable=not verbose)
@@ -331,8 +367,7 @@ class Backend(ArtProtocol):
                 except NotFoundError as exc:
                     if lost is None or "not registered" not in exc.message:
                         raise
-                    log.warning("%s: the cluster server restarted without the model: registering it again",
-                                model.name)
+                    log.warning("%s: the cluster server restarted without the model: registering it again", model.name)
                     await self.register(model)  # restored from its newest checkpoint; then the step is retried
                     wait = 0.0
                 except ServerError as exc:
@@ -343,9 +378,17 @@ class Backend(ArtProtocol):
                 if time.monotonic() + wait > deadline:
                     break
                 if wait:
-                    log.warning("%s: %s during %s (%s); retrying request %s in %.1fs", model.name,
-                                "the step was rolled back" if isinstance(lost, ServerError) else
-                                "connection to the cluster server lost", route, lost, request.request_id, wait)
+                    log.warning(
+                        "%s: %s during %s (%s); retrying request %s in %.1fs",
+                        model.name,
+                        "the step was rolled back"
+                        if isinstance(lost, ServerError)
+                        else "connection to the cluster server lost",
+                        route,
+                        lost,
+                        request.request_id,
+                        wait,
+                    )
                     await asyncio.sleep(wait)
         finally:
             bar.close()
@@ -353,16 +396,21 @@ class Backend(ArtProtocol):
             f"{route} of {model.name} did not finish: the cluster server could not be reached for "
             f"{self.settings.train_retry_timeout:.0f}s (ART_SKY_TRAIN_RETRY_TIMEOUT; last: {lost!r}). The step was "
             "not lost: call train() again with the same groups once the server is back (`art-sky status`), and "
-            "check `await model.get_step()`")
+            "check `await model.get_step()`"
+        )
 
-    async def _follow_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
-                           bar: tqdm, stall: _StallWatch) -> TrainProgress:
+    async def _follow_step(
+        self, model: Model, route: str, request: TrainRequest | SFTRequest, bar: tqdm, stall: _StallWatch
+    ) -> TrainProgress:
         """One attempt: the request, then its stream to the result. `_Lost` when the connection ends first."""
         try:
             async with self._client().stream(
-                    "POST", f"/art/models/{model.name}/{route}", content=request.model_dump_json(),
-                    headers={"content-type": "application/json"},
-                    timeout=httpx.Timeout(self.request_timeout, connect=30.0, read=STREAM_IDLE)) as response:
+                "POST",
+                f"/art/models/{model.name}/{route}",
+                content=request.model_dump_json(),
+                headers={"content-type": "application/json"},
+                timeout=httpx.Timeout(self.request_timeout, connect=30.0, read=STREAM_IDLE),
+            ) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     self._raise_for(response)
@@ -388,8 +436,11 @@ class Backend(ArtProtocol):
                         raise ServerError(event.status or 500, event.message or "training failed")
                     else:
                         if event.replayed:
-                            log.info("%s: the server had trained this request already (step %d): its result",
-                                     model.name, event.step)
+                            log.info(
+                                "%s: the server had trained this request already (step %d): its result",
+                                model.name,
+                                event.step,
+                            )
                         for skipped in event.skipped:  # the step trained without them; say which and why
                             log.warning("%s: skipped %s", model.name, skipped)
                         self._returned[model.name] = time.monotonic()
@@ -415,12 +466,21 @@ class Backend(ArtProtocol):
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
             self._http = httpx.AsyncClient(
-                base_url=self.base_url, headers={"authorization": f"Bearer {self.api_key}"},
-                timeout=httpx.Timeout(self.request_timeout, connect=30.0))
+                base_url=self.base_url,
+                headers={"authorization": f"Bearer {self.api_key}"},
+                timeout=httpx.Timeout(self.request_timeout, connect=30.0),
+            )
         return self._http
 
-    async def _request(self, method: str, path: str, *, json: object = None, idempotent: bool | None = None,
-                       retry_for: float | None = None):
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: object = None,
+        idempotent: bool | None = None,
+        retry_for: float | None = None,
+    ):
         """One JSON request; idempotent ones (GET by default) are retried across dropped connections: a few times,
         or for `retry_for` seconds (with backoff) where losing the call would lose work."""
         retries = _RETRIES if (method == "GET" if idempotent is None else idempotent) or retry_for else 0
@@ -436,7 +496,8 @@ class Backend(ArtProtocol):
                         continue
                     raise BackendUnavailableError(
                         f"cannot reach the cluster server at {self.base_url} ({exc!r}): is it running and the "
-                        "tunnel up? `art-sky status` tells") from exc
+                        "tunnel up? `art-sky status` tells"
+                    ) from exc
                 await asyncio.sleep(min(0.5 * 2**attempt, 10.0 if retry_for else 8.0))
         if response.status_code >= 400:
             self._raise_for(response)
@@ -464,13 +525,15 @@ class _StallWatch:
 
     def saw(self, event: TrainProgress) -> None:
         activity = event.activity
-        if self.last is None or (event.done, event.total, activity) != (self.last.done, self.last.total,
-                                                                        self.last.activity):
+        if self.last is None or (event.done, event.total, activity) != (
+            self.last.done,
+            self.last.total,
+            self.last.activity,
+        ):
             self.last, self.changed, self.warned = event, time.monotonic(), False
         elif self.quiet() >= self.timeout / 3 and not self.warned:
             self.warned = True
-            log.warning("training %s: no progress for %.0f s; the server is %s", self.name, self.quiet(),
-                        self.doing())
+            log.warning("training %s: no progress for %.0f s; the server is %s", self.name, self.quiet(), self.doing())
         if self.quiet() >= self.timeout:
             raise self.error()
 
@@ -490,7 +553,8 @@ class _StallWatch:
         return TrainingStalledError(
             f"training {self.name} made no progress for {self.quiet():.0f} s: the server is {self.doing()}. The step "
             "goes on there: `art-sky status` shows what it does, `art-sky logs` its log, and `await "
-            "model.get_step()` tells when it committed. If steps are this slow, raise ART_SKY_TRAIN_STALL_TIMEOUT")
+            "model.get_step()` tells when it committed. If steps are this slow, raise ART_SKY_TRAIN_STALL_TIMEOUT"
+        )
 
 
 class _Lost(Exception):

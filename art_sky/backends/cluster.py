@@ -82,8 +82,9 @@ class ClusterBackend(Backend):
     stops_its_server: ClassVar[bool] = True  # False: something else (a SkyPilot job) owns the server's life
 
     @classmethod
-    def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
-                    settings: Settings | None = None) -> ClusterBackend:
+    def from_record(
+        cls, record: clusters.ClusterRecord, *, local_port: int = 0, settings: Settings | None = None
+    ) -> ClusterBackend:
         """The backend of a recorded cluster's running server; `close()` leaves it running."""
         raise NotImplementedError
 
@@ -108,18 +109,27 @@ class ClusterBackend(Backend):
         self.server = RemoteServer(layout=record.layout, port=record.port, pid=record.pid)
         return self
 
-    def _launch_server(self, runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict[str, str],
-                       port: int = 0, pythonpath: str | None = None, exit_with: int | None = None) -> None:
+    def _launch_server(
+        self,
+        runner: CommandRunner,
+        layout: ServerLayout,
+        *,
+        python: str,
+        env: dict[str, str],
+        port: int = 0,
+        pythonpath: str | None = None,
+        exit_with: int | None = None,
+    ) -> None:
         """Start the server detached with this backend's key and the store's settings in its environment."""
         assert self.api_key is not None
         env = env | {"ART_SKY_API_KEY": self.api_key}
-        lifecycle.start(runner, layout, python=python, env=env, port=port, pythonpath=pythonpath,
-                        exit_with=exit_with)
+        lifecycle.start(runner, layout, python=python, env=env, port=port, pythonpath=pythonpath, exit_with=exit_with)
 
     async def _start(self) -> None:
         settings = self.settings
-        self.api_key = self._api_key or (settings.api_key.get_secret_value() if settings.api_key
-                                         else secrets.token_urlsafe(32))
+        self.api_key = self._api_key or (
+            settings.api_key.get_secret_value() if settings.api_key else secrets.token_urlsafe(32)
+        )
         attached = self.server is not None
         ours = not attached and self.stops_its_server  # a server started here is stopped when its start fails
         layout = self.server.layout if self.server else None
@@ -134,15 +144,21 @@ class ClusterBackend(Backend):
             raise
 
     def _wait_ready(self, layout: ServerLayout, timeout: float, stop: bool, attached: bool) -> RemoteServer:
-        hint = (f"`art-sky logs {self.name}` shows why, `art-sky up {self.name}` starts it again" if attached
-                else "")
+        hint = f"`art-sky logs {self.name}` shows why, `art-sky up {self.name}` starts it again" if attached else ""
 
         def reach(port: int) -> str:
             self.base_url = self._reach(port)
             return self.base_url
 
-        return lifecycle.wait_ready(self.machine_runner(), layout, timeout=timeout, reach=reach, stop_on_timeout=stop,
-                                    waits_for_start=self.waits_for_start and not attached, hint=hint)
+        return lifecycle.wait_ready(
+            self.machine_runner(),
+            layout,
+            timeout=timeout,
+            reach=reach,
+            stop_on_timeout=stop,
+            waits_for_start=self.waits_for_start and not attached,
+            hint=hint,
+        )
 
     async def machine(self) -> Machine:
         """The machine for `art-sky status`: where (and, where the kind knows them, state, accelerators, cost)."""
@@ -198,16 +214,20 @@ class ClusterBackend(Backend):
         except BackendUnavailableError as exc:
             if not force:
                 first, detail = _split(exc)
-                raise ConfigError(f"cannot reach {self.where} to stop the server ({first}): fix that and retry, or "
-                                  f"forget the cluster anyway with {self._forced_down}{detail}") from exc
+                raise ConfigError(
+                    f"cannot reach {self.where} to stop the server ({first}): fix that and retry, or "
+                    f"forget the cluster anyway with {self._forced_down}{detail}"
+                ) from exc
             state = None  # unreachable: `_end` does what it can without the machine
         if state != "stopped" and not force:
             try:
                 await self.flush_checkpoints()
             except ArtSkyError as exc:
                 first, detail = _split(exc)
-                raise ConfigError(f"not stopping the server on {self.where}: {first}. Fix it, or stop it anyway "
-                                  f"with {self._forced_down}{detail}") from exc
+                raise ConfigError(
+                    f"not stopping the server on {self.where}: {first}. Fix it, or stop it anyway "
+                    f"with {self._forced_down}{detail}"
+                ) from exc
         await Backend.close(self)
         await asyncio.to_thread(self._unreach)
         self.server = None
@@ -220,8 +240,10 @@ class ClusterBackend(Backend):
         """What `down` does once the checkpoints are safe: stop the server (`state`: what `server_state` found,
         None when the machine could not be reached)."""
         if state is None:
-            return (f"{self.where} could not be reached: a server still running there was left alone (stop it "
-                    f"there: its pid is in {layout.pid_file})")
+            return (
+                f"{self.where} could not be reached: a server still running there was left alone (stop it "
+                f"there: its pid is in {layout.pid_file})"
+            )
         if await asyncio.to_thread(self._stop, layout):
             return "server stopped"
         if state == "stopped":
@@ -236,9 +258,16 @@ class ClusterBackend(Backend):
         """What `art-sky up` saves about this backend's running server."""
         if self.server is None or self.api_key is None:
             raise ConfigError("no server started yet: `await backend.health()` starts it")
-        return clusters.ClusterRecord(name=name, kind=self.kind, where=self.where, target=self.target,
-                                      layout=self.server.layout, port=self.server.port, pid=self.server.pid,
-                                      api_key=self.api_key)
+        return clusters.ClusterRecord(
+            name=name,
+            kind=self.kind,
+            where=self.where,
+            target=self.target,
+            layout=self.server.layout,
+            port=self.server.port,
+            pid=self.server.pid,
+            api_key=self.api_key,
+        )
 
     def _layout(self) -> ServerLayout:
         if self.server is None:

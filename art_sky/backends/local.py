@@ -38,10 +38,19 @@ class LocalBackend(ClusterBackend):
 
     kind = "local"
 
-    def __init__(self, *, path: str | os.PathLike = ".art", python: str = sys.executable,
-                 env: dict[str, str] | None = None, checkpoint_uri: str | None = None, name: str | None = None,
-                 port: int = 0, keep_server: bool = False, api_key: str | None = None,
-                 settings: Settings | None = None):
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike = ".art",
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        checkpoint_uri: str | None = None,
+        name: str | None = None,
+        port: int = 0,
+        keep_server: bool = False,
+        api_key: str | None = None,
+        settings: Settings | None = None,
+    ):
         super().__init__(api_key=api_key, keep_server=keep_server, settings=settings)
         self.path = Path(path).resolve()
         self.python = python
@@ -50,8 +59,9 @@ class LocalBackend(ClusterBackend):
         self.name = name
         server = name or f"backend-{os.getpid()}-{next(_INSTANCES)}"
         self._own_run_dir = name is None
-        self.layout = ServerLayout(run_dir=str(self.path / "run" / clusters.check_name(server)),
-                                   art_path=str(self.path))
+        self.layout = ServerLayout(
+            run_dir=str(self.path / "run" / clusters.check_name(server)), art_path=str(self.path)
+        )
 
     @property
     def where(self) -> str:
@@ -69,8 +79,14 @@ class LocalBackend(ClusterBackend):
 
     async def _launch(self, api_key: str) -> ServerLayout:
         _remove_dead_run_dirs(Path(self.layout.run_dir).parent)
-        self._launch_server(LocalRunner(), self.layout, python=self.python, env=self.env, port=self.port,
-                            exit_with=None if self.keep_server else os.getpid())
+        self._launch_server(
+            LocalRunner(),
+            self.layout,
+            python=self.python,
+            env=self.env,
+            port=self.port,
+            exit_with=None if self.keep_server else os.getpid(),
+        )
         return self.layout
 
     async def close(self, force: bool = False) -> None:
@@ -83,12 +99,14 @@ class LocalBackend(ClusterBackend):
         return Ready(lambda: self.list_checkpoints(model))
 
     def shell_argv(self, command: list[str]) -> list[str]:
-        raise ConfigError(f"the server runs on this machine: its files are in {self.layout.run_dir} and "
-                          f"{self.layout.art_path}")
+        raise ConfigError(
+            f"the server runs on this machine: its files are in {self.layout.run_dir} and {self.layout.art_path}"
+        )
 
     @classmethod
-    def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
-                    settings: Settings | None = None) -> LocalBackend:
+    def from_record(
+        cls, record: clusters.ClusterRecord, *, local_port: int = 0, settings: Settings | None = None
+    ) -> LocalBackend:
         backend = cls(path=record.layout.art_path, name=record.name, settings=settings)
         return backend._attached(record)
 

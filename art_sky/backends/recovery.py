@@ -122,8 +122,14 @@ class Recovery:
     def done(self, request_id: str) -> None:
         self.in_flight.pop(request_id, None)
 
-    def trained(self, model: TrainableModel, route: str, request: TrainRequest | SFTRequest, result: TrainProgress,
-                wall_s: float) -> None:
+    def trained(
+        self,
+        model: TrainableModel,
+        route: str,
+        request: TrainRequest | SFTRequest,
+        result: TrainProgress,
+        wall_s: float,
+    ) -> None:
         """A step's result came back: kept until the store has the step; counted as trained again when its request
         was in flight through a loss and the new cluster trained it (not answered from the old one's record)."""
         if request.request_id in self.interrupted:
@@ -136,14 +142,22 @@ class Recovery:
         kept = self.kept.setdefault(model.name, [])
         kept.append(Kept(model, route, request, result.step, wall_s))
         if len(kept) > MAX_KEPT:
-            log.warning("%s: the object store has not confirmed %d steps: a lost cluster resumes from the store's "
-                        "newest (`art-sky status` shows its sync)", model.name, len(kept))
+            log.warning(
+                "%s: the object store has not confirmed %d steps: a lost cluster resumes from the store's "
+                "newest (`art-sky status` shows its sync)",
+                model.name,
+                len(kept),
+            )
             del kept[0]
 
     def metrics(self) -> dict[str, float]:
         """Recovery so far, in each step's metrics (docs/guides/spot.md says what each means)."""
-        return {"cluster/recoveries": float(self.recoveries), "cluster/downtime_s": self.downtime_s,
-                "cluster/steps_replayed": float(self.steps_replayed), "cluster/lost_gpu_hours": self.lost_gpu_hours}
+        return {
+            "cluster/recoveries": float(self.recoveries),
+            "cluster/downtime_s": self.downtime_s,
+            "cluster/steps_replayed": float(self.steps_replayed),
+            "cluster/lost_gpu_hours": self.lost_gpu_hours,
+        }
 
     async def lost(self, cause: Exception) -> bool:
         """A request's connection was lost: True once the cluster has been relaunched (retry now), False when the
@@ -224,9 +238,12 @@ class Recovery:
                 if running:
                     return f"its server job {ours} was replaced by job {running[0]} (relaunched elsewhere)"
                 return "its server job is no longer running (`art-sky logs` of the old server is gone with it)"
-        except Exception as exc:  # noqa: BLE001 (SkyPilot's own errors are many; asked again at the next check)
-            log.warning("%s does not answer, and SkyPilot could not say what became of it (%s): asking again",
-                        self.backend.where, str(exc).partition("\n")[0])
+        except Exception as exc:
+            log.warning(
+                "%s does not answer, and SkyPilot could not say what became of it (%s): asking again",
+                self.backend.where,
+                str(exc).partition("\n")[0],
+            )
             return None
         if state is None:
             return "it is gone (preempted, or ended outside art-sky)"
@@ -242,14 +259,27 @@ class Recovery:
 
     async def _recover_once(self, why: str, lost_at: float) -> None:
         backend = self.backend
-        if self._recovered_at is not None and self._steps_since == 0 and \
-                time.monotonic() - self._recovered_at < SETTLED:
-            await self._give_up(why, BackendUnavailableError(
-                "it was lost again before a step trained on its relaunch: something other than the infra ends it "
-                f"(`{provisioner.sky_cli()} logs {backend.cluster_name}` of a new launch says what)"), [])
+        if (
+            self._recovered_at is not None
+            and self._steps_since == 0
+            and time.monotonic() - self._recovered_at < SETTLED
+        ):
+            await self._give_up(
+                why,
+                BackendUnavailableError(
+                    "it was lost again before a step trained on its relaunch: something other than the infra ends it "
+                    f"(`{provisioner.sky_cli()} logs {backend.cluster_name}` of a new launch says what)"
+                ),
+                [],
+            )
             return
-        log.warning("%s was lost %.0f s ago: %s. Relaunching it (recovery %d); the loop's calls wait for it",
-                    backend.where, time.monotonic() - lost_at, why, self.recoveries + 1)
+        log.warning(
+            "%s was lost %.0f s ago: %s. Relaunching it (recovery %d); the loop's calls wait for it",
+            backend.where,
+            time.monotonic() - lost_at,
+            why,
+            self.recoveries + 1,
+        )
         self.phases = {"found lost": time.monotonic() - lost_at}
         self.interrupted |= set(self.in_flight)
         self._save("recovering", why, lost_at)
@@ -261,10 +291,15 @@ class Recovery:
                     redone = await self._relaunch(requests.append)
         except asyncio.CancelledError:
             await _cancel(requests)
-            log.error("recovery of %s was interrupted: `%s status` shows what was launched (`%s down %s` ends it)",
-                      backend.where, provisioner.sky_cli(), provisioner.sky_cli(), backend.cluster_name)
+            log.error(
+                "recovery of %s was interrupted: `%s status` shows what was launched (`%s down %s` ends it)",
+                backend.where,
+                provisioner.sky_cli(),
+                provisioner.sky_cli(),
+                backend.cluster_name,
+            )
             raise
-        except Exception as exc:  # noqa: BLE001 (whatever stopped it, the cluster must not be left billing)
+        except Exception as exc:
             await self._give_up(why, exc, requests)
             return
         downtime = time.monotonic() - lost_at
@@ -274,10 +309,15 @@ class Recovery:
         self.lost_gpu_hours += _machines(backend) * (downtime + redone) / 3600
         self._lost_at, self._recovered_at, self._steps_since = None, time.monotonic(), 0
         self._save("recovered", why, lost_at)
-        log.warning("%s is back: %.0f s of downtime (%s; %s); %d step(s) trained again so far, %.3f GPU-hour(s) "
-                    "lost in all", backend.where, downtime, why,
-                    ", ".join(f"{phase} in {seconds:.0f} s" for phase, seconds in self.phases.items()),
-                    self.steps_replayed, self.lost_gpu_hours)
+        log.warning(
+            "%s is back: %.0f s of downtime (%s; %s); %d step(s) trained again so far, %.3f GPU-hour(s) lost in all",
+            backend.where,
+            downtime,
+            why,
+            ", ".join(f"{phase} in {seconds:.0f} s" for phase, seconds in self.phases.items()),
+            self.steps_replayed,
+            self.lost_gpu_hours,
+        )
 
     @contextlib.asynccontextmanager
     async def _only_recovery_of_the_cluster(self):
@@ -318,8 +358,14 @@ class Recovery:
 
         try:
             server = await asyncio.to_thread(
-                lifecycle.wait_ready, backend.machine_runner(), layout, timeout=self.settings.server_start_timeout,
-                reach=reach, stop_on_timeout=False, waits_for_start=True)
+                lifecycle.wait_ready,
+                backend.machine_runner(),
+                layout,
+                timeout=self.settings.server_start_timeout,
+                reach=reach,
+                stop_on_timeout=False,
+                waits_for_start=True,
+            )
             backend.server = server
             self.phases["server ready"] = time.monotonic() - started - self.phases["launched"]
             restoring = time.monotonic()
@@ -338,10 +384,15 @@ class Recovery:
         backend, redone = self.backend, 0.0
         helper = Backend(url, backend.api_key, settings=self.settings)  # the loop's own client waits at the hold
         try:
-            health = await backend.wait_for_nodes(await helper.check_server(),
-                                                  lambda: helper._request("GET", "/health"))
-            log.info("%s: the relaunched server runs art-sky %s; restoring %d model(s)", backend.where,
-                     health.version, len(self.models))
+            health = await backend.wait_for_nodes(
+                await helper.check_server(), lambda: helper._request("GET", "/health")
+            )
+            log.info(
+                "%s: the relaunched server runs art-sky %s; restoring %d model(s)",
+                backend.where,
+                health.version,
+                len(self.models),
+            )
             for model in list(self.models.values()):
                 info = await helper.register(model)
                 step = info.step
@@ -355,12 +406,21 @@ class Recovery:
                         redone += kept.wall_s
                 known = backend._at_step.get(model.name, step)
                 if step < known:
-                    log.error("%s: steps %d to %d were lost with the cluster (the store did not have them and "
-                              "their requests were not kept): it goes on from step %d", model.name, step + 1, known,
-                              step)
+                    log.error(
+                        "%s: steps %d to %d were lost with the cluster (the store did not have them and "
+                        "their requests were not kept): it goes on from step %d",
+                        model.name,
+                        step + 1,
+                        known,
+                        step,
+                    )
                 backend._at_step[model.name] = step
-                log.info("%s: restored at step %d%s", model.name, step,
-                         f" from {info.restored_from}" if info.restored_from else "")
+                log.info(
+                    "%s: restored at step %d%s",
+                    model.name,
+                    step,
+                    f" from {info.restored_from}" if info.restored_from else "",
+                )
         finally:
             await helper.close()
         return redone
@@ -372,9 +432,11 @@ class Recovery:
         try:
             await provisioner.down(backend.cluster_name)
             torn = "It was torn down: nothing is left running or billing"
-        except Exception as down_exc:  # noqa: BLE001 (say it: the user must end it by hand)
-            torn = (f"Tearing it down failed too ({str(down_exc).partition(chr(10))[0]}): run "
-                    f"`{provisioner.sky_cli()} down {backend.cluster_name}` now")
+        except Exception as down_exc:
+            torn = (
+                f"Tearing it down failed too ({str(down_exc).partition(chr(10))[0]}): run "
+                f"`{provisioner.sky_cli()} down {backend.cluster_name}` now"
+            )
         reason = str(exc).partition("\n")[0] or type(exc).__name__
         if isinstance(exc, TimeoutError):
             reason = f"not back within {self.settings.recover_timeout:.0f} s (ART_SKY_RECOVER_TIMEOUT)"
@@ -382,7 +444,8 @@ class Recovery:
             f"{backend.where} was lost ({why}) and could not be brought back: {reason}. {torn}. The models' steps are "
             "in the object store: fix that (another infra or region, a GPU fallback list, quota, or a larger "
             "ART_SKY_RECOVER_TIMEOUT) and call initialize_cluster again; each model resumes at the store's newest "
-            "step")
+            "step"
+        )
         log.error("%s", self._failed)
         self._save("failed", reason, self._lost_at or time.monotonic())
         if backend.tunnel is not None:
@@ -392,9 +455,15 @@ class Recovery:
         """The cluster's record says what recovery is doing (`art-sky status`), and where the cluster is now."""
         backend = self.backend
         self.status = clusters.RecoveryStatus(
-            state=state, reason=reason, since=time.time() - (time.monotonic() - lost_at), pid=os.getpid(),
-            recoveries=self.recoveries, downtime_s=self.downtime_s, steps_replayed=self.steps_replayed,
-            lost_gpu_hours=self.lost_gpu_hours)
+            state=state,
+            reason=reason,
+            since=time.time() - (time.monotonic() - lost_at),
+            pid=os.getpid(),
+            recoveries=self.recoveries,
+            downtime_s=self.downtime_s,
+            steps_replayed=self.steps_replayed,
+            lost_gpu_hours=self.lost_gpu_hours,
+        )
         home, name = self.settings.home, backend.cluster_name
         try:
             record = backend.record(name) if state == "recovered" else clusters.load(home, name)
@@ -407,7 +476,7 @@ async def _cancel(requests: list[str]) -> None:
     for request_id in requests:
         try:
             await provisioner.cancel_request(request_id)
-        except Exception as exc:  # noqa: BLE001 (a request already over cannot be cancelled)
+        except Exception as exc:
             log.debug("cancelling SkyPilot request %s: %s", request_id, exc)
 
 
@@ -423,4 +492,3 @@ def _machines(backend: Any) -> int:
     except ValueError:
         per_node = 1
     return per_node * spec.num_nodes
-

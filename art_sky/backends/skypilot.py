@@ -56,11 +56,19 @@ class SkyPilotBackend(SSHBackend):
     waits_for_start = True  # the job may still be setting up when it reads as RUNNING
     stops_its_server = False  # the job's: `force_restart` replaces it, `down()` ends it with the cluster
 
-    def __init__(self, cluster_name: str, spec: ClusterSpec | None, *, force_restart: bool = False,
-                 api_key: str | None = None, source: Path | None = None, local_port: int = 0,
-                 settings: Settings | None = None, recover: bool | Literal["from-scratch"] = False):
-        super().__init__(keep_server=True, api_key=api_key, local_port=local_port, name=cluster_name,
-                         settings=settings)
+    def __init__(
+        self,
+        cluster_name: str,
+        spec: ClusterSpec | None,
+        *,
+        force_restart: bool = False,
+        api_key: str | None = None,
+        source: Path | None = None,
+        local_port: int = 0,
+        settings: Settings | None = None,
+        recover: bool | Literal["from-scratch"] = False,
+    ):
+        super().__init__(keep_server=True, api_key=api_key, local_port=local_port, name=cluster_name, settings=settings)
         self.cluster_name = clusters.check_name(cluster_name)
         self.spec = spec
         self.force_restart = force_restart
@@ -73,12 +81,25 @@ class SkyPilotBackend(SSHBackend):
 
     @classmethod
     def for_cluster(
-        cls, *, cluster_name: str, gpu: str | list[str] | None = "H100:1", infra: str | None = None,
-        resources: dict[str, Any] | None = None, spot: bool = False, autostop_minutes: int | None = 60,
-        env_path: str | Path | None = None, art_sky_version: str | Path | None = None, force_restart: bool = False,
-        api_key: str | None = None, template: str | Path | None = None, overrides: dict[str, Any] | None = None,
-        checkpoint_uri: str | None = None, settings: Settings | None = None, num_nodes: int = 1,
-        base_model: str | None = None, recover: bool | Literal["from-scratch"] | None = None,
+        cls,
+        *,
+        cluster_name: str,
+        gpu: str | list[str] | None = "H100:1",
+        infra: str | None = None,
+        resources: dict[str, Any] | None = None,
+        spot: bool = False,
+        autostop_minutes: int | None = 60,
+        env_path: str | Path | None = None,
+        art_sky_version: str | Path | None = None,
+        force_restart: bool = False,
+        api_key: str | None = None,
+        template: str | Path | None = None,
+        overrides: dict[str, Any] | None = None,
+        checkpoint_uri: str | None = None,
+        settings: Settings | None = None,
+        num_nodes: int = 1,
+        base_model: str | None = None,
+        recover: bool | Literal["from-scratch"] | None = None,
     ) -> SkyPilotBackend:
         """The backend `initialize_cluster` starts (and `art-sky up` uses), not started yet; arguments as there.
         What cannot train (`num_nodes` < 1, more trainer GPUs than a node has, `base_model`'s shards too big for the
@@ -94,13 +115,29 @@ class SkyPilotBackend(SSHBackend):
             raise ConfigError(f"ART_SKY_TRAINER_GPUS={trainer_gpus!r} in {env_path}: give a whole number") from None
         capacity.check_before_renting(gpu, num_nodes, trainer_gpus, base_model)
         spec = ClusterSpec(
-            gpu=gpu, infra=infra, num_nodes=num_nodes, resources=resources or {}, spot=spot,
-            autostop_minutes=autostop_minutes, secrets=secrets, python=settings.remote_python, version=version,
-            template=Path(template) if template else None, overrides=overrides or {})
+            gpu=gpu,
+            infra=infra,
+            num_nodes=num_nodes,
+            resources=resources or {},
+            spot=spot,
+            autostop_minutes=autostop_minutes,
+            secrets=secrets,
+            python=settings.remote_python,
+            version=version,
+            template=Path(template) if template else None,
+            overrides=overrides or {},
+        )
         recorded_key = _recorded_key(settings.home, cluster_name)
         known_key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None) or recorded_key
-        return cls(cluster_name, spec, force_restart=force_restart or known_key is None, api_key=known_key,
-                   source=source, settings=settings, recover=recover)
+        return cls(
+            cluster_name,
+            spec,
+            force_restart=force_restart or known_key is None,
+            api_key=known_key,
+            source=source,
+            settings=settings,
+            recover=recover,
+        )
 
     @classmethod
     async def initialize_cluster(cls, *, cluster_name: str, **arguments: Any) -> SkyPilotBackend:
@@ -154,7 +191,8 @@ class SkyPilotBackend(SSHBackend):
                     f"{self.where}: {joined} of its {nodes} nodes joined within "
                     f"{self.settings.server_start_timeout:.0f} s (ART_SKY_SERVER_START_TIMEOUT), so it was torn "
                     f"down: nothing is left billing. Read `sky logs {self.cluster_name}` of a new launch, or ask "
-                    "for fewer nodes")
+                    "for fewer nodes"
+                )
             await asyncio.sleep(5)
             health = HealthResponse.model_validate(await ask())
         return health
@@ -165,8 +203,9 @@ class SkyPilotBackend(SSHBackend):
             self.recovery.registered(model)  # registered again, restored from the store, on a relaunched cluster
         return info
 
-    async def _stream_step(self, model: Model, route: str, request: TrainRequest | SFTRequest,
-                           verbose: bool) -> TrainProgress:
+    async def _stream_step(
+        self, model: Model, route: str, request: TrainRequest | SFTRequest, verbose: bool
+    ) -> TrainProgress:
         """As every backend's; with recovery on, the request is kept until the store has its step (to train it
         again on a relaunched cluster) and the result says what recovery did (`cluster/*` metrics)."""
         if self.recovery is None:
@@ -205,8 +244,12 @@ class SkyPilotBackend(SSHBackend):
                 spec = spec.model_copy(update={"wheel": wheel})
             task = validate_task(render_task(spec, SecretStr(api_key)))
             self.server_job = await provisioner.ensure_server(
-                self.cluster_name, task, force_restart=self.force_restart,
-                timeout=self.settings.server_start_timeout, on_request=on_request)
+                self.cluster_name,
+                task,
+                force_restart=self.force_restart,
+                timeout=self.settings.server_start_timeout,
+                on_request=on_request,
+            )
         self.target = await provisioner.ssh_target(self.cluster_name)
 
         home = await asyncio.to_thread(self.machine_runner().run, f'echo "$HOME/{SERVER_DIR}"', timeout=30)
@@ -228,9 +271,11 @@ class SkyPilotBackend(SSHBackend):
         elif self.server is None:  # never started here: nothing to flush, nothing to ask
             done = await self._end(ServerLayout.under(SERVER_DIR), None)
         elif state != "UP" and not force:
-            raise ConfigError(f"{self.where} is {state}: `{sky_cli()} start {self.cluster_name}` so that its "
-                              "checkpoints can reach the store first, or tear it down as it is with `art-sky down "
-                              f"{self.cluster_name} --force`")
+            raise ConfigError(
+                f"{self.where} is {state}: `{sky_cli()} start {self.cluster_name}` so that its "
+                "checkpoints can reach the store first, or tear it down as it is with `art-sky down "
+                f"{self.cluster_name} --force`"
+            )
         elif state != "UP":
             done = await self._end(self._layout(), None)
         else:
@@ -242,34 +287,50 @@ class SkyPilotBackend(SSHBackend):
         """The cluster as SkyPilot lists it: infra and state, accelerators, uptime and price."""
         try:
             rows = {row.name: row for row in await provisioner.status()}
-        except Exception as exc:  # noqa: BLE001 (status is a report: say why SkyPilot could not be asked)
+        except Exception as exc:
             return Machine(where=self.where, note=f"SkyPilot could not be asked: {first_line(str(exc))}")
         row = rows.get(self.cluster_name)
         if row is None:
             return Machine(where=self.where, state="gone", note="not in `sky status`")
-        return Machine(where=row.infra, state=row.status, uptime_s=row.uptime_s, hourly_cost=row.hourly_cost,
-                       accelerators=", ".join(f"{k}:{v:g}" for k, v in (row.accelerators or {}).items()) or "CPUs")
+        return Machine(
+            where=row.infra,
+            state=row.status,
+            uptime_s=row.uptime_s,
+            hourly_cost=row.hourly_cost,
+            accelerators=", ".join(f"{k}:{v:g}" for k, v in (row.accelerators or {}).items()) or "CPUs",
+        )
 
     async def _provider_price(self) -> float | None:
         """SkyPilot's price of the cluster (its launched resources), for each step's cost."""
         try:
             rows = {row.name: row for row in await provisioner.status()}
-        except Exception as exc:  # noqa: BLE001 (the price is a report: steps go on without it)
-            log.warning("no price for %s: SkyPilot could not be asked (%s); steps are not costed", self.cluster_name,
-                        exc)
+        except Exception as exc:
+            log.warning(
+                "no price for %s: SkyPilot could not be asked (%s); steps are not costed", self.cluster_name, exc
+            )
             return None
         row = rows.get(self.cluster_name)
         return row.hourly_cost if row is not None else None
 
     def record(self, name: str) -> clusters.ClusterRecord:
         """As every kind's, with the task (what recovery relaunches, in this or another process) and recovery's."""
-        return super().record(name).model_copy(update={
-            "spec": self.spec, "recover": self.recover, "server_job": self.server_job,
-            "recovery": self.recovery.status if self.recovery is not None else None})
+        return (
+            super()
+            .record(name)
+            .model_copy(
+                update={
+                    "spec": self.spec,
+                    "recover": self.recover,
+                    "server_job": self.server_job,
+                    "recovery": self.recovery.status if self.recovery is not None else None,
+                }
+            )
+        )
 
     @classmethod
-    def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
-                    settings: Settings | None = None) -> SkyPilotBackend:
+    def from_record(
+        cls, record: clusters.ClusterRecord, *, local_port: int = 0, settings: Settings | None = None
+    ) -> SkyPilotBackend:
         backend = cls(record.name, record.spec, local_port=local_port, settings=settings, recover=record.recover)
         backend.target, backend.server_job = record.target, record.server_job
         return backend._attached(record)
@@ -281,17 +342,22 @@ def recovery_mode(recover: bool | str | None, spot: bool, store: str | None) -> 
     if recover == "from-scratch":
         return recover
     if recover not in (None, True, False):
-        raise ConfigError(f"recover={recover!r}: give True, False, None (on with spot=True and an object store) "
-                          "or 'from-scratch'")
+        raise ConfigError(
+            f"recover={recover!r}: give True, False, None (on with spot=True and an object store) or 'from-scratch'"
+        )
     if recover is None:
         if spot and not store:
-            log.warning("spot=True without an object store (ART_SKY_CHECKPOINT_URI): a preempted cluster is not "
-                        "relaunched, since a new one would start from step 0. Set a store to have it recovered")
+            log.warning(
+                "spot=True without an object store (ART_SKY_CHECKPOINT_URI): a preempted cluster is not "
+                "relaunched, since a new one would start from step 0. Set a store to have it recovered"
+            )
         return bool(spot and store)
     if recover and not store:
-        raise ConfigError("recover=True needs an object store: a relaunched cluster resumes from it, without one it "
-                          "would start from step 0. Set ART_SKY_CHECKPOINT_URI (or checkpoint_uri=...), or pass "
-                          "recover='from-scratch' to relaunch from step 0 anyway")
+        raise ConfigError(
+            "recover=True needs an object store: a relaunched cluster resumes from it, without one it "
+            "would start from step 0. Set ART_SKY_CHECKPOINT_URI (or checkpoint_uri=...), or pass "
+            "recover='from-scratch' to relaunch from step 0 anyway"
+        )
     return recover
 
 
@@ -301,8 +367,10 @@ def _version_or_source(value: str | Path | None) -> tuple[str | None, Path | Non
     path = Path(value).expanduser()
     if isinstance(value, Path) or path.is_dir():
         if not (path / "pyproject.toml").is_file():
-            raise ConfigError(f"art_sky_version={value!r} is not an art-sky source checkout (no pyproject.toml): "
-                              "give a release like '0.1.0' or the checkout's directory")
+            raise ConfigError(
+                f"art_sky_version={value!r} is not an art-sky source checkout (no pyproject.toml): "
+                "give a release like '0.1.0' or the checkout's directory"
+            )
         return None, path
     return str(value), None
 
@@ -313,6 +381,8 @@ def _recorded_key(home: Path, cluster_name: str) -> str | None:
         return None
     record = clusters.load(home, cluster_name)
     if record.kind != "sky":
-        raise ConfigError(f"the name {cluster_name!r} is taken by a {record.kind} cluster on {record.where}: "
-                          f"`art-sky down {cluster_name}` first, or pick another cluster_name")
+        raise ConfigError(
+            f"the name {cluster_name!r} is taken by a {record.kind} cluster on {record.where}: "
+            f"`art-sky down {cluster_name}` first, or pick another cluster_name"
+        )
     return record.api_key.get_secret_value()

@@ -39,10 +39,19 @@ class SSHBackend(ClusterBackend):
     kind = "ssh"
     tunnel_refused_wait = 0.0  # seconds a connection through the tunnel retries a server port that refuses
 
-    def __init__(self, target: SSHTarget | str | None = None, *, key_path: str | Path | None = None,
-                 options: BootstrapOptions | None = None, local_port: int = 0, keep_server: bool = False,
-                 api_key: str | None = None, checkpoint_uri: str | None = None, name: str = "default",
-                 settings: Settings | None = None):
+    def __init__(
+        self,
+        target: SSHTarget | str | None = None,
+        *,
+        key_path: str | Path | None = None,
+        options: BootstrapOptions | None = None,
+        local_port: int = 0,
+        keep_server: bool = False,
+        api_key: str | None = None,
+        checkpoint_uri: str | None = None,
+        name: str = "default",
+        settings: Settings | None = None,
+    ):
         super().__init__(api_key=api_key, keep_server=keep_server, settings=settings)
         self.name = clusters.check_name(name)
         self.target = SSHTarget.parse(target, key_path) if isinstance(target, str) else target
@@ -65,8 +74,9 @@ class SSHBackend(ClusterBackend):
         if self.tunnel is None or self.tunnel.remote[1] != port:
             self._unreach()
             assert self.target is not None
-            tunnel = Tunnel(self.target, port, self.settings, local_port=self.local_port,
-                            refused_wait=self.tunnel_refused_wait)
+            tunnel = Tunnel(
+                self.target, port, self.settings, local_port=self.local_port, refused_wait=self.tunnel_refused_wait
+            )
             tunnel.start()
             self.tunnel = tunnel
         return self.tunnel.base_url
@@ -82,13 +92,21 @@ class SSHBackend(ClusterBackend):
     def _install_and_start(self) -> ServerLayout:
         runner = self.machine_runner()
         with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
-            installed = install(runner, build_wheel(Path(tmp)), self.options, self.settings.remote_install_timeout,
-                                name=self.name)
-            self._launch_server(runner, installed.layout, python=installed.python, env=self.options.env,
-                                port=self.options.port, pythonpath=installed.pythonpath)
+            installed = install(
+                runner, build_wheel(Path(tmp)), self.options, self.settings.remote_install_timeout, name=self.name
+            )
+            self._launch_server(
+                runner,
+                installed.layout,
+                python=installed.python,
+                env=self.options.env,
+                port=self.options.port,
+                pythonpath=installed.pythonpath,
+            )
             return installed.layout
 
     @classmethod
-    def from_record(cls, record: clusters.ClusterRecord, *, local_port: int = 0,
-                    settings: Settings | None = None) -> SSHBackend:
+    def from_record(
+        cls, record: clusters.ClusterRecord, *, local_port: int = 0, settings: Settings | None = None
+    ) -> SSHBackend:
         return cls(record.target, local_port=local_port, name=record.name, settings=settings)._attached(record)

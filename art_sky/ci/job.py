@@ -35,7 +35,7 @@ from . import workdir as work_files
 
 START_MARKER = "::art-sky-ci::start"  # printed by the job right before the command (templates/ci-job.yaml too)
 EXIT_MARKER = "::art-sky-ci::exit "  # followed by the exit code of the command (or of a failed setup)
-_MARKER = re.compile(re.escape(START_MARKER[:-len("start")]) + r"(start|exit (\d+))\s*$")
+_MARKER = re.compile(re.escape(START_MARKER[: -len("start")]) + r"(start|exit (\d+))\s*$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXIT_TIMEOUT, EXIT_SIGINT, EXIT_SIGTERM, EXIT_ERROR = 124, 130, 143, 2
 TEARDOWN_LIMIT = 300.0  # seconds; past this the autodown / host timeout net is what is left
@@ -162,18 +162,27 @@ def run_job(runner: Runner, timeout_s: float, keep: bool, write: Callable[[str],
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     wall = time.monotonic() - started
-    return Summary(name=runner.name, where=runner.where, accelerator=runner.accelerator, exit_code=code,
-                   wall_s=wall, setup_s=out.started_at - started if out.started_at else None,
-                   run_s=ended - out.started_at if out.started_at else None, cost=runner.cost(wall))
+    return Summary(
+        name=runner.name,
+        where=runner.where,
+        accelerator=runner.accelerator,
+        exit_code=code,
+        wall_s=wall,
+        setup_s=out.started_at - started if out.started_at else None,
+        run_s=ended - out.started_at if out.started_at else None,
+        cost=runner.cost(wall),
+    )
 
 
 def format_summary(summary: Summary) -> str:
     cost = "unknown (no price for this machine)" if summary.cost is None else f"${summary.cost:.2f} (estimated)"
     setup = _duration(summary.setup_s) if summary.setup_s is not None else "-"
     ran = _duration(summary.run_s) if summary.run_s is not None else "- (did not start)"
-    return (f"art-sky ci summary\n  job          {summary.name} on {summary.where}\n"
-            f"  accelerator  {summary.accelerator}\n  exit code    {summary.exit_code}\n"
-            f"  wall time    {_duration(summary.wall_s)} (setup {setup}, run {ran})\n  cost         {cost}")
+    return (
+        f"art-sky ci summary\n  job          {summary.name} on {summary.where}\n"
+        f"  accelerator  {summary.accelerator}\n  exit code    {summary.exit_code}\n"
+        f"  wall time    {_duration(summary.wall_s)} (setup {setup}, run {ran})\n  cost         {cost}"
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -248,10 +257,16 @@ class SkyPilotRunner:
 
     def keep_hint(self) -> str:
         sky = sky_cli()
-        net = (f" It tears itself down after {self.spec.autodown_minutes} idle minutes (`{sky} autostop "
-               f"{self.name} --cancel` keeps it)." if self.spec.autodown_minutes is not None else "")
-        return (f"cluster {self.name} is left up. Attach: `ssh {self.name}` (work dir ~/sky_workdir); logs: "
-                f"`{sky} logs {self.name}`; down: `{sky} down {self.name}`.{net}")
+        net = (
+            f" It tears itself down after {self.spec.autodown_minutes} idle minutes (`{sky} autostop "
+            f"{self.name} --cancel` keeps it)."
+            if self.spec.autodown_minutes is not None
+            else ""
+        )
+        return (
+            f"cluster {self.name} is left up. Attach: `ssh {self.name}` (work dir ~/sky_workdir); logs: "
+            f"`{sky} logs {self.name}`; down: `{sky} down {self.name}`.{net}"
+        )
 
     def cost(self, seconds: float) -> float | None:
         hourly = self._launched_job.hourly_cost if self._launched_job is not None else None
@@ -264,8 +279,18 @@ class SSHHostRunner:
 
     GRACE_S = 10
 
-    def __init__(self, name: str, target: SSHTarget, *, command: str, setup: str, workdir: Path, timeout_s: int,
-                 env: dict[str, str], settings: Settings):
+    def __init__(
+        self,
+        name: str,
+        target: SSHTarget,
+        *,
+        command: str,
+        setup: str,
+        workdir: Path,
+        timeout_s: int,
+        env: dict[str, str],
+        settings: Settings,
+    ):
         self._env_stdin = env_stdin(env)  # refuses what cannot travel before anything starts
         self.settings = settings
         self.name = name
@@ -281,27 +306,36 @@ class SSHHostRunner:
         out.note(f"syncing {len(files)} files from {self._workdir} to {self.target}:~/{self.remote_dir}")
         self._session = session = SSHRunner(self.target, self.settings)
         q = shlex.quote
-        self.remote_dir = session.run(f"mkdir -p {q(self.remote_dir)}/work && cd {q(self.remote_dir)} && pwd",
-                                      timeout=60).stdout.strip()
+        self.remote_dir = session.run(
+            f"mkdir -p {q(self.remote_dir)}/work && cd {q(self.remote_dir)} && pwd", timeout=60
+        ).stdout.strip()
         with tempfile.TemporaryDirectory(prefix="art-sky-ci-") as tmp:
             archive = work_files.pack(self._workdir, Path(tmp) / "work.tar.gz")
             session.upload(archive, f"{self.remote_dir}/work.tar.gz")
             job_script = Path(tmp) / "job.sh"
             job_script.write_text(self._job_script())
             session.upload(job_script, f"{self.remote_dir}/job.sh")
-        gpus = session.run("nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c",
-                           timeout=60, check=False).stdout.split("\n")
+        gpus = session.run(
+            "nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c", timeout=60, check=False
+        ).stdout.split("\n")
         self.accelerator = ", ".join(" x ".join(g.split(None, 1)) for g in gpus if g.strip()) or "none found"
-        start = (f"set -e\ncd {q(self.remote_dir)}\ntar -xzf work.tar.gz -C work && rm work.tar.gz\numask 077\n"
-                 f"{READ_ENV}setsid nohup sh job.sh >job.log 2>&1 </dev/null &\necho $! >job.pid\n")
+        start = (
+            f"set -e\ncd {q(self.remote_dir)}\ntar -xzf work.tar.gz -C work && rm work.tar.gz\numask 077\n"
+            f"{READ_ENV}setsid nohup sh job.sh >job.log 2>&1 </dev/null &\necho $! >job.pid\n"
+        )
         session.run(start, timeout=120, stdin=self._env_stdin)
 
     def _job_script(self) -> str:
         q, limit = shlex.quote, f"timeout -k 30 {self._timeout_s}"
-        setup = (f"{limit} bash -c {q(self._setup)} || {{ code=$?; echo '{EXIT_MARKER}'$code; exit $code; }}\n"
-                 if self._setup else "")
-        return (f"cd work\n{setup}echo '{START_MARKER}'\n{limit} bash -c {q(self._command)}\ncode=$?\n"
-                f"echo '{EXIT_MARKER}'$code\nexit $code\n")
+        setup = (
+            f"{limit} bash -c {q(self._setup)} || {{ code=$?; echo '{EXIT_MARKER}'$code; exit $code; }}\n"
+            if self._setup
+            else ""
+        )
+        return (
+            f"cd work\n{setup}echo '{START_MARKER}'\n{limit} bash -c {q(self._command)}\ncode=$?\n"
+            f"echo '{EXIT_MARKER}'$code\nexit $code\n"
+        )
 
     def follow(self, out: Output) -> int:
         """Tail the job's log until the job's process exits (`tail --pid`), chunk by chunk as it arrives."""
@@ -311,7 +345,7 @@ class SSHHostRunner:
             raise SSHError(f"the SSH connection to {self.target} closed: check the host and retry")
         channel = transport.open_session(timeout=60)
         q = shlex.quote
-        channel.exec_command(f"cd {q(self.remote_dir)} && tail -n +1 -s 0.2 -f --pid=\"$(cat job.pid)\" job.log")
+        channel.exec_command(f'cd {q(self.remote_dir)} && tail -n +1 -s 0.2 -f --pid="$(cat job.pid)" job.log')
         while not (channel.exit_status_ready() and not channel.recv_ready()):
             if channel.recv_ready():
                 out.write(channel.recv(65536).decode(errors="replace"))
@@ -339,9 +373,11 @@ cd / && rm -rf {q(self.remote_dir)}
 
     def keep_hint(self) -> str:
         port = f" -p {self.target.port}" if self.target.port != 22 else ""
-        return (f"the work dir {self.remote_dir} stays on {self.target}. Attach: `ssh{port} "
-                f"{self.target.user}@{self.target.host}` then `cd {self.remote_dir}` (job.log, job.pid); clean up: "
-                f"`pkill -s $(cat {self.remote_dir}/job.pid); rm -rf {self.remote_dir}`")
+        return (
+            f"the work dir {self.remote_dir} stays on {self.target}. Attach: `ssh{port} "
+            f"{self.target.user}@{self.target.host}` then `cd {self.remote_dir}` (job.log, job.pid); clean up: "
+            f"`pkill -s $(cat {self.remote_dir}/job.pid); rm -rf {self.remote_dir}`"
+        )
 
     def cost(self, seconds: float) -> float | None:
         return None

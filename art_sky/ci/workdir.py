@@ -37,8 +37,9 @@ def pack(workdir: Path, dest: Path) -> Path:
 def _git_files(workdir: Path) -> list[str] | None:
     """Tracked and untracked-but-not-ignored files, or None outside a git work tree (or without git)."""
     try:
-        result = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=workdir,
-                                capture_output=True, timeout=60)
+        result = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=workdir, capture_output=True, timeout=60
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if result.returncode != 0:
@@ -64,5 +65,4 @@ def _minus_skyignore(workdir: Path) -> list[str]:
             continue
         pattern = "." + line if line.startswith("/") else "**/" + line
         excluded.update(os.path.relpath(m, workdir) for m in glob.glob(str(workdir / pattern), recursive=True))
-    return sorted(f for f in _walk(workdir)
-                  if not any(f == e or f.startswith(e.rstrip("/") + "/") for e in excluded))
+    return sorted(f for f in _walk(workdir) if not any(f == e or f.startswith(e.rstrip("/") + "/") for e in excluded))

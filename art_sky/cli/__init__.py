@@ -18,14 +18,23 @@ import art_sky
 from . import checkpoints, ci, clusters, plot
 from .errors import ErrorBoundary, console
 
-app = typer.Typer(help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
-                  no_args_is_help=True, add_completion=False, cls=ErrorBoundary)
+app = typer.Typer(
+    help="Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    cls=ErrorBoundary,
+)
 
 
 @app.callback()
-def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="show errors in full (a server log's last "
-                                                                      "lines, a remote command's output) and every "
-                                                                      "library's log lines")) -> None:
+def main(
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        help="show errors in full (a server log's last lines, a remote command's output) and every library's log lines",
+    ),
+) -> None:
     """Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters."""
 
 
@@ -38,14 +47,28 @@ def demo(
     seed: int = typer.Option(0, help="seed for prompts and sampling"),
     path: Path = typer.Option(Path(".art"), help="checkpoint root (ART's .art)"),
     plot: Path = typer.Option(Path("demo-reward.png"), help="where to draw the reward curve"),
-    resume: bool = typer.Option(False, "--resume", help="continue the previous run's model (default: a fresh model, "
-                                                        "the previous run's demo checkpoints removed)"),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="continue the previous run's model (default: a fresh model, the previous run's demo checkpoints removed)",
+    ),
 ) -> None:
     """Run the whole loop on this machine's CPU with the embedded tiny model and watch the reward climb."""
     from art_sky.demo import run_demo
 
-    rewards = asyncio.run(run_demo(steps=steps, groups=groups, group_size=group_size, learning_rate=learning_rate,
-                                   seed=seed, path=path, plot=plot, resume=resume, echo=_plain))
+    rewards = asyncio.run(
+        run_demo(
+            steps=steps,
+            groups=groups,
+            group_size=group_size,
+            learning_rate=learning_rate,
+            seed=seed,
+            path=path,
+            plot=plot,
+            resume=resume,
+            echo=_plain,
+        )
+    )
     console.print(f"mean reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")
 
 

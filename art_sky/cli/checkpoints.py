@@ -20,7 +20,9 @@ from .errors import ErrorBoundary, console
 
 app = typer.Typer(
     help="LoRA checkpoints in the object store (ART_SKY_CHECKPOINT_URI or --uri): list, pull, push, delete.",
-    no_args_is_help=True, cls=ErrorBoundary)
+    no_args_is_help=True,
+    cls=ErrorBoundary,
+)
 
 URI_HELP = "store URI: s3://bucket/prefix, gs://bucket/prefix or file:///path (default ART_SKY_CHECKPOINT_URI)"
 
@@ -48,22 +50,45 @@ def ls(
 
     async def work() -> tuple[str, list[dict]]:
         store = _store(uri)
-        pairs = [(project, model)] if project and model else [
-            pair for pair in await store.models() if project in (None, pair[0])]
-        return store.uri, [{"project": p, "model": m, "step": step.step, "size_bytes": step.size_bytes,
-                            "created_at": step.created_at, "metrics": step.metrics,
-                            "where": store.where(p, m, step.step)}
-                           for p, m in pairs for step in await store.manifests(p, m)]
+        pairs = (
+            [(project, model)]
+            if project and model
+            else [pair for pair in await store.models() if project in (None, pair[0])]
+        )
+        return store.uri, [
+            {
+                "project": p,
+                "model": m,
+                "step": step.step,
+                "size_bytes": step.size_bytes,
+                "created_at": step.created_at,
+                "metrics": step.metrics,
+                "where": store.where(p, m, step.step),
+            }
+            for p, m in pairs
+            for step in await store.manifests(p, m)
+        ]
 
     where, steps = asyncio.run(work())
     if as_json:
         print(json.dumps(steps, indent=2))
     elif steps:
-        table.show(("PROJECT", "MODEL", "STEP", "SIZE", "SAVED", "METRICS", "WHERE"),
-                   [(s["project"], s["model"], str(s["step"]), _size(s["size_bytes"]),
-                     time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created_at"])),
-                     ", ".join(f"{k}={v:.4g}" for k, v in sorted(s["metrics"].items())) or "-", s["where"])
-                    for s in steps], shrink=(5, 6))
+        table.show(
+            ("PROJECT", "MODEL", "STEP", "SIZE", "SAVED", "METRICS", "WHERE"),
+            [
+                (
+                    s["project"],
+                    s["model"],
+                    str(s["step"]),
+                    _size(s["size_bytes"]),
+                    time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created_at"])),
+                    ", ".join(f"{k}={v:.4g}" for k, v in sorted(s["metrics"].items())) or "-",
+                    s["where"],
+                )
+                for s in steps
+            ],
+            shrink=(5, 6),
+        )
     else:
         console.print(f"no checkpoints in {where}" + (f" for {project}" if project else ""))
 
@@ -127,7 +152,8 @@ def rm(
     steps: list[int] | None = typer.Argument(None, help="steps to delete"),
     keep_last: int | None = typer.Option(None, min=1, help="instead: keep the newest N steps, delete the rest"),
     best_metric: str | None = typer.Option(
-        None, help="with --keep-last, also keep the best step by this history metric, e.g. val/reward"),
+        None, help="with --keep-last, also keep the best step by this history metric, e.g. val/reward"
+    ),
     uri: str | None = typer.Option(None, help=URI_HELP),
 ) -> None:
     """Delete steps from the store (each manifest first, so a half-deleted step is never listed)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import NoReturn
 
@@ -30,15 +30,19 @@ from .status import status_command
 SKY, HOST = "SkyPilot cluster (default)", "SSH host (--host) and this machine (--local)"
 
 
-class Extras(str, Enum):
+class Extras(StrEnum):
     cluster = "cluster"
     gpu = "gpu"
 
 
 DEFAULT_NAME = "art"
-NAME = typer.Argument(None, metavar="NAME", show_default=False,
-                      help=f"the cluster's name (default: {DEFAULT_NAME}); its record is "
-                           "~/.art-sky/clusters/NAME.json, and a SkyPilot cluster has this name too")
+NAME = typer.Argument(
+    None,
+    metavar="NAME",
+    show_default=False,
+    help=f"the cluster's name (default: {DEFAULT_NAME}); its record is "
+    "~/.art-sky/clusters/NAME.json, and a SkyPilot cluster has this name too",
+)
 NAME_OPTION = typer.Option(None, "--name", "-n", metavar="NAME", show_default=False, help="the same as NAME")
 
 
@@ -58,59 +62,107 @@ class CommandAfterDashes(TyperCommand):
             return super().parse_args(ctx, args)
         split = args.index("--")
         rest = super().parse_args(ctx, args[:split])
-        ctx.params["command"] = args[split + 1:]
+        ctx.params["command"] = args[split + 1 :]
         return rest
 
 
 def up(
     name: str | None = NAME,
     name_option: str | None = NAME_OPTION,
-    host: str | None = typer.Option(None, "--host", help="user@host[:port] of a machine you can ssh into, instead "
-                                                        "of a SkyPilot cluster", rich_help_panel=HOST),
-    local: bool = typer.Option(False, "--local", help="run the server detached on this machine instead",
-                               rich_help_panel=HOST),
-    infra: str | None = typer.Option(None, help="SkyPilot infra: aws, gcp/us-central1, k8s/<context>, "
-                                                "slurm/<cluster>; default: any enabled one", rich_help_panel=SKY),
-    gpu: list[str] = typer.Option(["H100:1"], help="accelerator and count, e.g. H100:1, or H100:8 (vLLM on 7 GPUs, "
-                                                   "the trainer on one); repeat it or give a comma list for "
-                                                   "fallbacks tried in order; `none` for CPUs only",
-                                  rich_help_panel=SKY),
-    nodes: int = typer.Option(1, "--nodes", min=1, help="nodes, each with --gpu: the server on the head, an engine "
-                                                       "replica and trainer ranks on every node", rich_help_panel=SKY),
-    model: str | None = typer.Option(None, "--model", help="the base model you will train: refused before renting "
-                                                           "if its shards do not fit the GPUs", rich_help_panel=SKY),
+    host: str | None = typer.Option(
+        None,
+        "--host",
+        help="user@host[:port] of a machine you can ssh into, instead of a SkyPilot cluster",
+        rich_help_panel=HOST,
+    ),
+    local: bool = typer.Option(
+        False, "--local", help="run the server detached on this machine instead", rich_help_panel=HOST
+    ),
+    infra: str | None = typer.Option(
+        None,
+        help="SkyPilot infra: aws, gcp/us-central1, k8s/<context>, slurm/<cluster>; default: any enabled one",
+        rich_help_panel=SKY,
+    ),
+    gpu: list[str] = typer.Option(
+        ["H100:1"],
+        help="accelerator and count, e.g. H100:1, or H100:8 (vLLM on 7 GPUs, "
+        "the trainer on one); repeat it or give a comma list for "
+        "fallbacks tried in order; `none` for CPUs only",
+        rich_help_panel=SKY,
+    ),
+    nodes: int = typer.Option(
+        1,
+        "--nodes",
+        min=1,
+        help="nodes, each with --gpu: the server on the head, an engine replica and trainer ranks on every node",
+        rich_help_panel=SKY,
+    ),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="the base model you will train: refused before renting if its shards do not fit the GPUs",
+        rich_help_panel=SKY,
+    ),
     spot: bool = typer.Option(False, help="use spot instances", rich_help_panel=SKY),
-    recover: bool | None = typer.Option(None, "--recover/--no-recover", show_default="on with --spot and an object "
-                                        "store", help="relaunch the cluster when it is lost (preempted, stopped) and "
-                                        "go on from the object store, in the process whose loop uses it (attach)",
-                                        rich_help_panel=SKY),
-    recover_from_scratch: bool = typer.Option(False, "--recover-from-scratch", rich_help_panel=SKY,
-                                              help="with --recover and no object store: relaunch from step 0 anyway"),
-    autostop: int = typer.Option(60, min=0, help="tear the cluster down after this many idle minutes; 0 never "
-                                                 "(needed where the infra has no autostop, e.g. plain Slurm)",
-                                 rich_help_panel=SKY),
+    recover: bool | None = typer.Option(
+        None,
+        "--recover/--no-recover",
+        show_default="on with --spot and an object store",
+        help="relaunch the cluster when it is lost (preempted, stopped) and "
+        "go on from the object store, in the process whose loop uses it (attach)",
+        rich_help_panel=SKY,
+    ),
+    recover_from_scratch: bool = typer.Option(
+        False,
+        "--recover-from-scratch",
+        rich_help_panel=SKY,
+        help="with --recover and no object store: relaunch from step 0 anyway",
+    ),
+    autostop: int = typer.Option(
+        60,
+        min=0,
+        help="tear the cluster down after this many idle minutes; 0 never "
+        "(needed where the infra has no autostop, e.g. plain Slurm)",
+        rich_help_panel=SKY,
+    ),
     cpus: str | None = typer.Option(None, help="vCPUs, e.g. 4 or 8+", rich_help_panel=SKY),
     memory: str | None = typer.Option(None, help="memory in GB, e.g. 16 or 32+", rich_help_panel=SKY),
-    env_file: Path | None = typer.Option(None, help="a .env file whose variables reach the server as SkyPilot "
-                                                    "secrets (object store keys)", rich_help_panel=SKY),
-    key: Path | None = typer.Option(None, "--key", help="private key file (default: ssh-agent, ~/.ssh keys)",
-                                    rich_help_panel=HOST),
-    python: str | None = typer.Option(None, help="a prepared interpreter on the host that already has the "
-                                                 "dependencies of art-sky's cluster extra: skips venv and installs",
-                                      rich_help_panel=HOST),
-    venv_python: str = typer.Option("python3", help="interpreter on the host that creates the venv",
-                                    rich_help_panel=HOST),
-    system_site_packages: bool = typer.Option(False, help="the venv sees the host's packages (a preinstalled "
-                                                          "torch)", rich_help_panel=HOST),
-    extras: Extras = typer.Option(Extras.cluster, help="extras installed in the venv: cluster, or gpu for vLLM "
-                                                       "and Unsloth", rich_help_panel=HOST),
-    remote_dir: str = typer.Option(".art-sky/server", help="art-sky's directory on the host (relative: under home), "
-                                                           "shared by its clusters; each has its own clusters/NAME "
-                                                           "there", rich_help_panel=HOST),
-    path: Path = typer.Option(Path(".art"), help="--local: the checkpoint root (ART's .art, as LocalBackend's)",
-                              rich_help_panel=HOST),
-    port: int = typer.Option(0, help="the server's port on the host (it binds 127.0.0.1 only); 0 picks a free "
-                                     "one", rich_help_panel=HOST),
+    env_file: Path | None = typer.Option(
+        None,
+        help="a .env file whose variables reach the server as SkyPilot secrets (object store keys)",
+        rich_help_panel=SKY,
+    ),
+    key: Path | None = typer.Option(
+        None, "--key", help="private key file (default: ssh-agent, ~/.ssh keys)", rich_help_panel=HOST
+    ),
+    python: str | None = typer.Option(
+        None,
+        help="a prepared interpreter on the host that already has the "
+        "dependencies of art-sky's cluster extra: skips venv and installs",
+        rich_help_panel=HOST,
+    ),
+    venv_python: str = typer.Option(
+        "python3", help="interpreter on the host that creates the venv", rich_help_panel=HOST
+    ),
+    system_site_packages: bool = typer.Option(
+        False, help="the venv sees the host's packages (a preinstalled torch)", rich_help_panel=HOST
+    ),
+    extras: Extras = typer.Option(
+        Extras.cluster, help="extras installed in the venv: cluster, or gpu for vLLM and Unsloth", rich_help_panel=HOST
+    ),
+    remote_dir: str = typer.Option(
+        ".art-sky/server",
+        help="art-sky's directory on the host (relative: under home), "
+        "shared by its clusters; each has its own clusters/NAME "
+        "there",
+        rich_help_panel=HOST,
+    ),
+    path: Path = typer.Option(
+        Path(".art"), help="--local: the checkpoint root (ART's .art, as LocalBackend's)", rich_help_panel=HOST
+    ),
+    port: int = typer.Option(
+        0, help="the server's port on the host (it binds 127.0.0.1 only); 0 picks a free one", rich_help_panel=HOST
+    ),
     force_restart: bool = typer.Option(False, help="restart the server even if one is up with this version"),
 ) -> None:
     """Start a cluster server: on a SkyPilot cluster (launched or reused), an SSH host, or this machine."""
@@ -119,31 +171,51 @@ def up(
         raise ConfigError("--host and --local name two different machines: give one (or neither, for SkyPilot)")
     settings = Settings()
     if host:
-        options = BootstrapOptions(remote_dir=remote_dir, python=python, venv_python=venv_python,
-                                   system_site_packages=system_site_packages, extras=extras.value, port=port)
-        backend: ClusterBackend = SSHBackend(host, key_path=key, options=options, keep_server=True, name=name,
-                                             settings=settings)
+        options = BootstrapOptions(
+            remote_dir=remote_dir,
+            python=python,
+            venv_python=venv_python,
+            system_site_packages=system_site_packages,
+            extras=extras.value,
+            port=port,
+        )
+        backend: ClusterBackend = SSHBackend(
+            host, key_path=key, options=options, keep_server=True, name=name, settings=settings
+        )
     elif local:
         backend = LocalBackend(path=path, name=name, port=port, keep_server=True, settings=settings)
     else:
         backend = SkyPilotBackend.for_cluster(
-            cluster_name=name, gpu=parse_gpus(gpu), infra=infra, spot=spot, autostop_minutes=autostop or None,
-            resources={k: v for k, v in (("cpus", cpus), ("memory", memory)) if v is not None}, env_path=env_file,
-            force_restart=force_restart, settings=settings, num_nodes=nodes, base_model=model,
-            recover="from-scratch" if recover_from_scratch else recover)
+            cluster_name=name,
+            gpu=parse_gpus(gpu),
+            infra=infra,
+            spot=spot,
+            autostop_minutes=autostop or None,
+            resources={k: v for k, v in (("cpus", cpus), ("memory", memory)) if v is not None},
+            env_path=env_file,
+            force_restart=force_restart,
+            settings=settings,
+            num_nodes=nodes,
+            base_model=model,
+            recover="from-scratch" if recover_from_scratch else recover,
+        )
     if name in clusters.all_names(settings.home):
         existing = clusters.load(settings.home, name)
         if (existing.kind, existing.where) != (backend.kind, backend.where):
-            raise ConfigError(f"cluster {name!r} runs on {existing.where} ({existing.kind}): `art-sky down {name}` "
-                              "first, or pick another name")
+            raise ConfigError(
+                f"cluster {name!r} runs on {existing.where} ({existing.kind}): `art-sky down {name}` "
+                "first, or pick another name"
+            )
         if not force_restart and asyncio.run(_answers(attach(name, settings=settings, recover=False))):
             console.print(f"cluster {name!r} is already up (same version); --force-restart restarts it")
             return
     console.print(f"starting the cluster server on {backend.where} ...")  # (SkyPilot streams its own progress)
     record = asyncio.run(_start(backend, name))
-    console.print(f"cluster {name!r} up on {record.where}, server port {record.port} (127.0.0.1 there).\n"
-                  f"Use it from Python with `art_sky.attach({name!r})`, or hold a tunnel with "
-                  f"`art-sky tunnel {name}`.")
+    console.print(
+        f"cluster {name!r} up on {record.where}, server port {record.port} (127.0.0.1 there).\n"
+        f"Use it from Python with `art_sky.attach({name!r})`, or hold a tunnel with "
+        f"`art-sky tunnel {name}`."
+    )
 
 
 async def _start(backend: ClusterBackend, name: str) -> clusters.ClusterRecord:
@@ -167,9 +239,15 @@ async def _answers(backend: ClusterBackend) -> bool:
         await backend.close()
 
 
-def down(name: str | None = NAME, name_option: str | None = NAME_OPTION,
-         force: bool = typer.Option(False, "--force", help="stop even if checkpoints are not in the object store "
-                                                           "yet, or the machine cannot be reached to ask")) -> None:
+def down(
+    name: str | None = NAME,
+    name_option: str | None = NAME_OPTION,
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="stop even if checkpoints are not in the object store yet, or the machine cannot be reached to ask",
+    ),
+) -> None:
     """Stop the cluster's server and forget the cluster. A SkyPilot cluster is torn down (`sky down`); an SSH host
     and its files stay. Waits first until every checkpoint is in the object store (when one is configured); a
     server that has already exited is forgotten at once."""
@@ -182,18 +260,23 @@ def down(name: str | None = NAME, name_option: str | None = NAME_OPTION,
     console.print(f"cluster {name!r}: {done}; record removed", markup=False, highlight=False, soft_wrap=True)
 
 
-def status(names: list[str] | None = typer.Argument(None, metavar="NAME", show_default=False,
-                                                    help="only these clusters (default: every one)"),
-           as_json: bool = typer.Option(False, "--json", help="print JSON for scripts: a list with one object per "
-                                                              "cluster")) -> None:
+def status(
+    names: list[str] | None = typer.Argument(
+        None, metavar="NAME", show_default=False, help="only these clusters (default: every one)"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print JSON for scripts: a list with one object per cluster"),
+) -> None:
     """The clusters: kind, where, accelerators, uptime and cost (where SkyPilot knows the price), server state,
     models and their steps. One line per cluster; a narrow terminal cuts other columns, never names."""
     status_command(names, as_json)
 
 
-def logs(name: str | None = NAME, name_option: str | None = NAME_OPTION,
-         lines: int = typer.Option(50, "--lines", "-l", min=1, help="how many lines"),
-         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C ends)")) -> None:
+def logs(
+    name: str | None = NAME,
+    name_option: str | None = NAME_OPTION,
+    lines: int = typer.Option(50, "--lines", "-l", min=1, help="how many lines"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C ends)"),
+) -> None:
     """Print the last lines of the cluster server's log (it need not be running), or follow it."""
     backend = attach(cluster_name(name, name_option), recover=False)
     if follow:
@@ -208,17 +291,24 @@ async def _logs(backend: ClusterBackend, lines: int) -> str:
         await backend.close()
 
 
-def tunnel(name: str | None = NAME, name_option: str | None = NAME_OPTION,
-           local_port: int = typer.Option(0, help="local port on 127.0.0.1; 0 picks one")) -> None:
+def tunnel(
+    name: str | None = NAME,
+    name_option: str | None = NAME_OPTION,
+    local_port: int = typer.Option(0, help="local port on 127.0.0.1; 0 picks one"),
+) -> None:
     """Hold a tunnel to the cluster's server in the foreground (Ctrl-C ends it); prints base URL and API key."""
     backend = attach(cluster_name(name, name_option), local_port=local_port, recover=False)
 
     async def hold() -> None:
         try:
             await backend.health()
-            console.print(f"ART_SKY_BASE_URL={backend.base_url}\nART_SKY_API_KEY={backend.api_key}\n"
-                          f"OpenAI-compatible endpoint: {backend.inference_base_url}  (Ctrl-C closes the tunnel)",
-                          markup=False, highlight=False, soft_wrap=True)
+            console.print(
+                f"ART_SKY_BASE_URL={backend.base_url}\nART_SKY_API_KEY={backend.api_key}\n"
+                f"OpenAI-compatible endpoint: {backend.inference_base_url}  (Ctrl-C closes the tunnel)",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
             await asyncio.Event().wait()
         finally:
             await backend.close()
@@ -229,10 +319,13 @@ def tunnel(name: str | None = NAME, name_option: str | None = NAME_OPTION,
         console.print("tunnel closed")
 
 
-def ssh(name: str | None = NAME,
-        command: list[str] | None = typer.Argument(None, metavar="COMMAND", show_default=False,
-                                                   help="a command to run instead of a shell, after `--`"),
-        name_option: str | None = NAME_OPTION) -> None:
+def ssh(
+    name: str | None = NAME,
+    command: list[str] | None = typer.Argument(
+        None, metavar="COMMAND", show_default=False, help="a command to run instead of a shell, after `--`"
+    ),
+    name_option: str | None = NAME_OPTION,
+) -> None:
     """Open a shell (or run a command: `art-sky ssh NAME -- COMMAND...`) on the cluster's machine with the system's
     ssh client."""
     _exec(attach(cluster_name(name, name_option), recover=False).shell_argv(command or []))

@@ -43,11 +43,15 @@ class ErrorBoundary(TyperGroup):
                 raise
             except (ArtSkyError, ValueError) as exc:
                 report(self.prefix, _message(exc), verbose)
-            except Exception as exc:  # noqa: BLE001 (a bug: said in one line, traceback with --verbose)
+            except Exception as exc:
                 if verbose:
                     raise
-                report(self.prefix, f"unexpected {type(exc).__name__}: {exc} (a bug in art-sky: "
-                                    "`art-sky --verbose ...` shows the traceback; please report it)", False)
+                report(
+                    self.prefix,
+                    f"unexpected {type(exc).__name__}: {exc} (a bug in art-sky: "
+                    "`art-sky --verbose ...` shows the traceback; please report it)",
+                    False,
+                )
             raise typer.Exit(self.exit_code)
 
 
@@ -64,8 +68,13 @@ def report(prefix: str, message: str, verbose: bool) -> None:
     if detail.strip() and verbose:
         console.print(detail, markup=False, highlight=False, soft_wrap=True)
     elif detail.strip():
-        console.print(f"  ({len(detail.strip().splitlines())} more lines of detail: `art-sky --verbose ...` shows "
-                      "them)", markup=False, highlight=False, soft_wrap=True, style="dim")
+        console.print(
+            f"  ({len(detail.strip().splitlines())} more lines of detail: `art-sky --verbose ...` shows them)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+            style="dim",
+        )
 
 
 @contextlib.contextmanager

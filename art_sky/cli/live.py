@@ -16,16 +16,21 @@ def row(cluster: str, model: ModelInfo, now: float | None = None) -> list[str]:
     """One model's line: every cell a short phrase, "-" where the server does not know."""
     last = model.last_step
     serving = model.serving
-    return [f"{cluster}/{model.name}", str(model.step),
-            f"{serving.adapter} ({serving.in_flight} in flight)" if serving else "-",
-            doing(model, now or time.time()), _number(last.get("train/reward"), "{:.3f}"),
-            f"{_number(serving.tokens_per_s if serving else None, '{:.0f}')}, "
-            f"{_number(last.get('throughput/train_tok_per_s'), '{:.0f}')}",
-            checkpoints(model), _number(last.get("costs/cum/gpu"), "${:.2f}")]
+    return [
+        f"{cluster}/{model.name}",
+        str(model.step),
+        f"{serving.adapter} ({serving.in_flight} in flight)" if serving else "-",
+        doing(model, now or time.time()),
+        _number(last.get("train/reward"), "{:.3f}"),
+        f"{_number(serving.tokens_per_s if serving else None, '{:.0f}')}, "
+        f"{_number(last.get('throughput/train_tok_per_s'), '{:.0f}')}",
+        checkpoints(model),
+        _number(last.get("costs/cum/gpu"), "${:.2f}"),
+    ]
 
 
 def doing(model: ModelInfo, now: float) -> str:
-    """"training 40% (micro-batch 4 of 10 done, 12s)", "serving (3 completion(s) in flight)", "idle"."""
+    """ "training 40% (micro-batch 4 of 10 done, 12s)", "serving (3 completion(s) in flight)", "idle"."""
     activity = model.activity
     if activity is None:
         return "-"

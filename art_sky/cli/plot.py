@@ -22,12 +22,15 @@ from .errors import console
 def plot(
     model: str = typer.Argument(..., help="the model's name"),
     name: str = typer.Option("art", "--name", "-n", help="the cluster whose server has the model"),
-    project: str | None = typer.Option(None, help="the model's project (needed with --uri; with --path, when "
-                                                  "two projects have a model of that name)"),
-    path: Path | None = typer.Option(None, help="read the history from this checkpoint root (ART's .art) instead "
-                                                "of a server"),
-    uri: str | None = typer.Option(None, help="read the history from this object store (s3://, gs://, file://) "
-                                              "instead of a server"),
+    project: str | None = typer.Option(
+        None, help="the model's project (needed with --uri; with --path, when two projects have a model of that name)"
+    ),
+    path: Path | None = typer.Option(
+        None, help="read the history from this checkpoint root (ART's .art) instead of a server"
+    ),
+    uri: str | None = typer.Option(
+        None, help="read the history from this object store (s3://, gs://, file://) instead of a server"
+    ),
     out: Path | None = typer.Option(None, "--out", "-o", help="the PNG to write (default MODEL.png)"),
 ) -> None:
     """Draw MODEL's reward, loss and KL per training step to a PNG. The history comes from the server of cluster
@@ -41,8 +44,12 @@ def plot(
     else:
         history, source = asyncio.run(_from_server(name, model, settings))
     written = charts.draw(history, out or Path(f"{model}.png"), f"{model}: reward, loss and KL per step")
-    console.print(f"{len(charts.training_steps(history))} steps from {source} drawn to {written}", markup=False,
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"{len(charts.training_steps(history))} steps from {source} drawn to {written}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 async def _from_server(name: str, model: str, settings: Settings) -> tuple[list[dict], str]:
@@ -59,8 +66,10 @@ async def _from_store(uri: str, project: str | None, model: str, settings: Setti
     store = CheckpointStore(uri, endpoint=settings.checkpoint_endpoint, credentials=settings.store_credentials)
     data = await store.history(project, model)
     if data is None:
-        raise ConfigError(f"{store.where(project, model)} has no {HISTORY}: check the project and model names "
-                          "(`art-sky checkpoints ls` lists them)")
+        raise ConfigError(
+            f"{store.where(project, model)} has no {HISTORY}: check the project and model names "
+            "(`art-sky checkpoints ls` lists them)"
+        )
     return _lines(data.decode()), store.where(project, model)
 
 
@@ -73,12 +82,15 @@ def _local(root: Path, model: str, project: str | None) -> list[Path]:
 def _from_path(root: Path, model: str, project: str | None) -> tuple[list[dict], str]:
     found = _local(root, model, project)
     if not found:
-        raise ConfigError(f"no history of model {model!r} under {root}: give the checkpoint root it trained in "
-                          "(--path), or ask a cluster's server (--name) or the object store (--uri)")
+        raise ConfigError(
+            f"no history of model {model!r} under {root}: give the checkpoint root it trained in "
+            "(--path), or ask a cluster's server (--name) or the object store (--uri)"
+        )
     if len(found) > 1:
         projects = ", ".join(f.parent.parent.parent.name for f in found)
-        raise ConfigError(f"models named {model!r} in several projects under {root} ({projects}): pick one with "
-                          "--project")
+        raise ConfigError(
+            f"models named {model!r} in several projects under {root} ({projects}): pick one with --project"
+        )
     return _lines(found[0].read_text()), str(found[0])
 
 

@@ -52,15 +52,24 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
     try:
         backend = attach(name, settings=settings, recover=False)
     except ArtSkyError as exc:
-        return ClusterStatus(name=name, kind="?", machine=Machine(where="?"),
-                             server=ServerReport(state="error", detail=_line(exc)))
+        return ClusterStatus(
+            name=name, kind="?", machine=Machine(where="?"), server=ServerReport(state="error", detail=_line(exc))
+        )
     log = backend.server.layout.log_file if backend.server else None
     recovery = clusters.load(settings.home, name).recovery
     if recovery is not None and recovery.state == "recovering" and _alive(recovery.pid):
         await backend.close()  # the record's machine is the lost one: nothing to ask there
-        return ClusterStatus(name=name, kind=backend.kind, machine=await backend.machine(), recovery=recovery,
-                             server=ServerReport(state="recovering", log=log, detail=(
-                                 f"recovering for {time.time() - recovery.since:.0f} s: {recovery.reason}")))
+        return ClusterStatus(
+            name=name,
+            kind=backend.kind,
+            machine=await backend.machine(),
+            recovery=recovery,
+            server=ServerReport(
+                state="recovering",
+                log=log,
+                detail=(f"recovering for {time.time() - recovery.since:.0f} s: {recovery.reason}"),
+            ),
+        )
     machine = await backend.machine()
     models: list[ModelInfo] = []  # each with what the server is doing with it (cli/live.py renders it)
     try:
@@ -69,8 +78,11 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
         else:
             state = (await backend.server_state()).state
             if state == "stopped":
-                server = ServerReport(state="exited", log=log, detail=f"exited: `art-sky logs {name}` shows why, "
-                                                                       f"`art-sky up {name}` starts it again")
+                server = ServerReport(
+                    state="exited",
+                    log=log,
+                    detail=f"exited: `art-sky logs {name}` shows why, `art-sky up {name}` starts it again",
+                )
             elif state == "starting":
                 server = ServerReport(state="starting", detail="starting", log=log)
             else:
@@ -79,9 +91,17 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
                 detail = f"{health.engine} on {health.device}"
                 if health.gpu_sharing == "dedicated":  # vLLM on GPUs of its own: say which
                     detail += f", {health.placement}"
-                server = ServerReport(state="ok", detail=detail, engine=health.engine, trainer=health.trainer,
-                                      device=health.device, version=health.version, placement=health.placement,
-                                      log=log, fleet=health.fleet)
+                server = ServerReport(
+                    state="ok",
+                    detail=detail,
+                    engine=health.engine,
+                    trainer=health.trainer,
+                    device=health.device,
+                    version=health.version,
+                    placement=health.placement,
+                    log=log,
+                    fleet=health.fleet,
+                )
     except VersionMismatchError as exc:
         server = ServerReport(state="error", detail=_line(exc), log=log)
     except ArtSkyError as exc:
@@ -89,10 +109,11 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
     finally:
         await backend.close()
     if recovery is not None and server.state == "ok" and recovery.recoveries:
-        server.detail += (f", {recovery.recoveries} recover{'y' if recovery.recoveries == 1 else 'ies'} "
-                          f"({recovery.downtime_s:.0f} s down)")
-    return ClusterStatus(name=name, kind=backend.kind, machine=machine, server=server, models=models,
-                         recovery=recovery)
+        server.detail += (
+            f", {recovery.recoveries} recover{'y' if recovery.recoveries == 1 else 'ies'} "
+            f"({recovery.downtime_s:.0f} s down)"
+        )
+    return ClusterStatus(name=name, kind=backend.kind, machine=machine, server=server, models=models, recovery=recovery)
 
 
 def _alive(pid: int) -> bool:
@@ -137,12 +158,17 @@ def fleet_row(cluster: str, replica: FleetReplica) -> list[str]:
     """One inference replica of a cluster with several: its load, completions so far, and the step of each model
     it serves (a model it is still loading is not listed)."""
     where = "head" if replica.url == "local" else replica.url
-    return [f"{cluster}/{where}", replica.node, f"{replica.outstanding} outstanding", str(replica.completions),
-            ", ".join(f"{name}@{step}" for name, step in sorted(replica.steps.items())) or "loading"]
+    return [
+        f"{cluster}/{where}",
+        replica.node,
+        f"{replica.outstanding} outstanding",
+        str(replica.completions),
+        ", ".join(f"{name}@{step}" for name, step in sorted(replica.steps.items())) or "loading",
+    ]
 
 
 def uptime_and_cost(machine: Machine) -> str:
-    """"2h05m, $3.20/h, $6.67 so far": the price where SkyPilot knows one."""
+    """ "2h05m, $3.20/h, $6.67 so far": the price where SkyPilot knows one."""
     if machine.uptime_s is None:
         return "-"
     minutes = int(machine.uptime_s // 60)

@@ -16,22 +16,23 @@ from .errors import console
 GAP = "  "
 
 
-def lines(headers: Sequence[str], rows: Sequence[Sequence[str]], *, width: int | None,
-          shrink: Sequence[int] = ()) -> list[str]:
+def lines(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], *, width: int | None, shrink: Sequence[int] = ()
+) -> list[str]:
     """The table as text lines, at most `width` characters where cutting the `shrink` columns (indices; among
     equally wide ones the first is cut first) can make it so; `width=None` cuts nothing."""
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
     excess = sum(widths) + len(GAP) * (len(widths) - 1) - width if width is not None else 0
-    while excess > 0 and (widest := max(shrink, key=lambda i: widths[i], default=None)) is not None \
-            and widths[widest] > 1:
+    while (
+        excess > 0 and (widest := max(shrink, key=lambda i: widths[i], default=None)) is not None and widths[widest] > 1
+    ):
         widths[widest] -= 1
         excess -= 1
-    return [GAP.join(_cell(cell, w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in (headers, *rows)]
+    return [GAP.join(_cell(cell, w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in (headers, *rows)]
 
 
 def _cell(text: str, width: int) -> str:
-    return text.ljust(width) if len(text) <= width else text[:width - 1] + "…"
+    return text.ljust(width) if len(text) <= width else text[: width - 1] + "…"
 
 
 def show(headers: Sequence[str], rows: Sequence[Sequence[str]], *, shrink: Sequence[int] = ()) -> None:

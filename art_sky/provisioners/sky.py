@@ -66,14 +66,23 @@ class SkyError(Exception):
         self.kind = kind
 
 
-async def _call(what: str, op: str, output: TextIO | None = None, on_request: Callable[[str], None] | None = None,
-                **args: Any) -> Any:
+async def _call(
+    what: str, op: str, output: TextIO | None = None, on_request: Callable[[str], None] | None = None, **args: Any
+) -> Any:
     """Run one SkyPilot request (sky_driver.py's `op`) in SkyPilot's environment and return its result, relaying
     its log to `output` (default stdout) and translating SkyPilot's errors; `on_request` gets its id (to cancel)."""
     python = await asyncio.to_thread(sky_python)
     process = await asyncio.create_subprocess_exec(  # -u: the driver passes SkyPilot's log lines on as they come
-        str(python), "-u", "-P", sky_driver.__file__, op, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, limit=1 << 24)
+        str(python),
+        "-u",
+        "-P",
+        sky_driver.__file__,
+        op,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        limit=1 << 24,
+    )
     process.stdin.write(json.dumps(args).encode())
     process.stdin.close()
     reply, log = None, []
@@ -81,7 +90,7 @@ async def _call(what: str, op: str, output: TextIO | None = None, on_request: Ca
         async for raw in process.stdout:
             line = raw.decode(errors="replace")
             if line.startswith(sky_driver.MARK):
-                message = json.loads(line[len(sky_driver.MARK):])
+                message = json.loads(line[len(sky_driver.MARK) :])
                 if "request_id" in message and on_request is not None:
                     on_request(message["request_id"])
                 reply = message if "request_id" not in message else reply
@@ -95,8 +104,10 @@ async def _call(what: str, op: str, output: TextIO | None = None, on_request: Ca
         process.kill()
         raise
     if reply is None:
-        raise BackendUnavailableError(f"SkyPilot ({python}) stopped while trying to {what} (exit "
-                                      f"{process.returncode}): {''.join(log[-20:]).strip()[-1500:]}")
+        raise BackendUnavailableError(
+            f"SkyPilot ({python}) stopped while trying to {what} (exit "
+            f"{process.returncode}): {''.join(log[-20:]).strip()[-1500:]}"
+        )
     if "error" in reply:
         raise _translate(what, SkyError(reply["error"], _ANSI.sub("", reply["message"])))
     return reply["result"]
@@ -107,14 +118,18 @@ def _translate(what: str, exc: SkyError) -> Exception:
     if exc.kind == "api_server":
         return BackendUnavailableError(
             f"cannot start or reach the SkyPilot API server while trying to {what} ({exc}): run `{sky} api start` "
-            f"and read `{sky} api logs`")
+            f"and read `{sky} api logs`"
+        )
     if exc.kind == "resources":
         return BackendUnavailableError(
             f"SkyPilot found no resources to {what}: {exc}. Try another infra or region, a GPU fallback list "
-            "(gpu=[...]), or spot=False")
+            "(gpu=[...]), or spot=False"
+        )
     if exc.kind == "not_supported":
-        return ConfigError(f"SkyPilot cannot {what} as asked: {exc}. On infra without autostop (e.g. Slurm without "
-                           "containers), pass autostop_minutes=None (`art-sky ci run`: --no-autodown)")
+        return ConfigError(
+            f"SkyPilot cannot {what} as asked: {exc}. On infra without autostop (e.g. Slurm without "
+            "containers), pass autostop_minutes=None (`art-sky ci run`: --no-autodown)"
+        )
     if exc.kind == "invalid":
         return ConfigError(f"SkyPilot refuses to {what}: {exc}")
     return exc
@@ -125,13 +140,23 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     setup, envs, secrets by name, file mounts, resources in order, what it stores); SkyError("invalid") names what
     is wrong."""
     python = sky_python()
-    result = subprocess.run([str(python), "-P", sky_driver.__file__, "validate"],
-                            input=json.dumps({"config": config}), capture_output=True, text=True, timeout=300)
-    replies = [json.loads(line[len(sky_driver.MARK):]) for line in result.stdout.splitlines()
-               if line.startswith(sky_driver.MARK)]
+    result = subprocess.run(
+        [str(python), "-P", sky_driver.__file__, "validate"],
+        input=json.dumps({"config": config}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    replies = [
+        json.loads(line[len(sky_driver.MARK) :])
+        for line in result.stdout.splitlines()
+        if line.startswith(sky_driver.MARK)
+    ]
     if not replies:
-        raise BackendUnavailableError(f"SkyPilot ({python}) could not check the task (exit {result.returncode}): "
-                                      f"{(result.stdout + result.stderr).strip()[-1500:]}")
+        raise BackendUnavailableError(
+            f"SkyPilot ({python}) could not check the task (exit {result.returncode}): "
+            f"{(result.stdout + result.stderr).strip()[-1500:]}"
+        )
     if "error" in replies[-1]:
         raise SkyError(replies[-1]["error"], replies[-1]["message"])
     return replies[-1]["result"]
@@ -142,13 +167,17 @@ async def check_infra(task: dict[str, Any]) -> None:
     found = await _call("list the enabled clouds", "check_infra", config=task)
     enabled = {c.lower() for c in found["enabled"]}
     if not enabled:
-        raise ConfigError("no cloud or infra is enabled in SkyPilot: set up credentials (a cloud account, a "
-                          f"kubeconfig, ~/.slurm/config, ...) and run `{sky_cli()} check`")
+        raise ConfigError(
+            "no cloud or infra is enabled in SkyPilot: set up credentials (a cloud account, a "
+            f"kubeconfig, ~/.slurm/config, ...) and run `{sky_cli()} check`"
+        )
     missing = sorted({c.lower() for c in found["wanted"]} - enabled)
     if missing:
         cloud = missing[0]
-        raise ConfigError(f"{cloud} is not enabled in SkyPilot (enabled: {', '.join(sorted(enabled))}): set up its "
-                          f"credentials and run `{sky_cli()} check {cloud}`, or pick an enabled infra")
+        raise ConfigError(
+            f"{cloud} is not enabled in SkyPilot (enabled: {', '.join(sorted(enabled))}): set up its "
+            f"credentials and run `{sky_cli()} check {cloud}`, or pick an enabled infra"
+        )
 
 
 async def cluster_status(cluster_name: str, refresh: bool = False) -> str | None:
@@ -158,8 +187,14 @@ async def cluster_status(cluster_name: str, refresh: bool = False) -> str | None
     return records[0]["status"] if records else None
 
 
-async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restart: bool, timeout: float,
-                        on_request: Callable[[str], None] | None = None) -> int:
+async def ensure_server(
+    cluster_name: str,
+    task: dict[str, Any],
+    *,
+    force_restart: bool,
+    timeout: float,
+    on_request: Callable[[str], None] | None = None,
+) -> int:
     """Launch the cluster with the server task, or on an UP cluster make sure the server job runs (a new one on
     `force_restart`); return the job's id once it runs. `on_request` gets the launch request's id (to cancel
     it)."""
@@ -167,25 +202,34 @@ async def ensure_server(cluster_name: str, task: dict[str, Any], *, force_restar
     if await cluster_status(cluster_name) != "UP":
         if task.get("num_nodes", 1) > 1:  # a node lost on the way leaves the others billing: tear them all down
             try:
-                job_id = (await _call(f"launch {cluster_name}", "launch", on_request=on_request, config=task,
-                                      cluster=cluster_name))["job_id"]
+                job_id = (
+                    await _call(
+                        f"launch {cluster_name}", "launch", on_request=on_request, config=task, cluster=cluster_name
+                    )
+                )["job_id"]
                 await _wait_running(cluster_name, job_id, timeout)
             except BaseException as exc:
                 await _down_after(cluster_name, exc)
                 raise
             return job_id
-        job_id = (await _call(f"launch {cluster_name}", "launch", on_request=on_request, config=task,
-                              cluster=cluster_name))["job_id"]
+        job_id = (
+            await _call(f"launch {cluster_name}", "launch", on_request=on_request, config=task, cluster=cluster_name)
+        )["job_id"]
     else:
         jobs = [j for j in await server_jobs(cluster_name) if j["status"] in _ACTIVE]
         if jobs and not force_restart:
             job_id = max(j["job_id"] for j in jobs)
         else:
             if jobs:
-                await _call(f"stop the server on {cluster_name}", "cancel", cluster=cluster_name,
-                            job_ids=[j["job_id"] for j in jobs])
-            job_id = (await _call(f"start the server on {cluster_name}", "exec", config=task,
-                                  cluster=cluster_name))["job_id"]
+                await _call(
+                    f"stop the server on {cluster_name}",
+                    "cancel",
+                    cluster=cluster_name,
+                    job_ids=[j["job_id"] for j in jobs],
+                )
+            job_id = (await _call(f"start the server on {cluster_name}", "exec", config=task, cluster=cluster_name))[
+                "job_id"
+            ]
     await _wait_running(cluster_name, job_id, timeout)
     return job_id
 
@@ -201,9 +245,8 @@ async def _down_after(cluster_name: str, exc: BaseException) -> None:
     log.warning("launching %s failed (%s): tearing it down so that no node is left billing", cluster_name, exc)
     try:
         await asyncio.shield(down(cluster_name))
-    except Exception as down_exc:  # noqa: BLE001 (the launch's error is what the caller sees; say this one too)
-        log.error("could not tear %s down (%s): run `%s down %s` now", cluster_name, down_exc, sky_cli(),
-                  cluster_name)
+    except Exception as down_exc:
+        log.error("could not tear %s down (%s): run `%s down %s` now", cluster_name, down_exc, sky_cli(), cluster_name)
     if isinstance(exc, Exception):
         exc.add_note(f"{cluster_name} was torn down: a multi-node launch that fails leaves no node running")
 
@@ -215,12 +258,16 @@ async def _wait_running(cluster_name: str, job_id: int, timeout: float) -> None:
         if name == "RUNNING":
             return
         if name not in _ACTIVE:
-            raise BackendUnavailableError(f"the server job {job_id} on {cluster_name} is {name}: read "
-                                          f"`{sky_cli()} logs {cluster_name} {job_id}`, then retry with "
-                                          "force_restart=True")
+            raise BackendUnavailableError(
+                f"the server job {job_id} on {cluster_name} is {name}: read "
+                f"`{sky_cli()} logs {cluster_name} {job_id}`, then retry with "
+                "force_restart=True"
+            )
         if time.monotonic() > deadline:
-            raise BackendUnavailableError(f"the server job {job_id} on {cluster_name} was still {name} after "
-                                          f"{timeout:.0f}s: read `{sky_cli()} logs {cluster_name} {job_id}`")
+            raise BackendUnavailableError(
+                f"the server job {job_id} on {cluster_name} was still {name} after "
+                f"{timeout:.0f}s: read `{sky_cli()} logs {cluster_name} {job_id}`"
+            )
         await asyncio.sleep(2)
 
 
@@ -229,13 +276,17 @@ async def job_state(cluster_name: str, job_id: int) -> str:
     return await _call(f"check job {job_id} on {cluster_name}", "job_status", cluster=cluster_name, job_id=job_id)
 
 
-async def launch_job(cluster_name: str, task: dict[str, Any], output: TextIO,
-                     on_request: Callable[[str], None]) -> Launched:
+async def launch_job(
+    cluster_name: str, task: dict[str, Any], output: TextIO, on_request: Callable[[str], None]
+) -> Launched:
     """Launch a new cluster with `task` as its first job, SkyPilot's launch log going to `output`; return once the
     job is submitted. `on_request` gets the launch request's id, for `cancel_request`."""
     await check_infra(task)
-    return Launched(**await _call(f"launch {cluster_name}", "launch", output=output, on_request=on_request,
-                                  config=task, cluster=cluster_name))
+    return Launched(
+        **await _call(
+            f"launch {cluster_name}", "launch", output=output, on_request=on_request, config=task, cluster=cluster_name
+        )
+    )
 
 
 async def cancel_request(request_id: str) -> None:
@@ -245,8 +296,9 @@ async def cancel_request(request_id: str) -> None:
 
 async def follow_job(cluster_name: str, job_id: int, output: TextIO) -> None:
     """Write the job's log (setup and run) to `output` as it comes, until the job ends."""
-    await _call(f"follow job {job_id} on {cluster_name}", "tail_logs", output=output, cluster=cluster_name,
-                job_id=job_id)
+    await _call(
+        f"follow job {job_id} on {cluster_name}", "tail_logs", output=output, cluster=cluster_name, job_id=job_id
+    )
 
 
 async def ssh_target(cluster_name: str) -> SSHTarget:
@@ -256,13 +308,16 @@ async def ssh_target(cluster_name: str) -> SSHTarget:
     try:
         result = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
-        raise BackendUnavailableError(f"`sky status {cluster_name}` took over 120s: run `{sky_cli()} api "
-                                      "status`") from None
+        raise BackendUnavailableError(
+            f"`sky status {cluster_name}` took over 120s: run `{sky_cli()} api status`"
+        ) from None
     path = Path.home() / ".sky" / "generated" / "ssh" / cluster_name
     if result.returncode != 0 or not path.exists():
-        raise BackendUnavailableError(f"SkyPilot recorded no SSH entry for {cluster_name} (`sky status` exited "
-                                      f"{result.returncode}: {result.stderr.strip()[-500:]}): is it UP? "
-                                      f"`{sky_cli()} status {cluster_name}`")
+        raise BackendUnavailableError(
+            f"SkyPilot recorded no SSH entry for {cluster_name} (`sky status` exited "
+            f"{result.returncode}: {result.stderr.strip()[-500:]}): is it UP? "
+            f"`{sky_cli()} status {cluster_name}`"
+        )
     return parse_ssh_config(path.read_text(), cluster_name)
 
 
@@ -271,9 +326,14 @@ def parse_ssh_config(text: str, host: str) -> SSHTarget:
     entry = paramiko.SSHConfig.from_text(text).lookup(host)
     env = dict(item.split("=", 1) for item in entry.get("setenv", "").split() if "=" in item)
     keys = entry.get("identityfile") or [None]
-    return SSHTarget(host=entry.get("hostname", host), port=int(entry.get("port", 22)), user=entry["user"],
-                     key_path=Path(keys[0]).expanduser() if keys[0] else None,
-                     proxy_command=entry.get("proxycommand"), env=env)
+    return SSHTarget(
+        host=entry.get("hostname", host),
+        port=int(entry.get("port", 22)),
+        user=entry["user"],
+        key_path=Path(keys[0]).expanduser() if keys[0] else None,
+        proxy_command=entry.get("proxycommand"),
+        env=env,
+    )
 
 
 async def down(cluster_name: str) -> None:

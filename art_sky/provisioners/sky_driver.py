@@ -39,15 +39,31 @@ def summary(loaded) -> dict:
 
     def one(r) -> dict:
         autostop = r.autostop_config
-        return {"accelerators": r.accelerators, "cpus": r.cpus, "memory": r.memory, "use_spot": r.use_spot,
-                "cloud": str(r.cloud) if r.cloud is not None else None, "region": r.region,
-                "autostop": {"enabled": autostop.enabled, "idle_minutes": autostop.idle_minutes,
-                             "down": autostop.down} if autostop is not None else None}
+        return {
+            "accelerators": r.accelerators,
+            "cpus": r.cpus,
+            "memory": r.memory,
+            "use_spot": r.use_spot,
+            "cloud": str(r.cloud) if r.cloud is not None else None,
+            "region": r.region,
+            "autostop": {"enabled": autostop.enabled, "idle_minutes": autostop.idle_minutes, "down": autostop.down}
+            if autostop is not None
+            else None,
+        }
 
-    return {"name": loaded.name, "num_nodes": loaded.num_nodes, "run": loaded.run, "setup": loaded.setup,
-            "envs": dict(loaded.envs), "secrets": sorted(loaded.secrets), "file_mounts": loaded.file_mounts or {},
-            "ordered": isinstance(loaded.resources, list), "resources": [one(r) for r in resources],
-            "repr": repr(loaded), "stored": yaml.safe_dump(loaded.to_yaml_config(use_user_specified_yaml=True))}
+    return {
+        "name": loaded.name,
+        "num_nodes": loaded.num_nodes,
+        "run": loaded.run,
+        "setup": loaded.setup,
+        "envs": dict(loaded.envs),
+        "secrets": sorted(loaded.secrets),
+        "file_mounts": loaded.file_mounts or {},
+        "ordered": isinstance(loaded.resources, list),
+        "resources": [one(r) for r in resources],
+        "repr": repr(loaded),
+        "stored": yaml.safe_dump(loaded.to_yaml_config(use_user_specified_yaml=True)),
+    }
 
 
 def request(call, *args, stream: bool = False, **kwargs):
@@ -80,28 +96,41 @@ def run(op: str, args: dict):
         return summary(task(args["config"]))
     if op == "check_infra":
         resources = task(args["config"]).resources
-        return {"enabled": [str(c) for c in request(sdk.enabled_clouds)],
-                "wanted": sorted({str(r.cloud) for r in resources if r.cloud is not None})}
+        return {
+            "enabled": [str(c) for c in request(sdk.enabled_clouds)],
+            "wanted": sorted({str(r.cloud) for r in resources if r.cloud is not None}),
+        }
     if op == "status":
         now = time.time()
-        return [{"name": r["name"], "status": r["status"].value,
-                 "infra": f"{r.get('cloud') or '-'}{'/' + r['region'] if r.get('region') else ''}",
-                 "resources": r.get("resources_str") or "-", "accelerators": r.get("accelerators") or None,
-                 "uptime_s": now - r["launched_at"] if r.get("launched_at") else None,
-                 "hourly_cost": hourly_cost(r.get("handle"))}
-                for r in request(sdk.status, args["names"], refresh=refresh_mode(args.get("refresh", False)))]
+        return [
+            {
+                "name": r["name"],
+                "status": r["status"].value,
+                "infra": f"{r.get('cloud') or '-'}{'/' + r['region'] if r.get('region') else ''}",
+                "resources": r.get("resources_str") or "-",
+                "accelerators": r.get("accelerators") or None,
+                "uptime_s": now - r["launched_at"] if r.get("launched_at") else None,
+                "hourly_cost": hourly_cost(r.get("handle")),
+            }
+            for r in request(sdk.status, args["names"], refresh=refresh_mode(args.get("refresh", False)))
+        ]
     if op == "launch":
         job_id, handle = request(sdk.launch, task(args["config"]), cluster_name=args["cluster"], stream=True)
         resources = handle.launched_resources
-        accelerator = (", ".join(f"{k}:{v:g}" for k, v in resources.accelerators.items())
-                       if resources.accelerators else f"none ({resources.cpus or '?'} CPUs)")
+        accelerator = (
+            ", ".join(f"{k}:{v:g}" for k, v in resources.accelerators.items())
+            if resources.accelerators
+            else f"none ({resources.cpus or '?'} CPUs)"
+        )
         return {"job_id": job_id, "hourly_cost": hourly_cost(handle), "accelerator": accelerator}
     if op == "exec":
         job_id, _ = request(sdk.exec, task(args["config"]), cluster_name=args["cluster"], stream=True)
         return {"job_id": job_id}
     if op == "queue":
-        return [{"job_id": j["job_id"], "job_name": j["job_name"], "status": j["status"].value}
-                for j in request(sdk.queue, args["cluster"], skip_finished=True)]
+        return [
+            {"job_id": j["job_id"], "job_name": j["job_name"], "status": j["status"].value}
+            for j in request(sdk.queue, args["cluster"], skip_finished=True)
+        ]
     if op == "cancel":
         request(sdk.cancel, args["cluster"], job_ids=args["job_ids"])
         return None
@@ -125,9 +154,13 @@ def main() -> None:
     from sky import exceptions
 
     op, args = sys.argv[1], json.loads(sys.stdin.read() or "{}")
-    kinds = ((exceptions.ApiServerConnectionError, "api_server"), (exceptions.ResourcesUnavailableError,
-             "resources"), (exceptions.NotSupportedError, "not_supported"),
-             (exceptions.ClusterDoesNotExist, "no_cluster"), (ValueError, "invalid"))
+    kinds = (
+        (exceptions.ApiServerConnectionError, "api_server"),
+        (exceptions.ResourcesUnavailableError, "resources"),
+        (exceptions.NotSupportedError, "not_supported"),
+        (exceptions.ClusterDoesNotExist, "no_cluster"),
+        (ValueError, "invalid"),
+    )
     try:
         result = run(op, args)
     except Exception as exc:

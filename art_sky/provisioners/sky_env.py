@@ -50,14 +50,18 @@ def sky_cli(settings: Settings | None = None) -> str:
 
 def _install(venv: Path) -> None:
     log.warning("installing SkyPilot (%s) into its own environment %s: once, about a minute", SKYPILOT, venv)
-    for command in ([sys.executable, "-m", "venv", "--clear", str(venv)],
-                    [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", SKYPILOT]):
+    for command in (
+        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", SKYPILOT],
+    ):
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise ConfigError(f"making SkyPilot's environment {venv} failed (`{' '.join(command)}` exited "
-                              f"{result.returncode}): {result.stderr.strip()[-1500:]}\nFix that (network, disk, "
-                              "Python's venv module), or point ART_SKY_SKYPILOT_PYTHON at a Python that has "
-                              f"{SKYPILOT}")
+            raise ConfigError(
+                f"making SkyPilot's environment {venv} failed (`{' '.join(command)}` exited "
+                f"{result.returncode}): {result.stderr.strip()[-1500:]}\nFix that (network, disk, "
+                "Python's venv module), or point ART_SKY_SKYPILOT_PYTHON at a Python that has "
+                f"{SKYPILOT}"
+            )
 
 
 if __name__ == "__main__":

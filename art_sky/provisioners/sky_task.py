@@ -24,16 +24,22 @@ class ClusterSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    gpu: str | list[str] | None = Field("H100:1", description="an accelerator, or an ordered fallback list; "
-                                                              "None runs the portable engine on CPUs")
+    gpu: str | list[str] | None = Field(
+        "H100:1", description="an accelerator, or an ordered fallback list; None runs the portable engine on CPUs"
+    )
     infra: str | None = Field(None, description="SkyPilot's infra: aws, gcp/us-central1, k8s/<context>, slurm/<name>")
-    num_nodes: int = Field(1, ge=1, description="nodes: the server on the head, a replica and trainer ranks on "
-                                                "every node (templates/cluster.yaml)")
-    resources: dict[str, Any] = Field(default_factory=dict, description="more SkyPilot resource fields "
-                                                                        "(cpus, memory, disk_size, region, ...)")
+    num_nodes: int = Field(
+        1,
+        ge=1,
+        description="nodes: the server on the head, a replica and trainer ranks on every node (templates/cluster.yaml)",
+    )
+    resources: dict[str, Any] = Field(
+        default_factory=dict, description="more SkyPilot resource fields (cpus, memory, disk_size, region, ...)"
+    )
     spot: bool = False
-    autostop_minutes: int | None = Field(60, description="tear the cluster down after this many idle minutes; "
-                                                         "None keeps it up")
+    autostop_minutes: int | None = Field(
+        60, description="tear the cluster down after this many idle minutes; None keeps it up"
+    )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the server (ART_SKY_*)")
     secrets: dict[str, str] = Field(default_factory=dict, description="environment SkyPilot redacts (store keys)")
     python: str | None = Field(None, description="a Python on the cluster with art-sky installed: skip the install")
@@ -63,8 +69,9 @@ class CIJobSpec(BaseModel):
     infra: str | None = None
     resources: dict[str, Any] = Field(default_factory=dict)
     spot: bool = False
-    autodown_minutes: int | None = Field(description="the cluster tears itself down after this many idle "
-                                                     "minutes (the safety net); None: no net")
+    autodown_minutes: int | None = Field(
+        description="the cluster tears itself down after this many idle minutes (the safety net); None: no net"
+    )
     secrets: dict[str, str] = Field(default_factory=dict, description="environment SkyPilot redacts (--env-file)")
 
 
@@ -107,8 +114,10 @@ def render_task(spec: ClusterSpec, api_key: SecretStr) -> dict[str, Any]:
     envs["ART_SKY_WHEEL"] = ""
     if spec.python is None and spec.version is None:
         if spec.wheel is None:
-            raise ConfigError("nothing to install on the cluster: give a wheel, an art-sky version, or a prepared "
-                              "Python (ART_SKY_REMOTE_PYTHON)")
+            raise ConfigError(
+                "nothing to install on the cluster: give a wheel, an art-sky version, or a prepared "
+                "Python (ART_SKY_REMOTE_PYTHON)"
+            )
         envs["ART_SKY_WHEEL"] = spec.wheel.name
         config.setdefault("file_mounts", {})[f"{WHEEL_DIR}/{spec.wheel.name}"] = str(spec.wheel)
     envs.update(spec.env)
@@ -123,16 +132,24 @@ def render_ci_task(spec: CIJobSpec) -> dict[str, Any]:
     config = load_template(shipped="ci-job.yaml")
     _set_resources(config, spec.gpu, spec.infra, spec.spot, spec.autodown_minutes, spec.resources)
     config["workdir"] = str(spec.workdir)
-    config["envs"] = (config.get("envs") or {}) | {"ART_SKY_CI_COMMAND": spec.command,
-                                                   "ART_SKY_CI_SETUP": spec.setup,
-                                                   "ART_SKY_CI_TIMEOUT": str(spec.timeout_s)}
+    config["envs"] = (config.get("envs") or {}) | {
+        "ART_SKY_CI_COMMAND": spec.command,
+        "ART_SKY_CI_SETUP": spec.setup,
+        "ART_SKY_CI_TIMEOUT": str(spec.timeout_s),
+    }
     if spec.secrets:
         config["secrets"] = (config.get("secrets") or {}) | spec.secrets
     return config
 
 
-def _set_resources(config: dict[str, Any], gpu: str | list[str] | None, infra: str | None, spot: bool,
-                   autodown_minutes: int | None, extra: dict[str, Any]) -> dict[str, Any]:
+def _set_resources(
+    config: dict[str, Any],
+    gpu: str | list[str] | None,
+    infra: str | None,
+    spot: bool,
+    autodown_minutes: int | None,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """Accelerators (one, or an ordered fallback list), infra, spot and autodown onto the task's resources."""
     resources = config.setdefault("resources", {}) or {}
     config["resources"] = resources
@@ -165,8 +182,10 @@ def validate_task(config: dict[str, Any]) -> dict[str, Any]:
         for secret in (config.get("secrets") or {}).values():
             if secret:
                 message = message.replace(str(secret), "***")
-        raise ConfigError(f"SkyPilot refuses the task: {message}. Fix the template, resources or "
-                          f"overrides (art-sky {art_sky.__version__})") from None
+        raise ConfigError(
+            f"SkyPilot refuses the task: {message}. Fix the template, resources or "
+            f"overrides (art-sky {art_sky.__version__})"
+        ) from None
     return config
 
 

@@ -33,19 +33,27 @@ class BootstrapOptions(BaseModel):
     """Where and how the server runs on the remote machine."""
 
     remote_dir: str = Field(".art-sky/server", description="relative paths are under the login directory")
-    python: str | None = Field(None, description="a prepared interpreter that already has art-sky[cluster]'s "
-                                                 "dependencies; the venv step is skipped")
+    python: str | None = Field(
+        None,
+        description="a prepared interpreter that already has art-sky[cluster]'s dependencies; the venv step is skipped",
+    )
     venv_python: str = Field("python3", description="interpreter that creates the venv when `python` is unset")
     system_site_packages: bool = Field(False, description="the venv sees the host's packages (a preinstalled torch)")
-    extras: Literal["cluster", "gpu"] = Field("cluster", description="art-sky extras installed in the venv; gpu "
-                                                                     "installs the tested GPU stack")
-    constraints: list[str] = Field(default_factory=list, description="pip constraints for the venv install "
-                                                                    "(e.g. torch==2.13.0: a CPU build), added to "
-                                                                    "the tested GPU stack's with extras=gpu")
+    extras: Literal["cluster", "gpu"] = Field(
+        "cluster", description="art-sky extras installed in the venv; gpu installs the tested GPU stack"
+    )
+    constraints: list[str] = Field(
+        default_factory=list,
+        description="pip constraints for the venv install "
+        "(e.g. torch==2.13.0: a CPU build), added to "
+        "the tested GPU stack's with extras=gpu",
+    )
     port: int = Field(0, description="the server's port on the remote machine; 0 picks a free one")
     art_path: str = Field("art", description="checkpoint root, relative to remote_dir unless absolute")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment of the server (ART_SKY_*, "
-                                                                   "store credentials); sent over stdin")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="extra environment of the server (ART_SKY_*, store credentials); sent over stdin",
+    )
 
     @field_validator("remote_dir")
     @classmethod
@@ -72,21 +80,26 @@ def cluster_dir(remote_dir: str, name: str) -> str:
     return posixpath.join(remote_dir, "clusters", name)
 
 
-def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeout: float, *,
-            name: str) -> Installed:
+def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeout: float, *, name: str) -> Installed:
     """Upload the wheel and install it for cluster `name` (venv first unless `options.python`); idempotent."""
     q = shlex.quote
-    remote_dir = runner.run(f"mkdir -p {q(cluster_dir(options.remote_dir, name))}/wheels && "
-                            f"cd {q(options.remote_dir)} && pwd", timeout=60).stdout.strip()
+    remote_dir = runner.run(
+        f"mkdir -p {q(cluster_dir(options.remote_dir, name))}/wheels && cd {q(options.remote_dir)} && pwd", timeout=60
+    ).stdout.strip()
     own = cluster_dir(remote_dir, name)
     python = options.python or f"{remote_dir}/venv/bin/python"
     bootstrap_python = options.python or options.venv_python
     preflight = runner.run(
         f"{q(bootstrap_python)} -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 3)' >/dev/null 2>&1"
-        f" || exit {_NO_PYTHON}", timeout=60, check=False)
+        f" || exit {_NO_PYTHON}",
+        timeout=60,
+        check=False,
+    )
     if preflight.exit_code == _NO_PYTHON:
-        raise SSHError(f"no Python >= 3.11 at {bootstrap_python!r} on {runner.where}: install one there, or "
-                       "name it with python= (a prepared environment) or venv_python=")
+        raise SSHError(
+            f"no Python >= 3.11 at {bootstrap_python!r} on {runner.where}: install one there, or "
+            "name it with python= (a prepared environment) or venv_python="
+        )
     remote_wheel = f"{own}/wheels/{wheel.name}"
     runner.upload(wheel, remote_wheel)
     steps = []
@@ -95,14 +108,23 @@ def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeo
         constraints = options.constraints + (constraint_lines() if options.extras == "gpu" else [])
         pins = ""
         if constraints:
-            runner.run(f"cat >{q(own)}/wheels/constraints.txt", timeout=60,
-                       stdin="".join(f"{line}\n" for line in constraints).encode())
+            runner.run(
+                f"cat >{q(own)}/wheels/constraints.txt",
+                timeout=60,
+                stdin="".join(f"{line}\n" for line in constraints).encode(),
+            )
             pins = f" -c {q(own)}/wheels/constraints.txt"
-        steps += [f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
-                  (f"venv/bin/python -m pip install --quiet --disable-pip-version-check{pins} "
-                   f"{q(f'{remote_wheel}[{options.extras}]')}")]
-    steps.append(f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "
-                 f"--target {q(own)}/lib {q(remote_wheel)}")
+        steps += [
+            f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
+            (
+                f"venv/bin/python -m pip install --quiet --disable-pip-version-check{pins} "
+                f"{q(f'{remote_wheel}[{options.extras}]')}"
+            ),
+        ]
+    steps.append(
+        f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "
+        f"--target {q(own)}/lib {q(remote_wheel)}"
+    )
     runner.run(f"set -e\ncd {q(remote_dir)}\n" + "\n".join(steps), timeout=timeout)
     layout = ServerLayout(run_dir=posixpath.join(own, "run"), art_path=posixpath.join(remote_dir, options.art_path))
     return Installed(layout=layout, python=python, pythonpath=posixpath.join(own, "lib"))

@@ -41,8 +41,17 @@ class RemoteServer(BaseModel):
     pid: int
 
 
-def start(runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict[str, str], port: int = 0,
-          pythonpath: str | None = None, exit_with: int | None = None, args: tuple[str, ...] = ()) -> None:
+def start(
+    runner: CommandRunner,
+    layout: ServerLayout,
+    *,
+    python: str,
+    env: dict[str, str],
+    port: int = 0,
+    pythonpath: str | None = None,
+    exit_with: int | None = None,
+    args: tuple[str, ...] = (),
+) -> None:
     """Stop any server of `layout.run_dir`, then start a new one detached (it outlives the runner's session; with
     `exit_with`, a pid on the server's machine, not that process). `env` (the API key among it) travels on stdin into
     the server's environment: never in argv or a file. `args` go to `python -m art_sky.cluster` (a worker node's
@@ -50,18 +59,22 @@ def start(runner: CommandRunner, layout: ServerLayout, *, python: str, env: dict
     stop(runner, layout)
     q = shlex.quote
     path = f"PYTHONPATH={q(pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}} " if pythonpath else ""
-    script = (f"set -e\numask 077\n{READ_ENV}{path}exec {q(python)} -m art_sky.cluster --detach --port {port} "
-              f"--run-dir {q(layout.run_dir)} --art-path {q(layout.art_path)}"
-              f"{f' --exit-with {exit_with}' if exit_with is not None else ''}"
-              f"{''.join(' ' + q(arg) for arg in args)}\n")
+    script = (
+        f"set -e\numask 077\n{READ_ENV}{path}exec {q(python)} -m art_sky.cluster --detach --port {port} "
+        f"--run-dir {q(layout.run_dir)} --art-path {q(layout.art_path)}"
+        f"{f' --exit-with {exit_with}' if exit_with is not None else ''}"
+        f"{''.join(' ' + q(arg) for arg in args)}\n"
+    )
     runner.run(script, timeout=120, stdin=env_stdin(env))
 
 
 def status(runner: CommandRunner, layout: ServerLayout) -> ServerStatus:
     """Is the server of `layout` running, and on which port?"""
     q = shlex.quote
-    probe = (f"{_ALIVE}pid=$(cat {q(layout.pid_file)} 2>/dev/null) && alive \"$pid\" || {{ echo stopped; exit 0; }}\n"
-             f"cat {q(layout.port_file)} 2>/dev/null || echo starting")
+    probe = (
+        f'{_ALIVE}pid=$(cat {q(layout.pid_file)} 2>/dev/null) && alive "$pid" || {{ echo stopped; exit 0; }}\n'
+        f"cat {q(layout.port_file)} 2>/dev/null || echo starting"
+    )
     state = runner.run(probe, timeout=30).stdout.strip()
     if state.startswith("{"):
         found = json.loads(state)
@@ -69,8 +82,16 @@ def status(runner: CommandRunner, layout: ServerLayout) -> ServerStatus:
     return ServerStatus(state="starting" if state == "starting" else "stopped")
 
 
-def wait_ready(runner: CommandRunner, layout: ServerLayout, *, timeout: float, reach: Callable[[int], str],
-               stop_on_timeout: bool, waits_for_start: bool = False, hint: str = "") -> RemoteServer:
+def wait_ready(
+    runner: CommandRunner,
+    layout: ServerLayout,
+    *,
+    timeout: float,
+    reach: Callable[[int], str],
+    stop_on_timeout: bool,
+    waits_for_start: bool = False,
+    hint: str = "",
+) -> RemoteServer:
     """The one readiness wait: until the server has written its port file and answers /health at the URL
     `reach(port)` gives (a tunnel's, for a remote machine). A server that exits, or is not ready within `timeout`,
     raises `BackendUnavailableError` (stopped first when `stop_on_timeout`): its first line says what happened,
@@ -88,8 +109,12 @@ def wait_ready(runner: CommandRunner, layout: ServerLayout, *, timeout: float, r
         elif state.state == "stopped" and not waits_for_start:
             raise failure(runner, layout, "exited before it was listening", hint or "its log says why")
         if time.monotonic() > deadline:
-            error = failure(runner, layout, f"was not healthy within {timeout:.0f}s (ART_SKY_SERVER_START_TIMEOUT)",
-                            ("it was stopped; " if stop_on_timeout else "") + (hint or "its log says why"))
+            error = failure(
+                runner,
+                layout,
+                f"was not healthy within {timeout:.0f}s (ART_SKY_SERVER_START_TIMEOUT)",
+                ("it was stopped; " if stop_on_timeout else "") + (hint or "its log says why"),
+            )
             if stop_on_timeout:
                 stop(runner, layout)
             raise error
@@ -99,8 +124,10 @@ def wait_ready(runner: CommandRunner, layout: ServerLayout, *, timeout: float, r
 def failure(runner: CommandRunner, layout: ServerLayout, what: str, todo: str) -> BackendUnavailableError:
     """A server that failed: one line saying what happened, what to do and where its log is; then the log's last
     lines (a command line shows them only when asked: they are detail)."""
-    return BackendUnavailableError(f"the cluster server on {runner.where} {what}: {todo}. Its log: "
-                                   f"{layout.log_file}\nLast lines of the log:\n{log(runner, layout)}")
+    return BackendUnavailableError(
+        f"the cluster server on {runner.where} {what}: {todo}. Its log: "
+        f"{layout.log_file}\nLast lines of the log:\n{log(runner, layout)}"
+    )
 
 
 def answers_health(base_url: str) -> bool:
@@ -125,7 +152,9 @@ def follow_argv(runner: CommandRunner, layout: ServerLayout, lines: int) -> list
 def stop(runner: CommandRunner, layout: ServerLayout, grace: float = STOP_GRACE) -> bool:
     """Stop the server of `layout` (its whole process group: SIGTERM, SIGKILL after `grace`); True if one ran."""
     q = shlex.quote
-    script = _ALIVE + f"""pid=$(cat {q(layout.pid_file)} 2>/dev/null) || exit 0
+    script = (
+        _ALIVE
+        + f"""pid=$(cat {q(layout.pid_file)} 2>/dev/null) || exit 0
 rm -f {q(layout.pid_file)} {q(layout.port_file)}
 alive "$pid" || exit 0
 kill -s TERM -- "-$pid" 2>/dev/null || kill -s TERM "$pid"
@@ -134,4 +163,5 @@ while alive "$pid" && [ $i -lt {int(grace * 10)} ]; do sleep 0.1; i=$((i + 1)); 
 kill -s KILL -- "-$pid" 2>/dev/null || kill -s KILL "$pid" 2>/dev/null || true
 echo stopped
 """
+    )
     return runner.run(script, timeout=grace + 30).stdout.strip() == "stopped"

@@ -69,13 +69,17 @@ class LocalRunner:
         try:
             done = subprocess.run(["sh", "-c", script], input=stdin, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
-            raise BackendUnavailableError(f"`{first_line(script)}` did not finish within {timeout:.0f}s here") \
-                from exc
-        result = CommandResult(exit_code=done.returncode, stdout=done.stdout.decode(errors="replace"),
-                               stderr=done.stderr.decode(errors="replace"))
+            raise BackendUnavailableError(f"`{first_line(script)}` did not finish within {timeout:.0f}s here") from exc
+        result = CommandResult(
+            exit_code=done.returncode,
+            stdout=done.stdout.decode(errors="replace"),
+            stderr=done.stderr.decode(errors="replace"),
+        )
         if check and result.exit_code != 0:
-            raise BackendUnavailableError(f"`{first_line(script)}` failed here with exit code {result.exit_code}:\n"
-                                          f"{(result.stderr or result.stdout).strip()[-2000:]}")
+            raise BackendUnavailableError(
+                f"`{first_line(script)}` failed here with exit code {result.exit_code}:\n"
+                f"{(result.stderr or result.stdout).strip()[-2000:]}"
+            )
         return result
 
     def upload(self, local: Path, remote: str) -> None:

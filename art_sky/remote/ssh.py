@@ -41,8 +41,12 @@ class SSHTarget(BaseModel):
         host = host if colon else rest
         if not at or not user or not host or (colon and not port.isdigit()):
             raise ConfigError(f"cannot read host {spec!r}: write it as user@host or user@host:port")
-        return cls(host=host, port=int(port) if colon else 22, user=user,
-                   key_path=Path(key_path).expanduser() if key_path else None)
+        return cls(
+            host=host,
+            port=int(port) if colon else 22,
+            user=user,
+            key_path=Path(key_path).expanduser() if key_path else None,
+        )
 
     def __str__(self) -> str:  # never includes key material
         return f"{self.user}@{self.host}:{self.port}"
@@ -67,9 +71,19 @@ def connect(target: SSHTarget, settings: Settings) -> paramiko.SSHClient:
     client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
     sock = paramiko.ProxyCommand(_expand_proxy_command(target)) if target.proxy_command else None
     try:
-        client.connect(target.host, port=target.port, username=target.user, key_filename=key, timeout=timeout,
-                       banner_timeout=timeout, auth_timeout=timeout, channel_timeout=timeout, sock=sock,
-                       allow_agent=key is None, look_for_keys=key is None)
+        client.connect(
+            target.host,
+            port=target.port,
+            username=target.user,
+            key_filename=key,
+            timeout=timeout,
+            banner_timeout=timeout,
+            auth_timeout=timeout,
+            channel_timeout=timeout,
+            sock=sock,
+            allow_agent=key is None,
+            look_for_keys=key is None,
+        )
     except (OSError, paramiko.SSHException, EOFError) as exc:
         client.close()
         if sock is not None:
@@ -81,18 +95,23 @@ def connect(target: SSHTarget, settings: Settings) -> paramiko.SSHClient:
     return client
 
 
-def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exception,
-                   known_hosts: Path) -> SSHError:
+def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exception, known_hosts: Path) -> SSHError:
     if isinstance(exc, paramiko.BadHostKeyException):
-        return SSHError(f"the host key of {target} changed since art-sky first connected: if the host was "
-                        f"reinstalled, delete its line from {known_hosts} and retry; otherwise someone "
-                        "may be intercepting the connection")
+        return SSHError(
+            f"the host key of {target} changed since art-sky first connected: if the host was "
+            f"reinstalled, delete its line from {known_hosts} and retry; otherwise someone "
+            "may be intercepting the connection"
+        )
     if isinstance(exc, paramiko.AuthenticationException):
-        return SSHError(f"{target} refused the login ({exc}): check the user and that the key "
-                        f"{key or '(agent / ~/.ssh defaults)'} is in the host's ~/.ssh/authorized_keys")
+        return SSHError(
+            f"{target} refused the login ({exc}): check the user and that the key "
+            f"{key or '(agent / ~/.ssh defaults)'} is in the host's ~/.ssh/authorized_keys"
+        )
     via = f" via ProxyCommand {target.proxy_command!r}" if target.proxy_command else ""
-    return SSHError(f"cannot reach {target}{via} within {timeout:.0f}s ({exc!r}): check the host, port and that "
-                    "sshd runs there (ART_SKY_SSH_CONNECT_TIMEOUT sets the wait)")
+    return SSHError(
+        f"cannot reach {target}{via} within {timeout:.0f}s ({exc!r}): check the host, port and that "
+        "sshd runs there (ART_SKY_SSH_CONNECT_TIMEOUT sets the wait)"
+    )
 
 
 class SSHRunner:
@@ -132,16 +151,20 @@ class SSHRunner:
             channel.shutdown_write()
             stdout, stderr = _read_until_exit(channel, time.monotonic() + timeout)
         except TimeoutError as exc:
-            raise SSHError(f"a command on {self.target} did not finish within {timeout:.0f}s: {first_line(script)}"
-                           ) from exc
+            raise SSHError(
+                f"a command on {self.target} did not finish within {timeout:.0f}s: {first_line(script)}"
+            ) from exc
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise SSHError(f"the SSH connection to {self.target} failed during a command ({exc!r}): "
-                           "check the host and retry") from exc
+            raise SSHError(
+                f"the SSH connection to {self.target} failed during a command ({exc!r}): check the host and retry"
+            ) from exc
         result = CommandResult(exit_code=channel.recv_exit_status(), stdout=stdout, stderr=stderr)
         channel.close()
         if check and result.exit_code != 0:
-            raise SSHError(f"`{first_line(script)}` failed on {self.target} with exit code {result.exit_code}:\n"
-                           f"{(result.stderr or result.stdout).strip()[-2000:]}")
+            raise SSHError(
+                f"`{first_line(script)}` failed on {self.target} with exit code {result.exit_code}:\n"
+                f"{(result.stderr or result.stdout).strip()[-2000:]}"
+            )
         return result
 
     def upload(self, local: Path, remote: str) -> None:
@@ -150,8 +173,10 @@ class SSHRunner:
             with self.client.open_sftp() as sftp:
                 sftp.put(str(local), remote)
         except (OSError, paramiko.SSHException) as exc:
-            raise SSHError(f"uploading {local} to {self.target}:{remote} failed ({exc!r}): check the remote "
-                           "directory is writable and the disk not full") from exc
+            raise SSHError(
+                f"uploading {local} to {self.target}:{remote} failed ({exc!r}): check the remote "
+                "directory is writable and the disk not full"
+            ) from exc
 
     def shell_argv(self, command: list[str]) -> list[str]:
         """The system's ssh with the target's key, ProxyCommand and environment (a SkyPilot Slurm job's HOME)."""
@@ -160,8 +185,16 @@ class SSHRunner:
         if target.key_path:
             argv += ["-i", str(target.key_path), "-o", "IdentitiesOnly=yes"]
         if target.proxy_command:  # as connect(): a proxied cluster's host key changes with every cluster
-            argv += ["-o", f"ProxyCommand={target.proxy_command}", "-o", "StrictHostKeyChecking=no",
-                     "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+            argv += [
+                "-o",
+                f"ProxyCommand={target.proxy_command}",
+                "-o",
+                "StrictHostKeyChecking=no",
+                "-o",
+                "UserKnownHostsFile=/dev/null",
+                "-o",
+                "LogLevel=ERROR",
+            ]
         else:  # the host key art-sky pinned when it first connected
             argv += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
         argv += [arg for k, v in target.env.items() for arg in ("-o", f"SetEnv={k}={v}")]
@@ -211,4 +244,3 @@ def known_hosts_file(settings: Settings) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600, exist_ok=True)
     return path
-

@@ -29,9 +29,19 @@ log = logging.getLogger("art_sky.tunnel")
 class Tunnel:
     """Forward 127.0.0.1:`local_port` (0 picks a free one) to `remote_host`:`remote_port` as seen by `target`."""
 
-    def __init__(self, target: SSHTarget, remote_port: int, settings: Settings, *, local_port: int = 0,
-                 remote_host: str = "127.0.0.1", keepalive: float = 15.0, reconnect_wait: float = 60.0,
-                 max_backoff: float = 30.0, refused_wait: float = 0.0):
+    def __init__(
+        self,
+        target: SSHTarget,
+        remote_port: int,
+        settings: Settings,
+        *,
+        local_port: int = 0,
+        remote_host: str = "127.0.0.1",
+        keepalive: float = 15.0,
+        reconnect_wait: float = 60.0,
+        max_backoff: float = 30.0,
+        refused_wait: float = 0.0,
+    ):
         self.target = target
         self.settings = settings
         self.keepalive = keepalive  # seconds between liveness probes, and the wait for each answer
@@ -73,8 +83,10 @@ class Tunnel:
             listener.bind(("127.0.0.1", self._requested_port))
         except OSError as exc:
             listener.close()
-            raise ConfigError(f"cannot listen on 127.0.0.1:{self._requested_port} for the tunnel ({exc.strerror}): "
-                              "pick another local port, or 0 for a free one") from exc
+            raise ConfigError(
+                f"cannot listen on 127.0.0.1:{self._requested_port} for the tunnel ({exc.strerror}): "
+                "pick another local port, or 0 for a free one"
+            ) from exc
         listener.listen(64)
         try:
             self._connect()
@@ -154,8 +166,11 @@ class Tunnel:
             if self.connected and time.monotonic() >= next_probe:
                 next_probe = time.monotonic() + self.keepalive
                 if not self._answers(self.keepalive) and not self._closed.is_set():
-                    log.warning("%s did not answer a keepalive within %.0fs; dropping the connection",
-                                self.target, self.keepalive)
+                    log.warning(
+                        "%s did not answer a keepalive within %.0fs; dropping the connection",
+                        self.target,
+                        self.keepalive,
+                    )
                     self._client.close()
             if self.connected:
                 continue
@@ -196,8 +211,9 @@ class Tunnel:
                 conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
-            thread = threading.Thread(target=self._forward, args=(conn, peer), daemon=True,
-                                      name="art-sky-tunnel-forward")
+            thread = threading.Thread(
+                target=self._forward, args=(conn, peer), daemon=True, name="art-sky-tunnel-forward"
+            )
             thread.start()
 
     def _open_channel(self, peer: tuple[str, int]) -> paramiko.Channel | None:
@@ -237,8 +253,9 @@ class Tunnel:
         if channel is None:
             conn.close()  # closing the socket tells the client to retry
             return
-        threading.Thread(target=self._to_channel, args=(conn, channel), daemon=True,
-                         name="art-sky-tunnel-upstream").start()
+        threading.Thread(
+            target=self._to_channel, args=(conn, channel), daemon=True, name="art-sky-tunnel-upstream"
+        ).start()
         try:
             while data := channel.recv(65536):  # b"" once the channel or the SSH connection closed
                 conn.sendall(data)

@@ -46,12 +46,18 @@ def _build_from_source(source: Path, dest: Path) -> Path:
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir",
-             tmp, str(source)], check=False, capture_output=True, text=True, timeout=300)
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir", tmp, str(source)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         wheels = list(Path(tmp).glob("art_sky-*.whl"))
         if result.returncode != 0 or len(wheels) != 1:
-            raise ConfigError(f"building the art-sky wheel from {source} failed (the cluster needs this client's "
-                              f"build; `pip install 'setuptools>=69'` if it is missing):\n{result.stderr[-2000:]}")
+            raise ConfigError(
+                f"building the art-sky wheel from {source} failed (the cluster needs this client's "
+                f"build; `pip install 'setuptools>=69'` if it is missing):\n{result.stderr[-2000:]}"
+            )
         target = dest / wheels[0].name
         wheels[0].replace(target)
     return target

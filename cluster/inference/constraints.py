@@ -46,15 +46,32 @@ def grammar_for(request: ChatCompletionRequest) -> Grammar | None:
     forced = choice == "required" or (choice is not None and not isinstance(choice, str))
     if form is not None and form.type != "text":
         if forced:
-            raise OpenAIError(400, "response_format and a forced tool_choice both constrain the reply: send one",
-                              param="response_format")
+            raise OpenAIError(
+                400,
+                "response_format and a forced tool_choice both constrain the reply: send one",
+                param="response_format",
+            )
         schema = {"type": "object"} if form.type == "json_object" else form.json_schema.json_schema
         return Grammar("json", schema, _compiled(schema, "response_format.json_schema.schema"))
     if choice == "required":  # vLLM's schema, a call object holding nothing else
-        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-            {"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
-                            "parameters": _parameters(tool)},
-             "required": ["name", "parameters"], "additionalProperties": False} for tool in request.tools]}}
+        schema = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "anyOf": [
+                    {
+                        "properties": {
+                            "name": {"type": "string", "enum": [tool["function"]["name"]]},
+                            "parameters": _parameters(tool),
+                        },
+                        "required": ["name", "parameters"],
+                        "additionalProperties": False,
+                    }
+                    for tool in request.tools
+                ],
+            },
+        }
         if request.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return Grammar("required", schema, _compiled(schema, "tools"))
@@ -117,7 +134,7 @@ class Matchers:
         bitmask = llguidance.torch.allocate_token_bitmask(len(self.active), self.vocab)
         for index, row in enumerate(self.active):
             llguidance.torch.fill_next_token_bitmask(self.rows[row], bitmask, index)
-        allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+        allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, : logits.shape[-1]].bool()
         logits = logits.clone()
         rows = torch.tensor(self.active, device=logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))

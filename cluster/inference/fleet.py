@@ -74,8 +74,15 @@ class Replica:
     syncing: asyncio.Task | None = None
 
     def describe(self) -> FleetReplica:
-        return FleetReplica(url=self.url, node=self.node, rank=self.rank, pid=self.pid, outstanding=self.outstanding,
-                            completions=self.completions, steps=dict(self.steps))
+        return FleetReplica(
+            url=self.url,
+            node=self.node,
+            rank=self.rank,
+            pid=self.pid,
+            outstanding=self.outstanding,
+            completions=self.completions,
+            steps=dict(self.steps),
+        )
 
 
 class Fleet:
@@ -191,9 +198,14 @@ class Fleet:
     async def _forward(self, replica: Replica, served: Served, body: dict, hold: Hold) -> bytes | SSE:
         """The completion from a replica server's /v1, under the served step's exact name. Its 4xx answers are the
         request's (passed on); anything else is the replica's failure (ReplicaError)."""
-        response = await _until_gone(replica, replica.session.post(
-            "/v1/chat/completions", data=json.dumps(body | {"model": served.name}).encode(),
-            headers={"content-type": "application/json"}))
+        response = await _until_gone(
+            replica,
+            replica.session.post(
+                "/v1/chat/completions",
+                data=json.dumps(body | {"model": served.name}).encode(),
+                headers={"content-type": "application/json"},
+            ),
+        )
         try:
             if response.status != 200:
                 _raise_for(replica, response.status, await _until_gone(replica, response.read()))
@@ -223,10 +235,18 @@ class Fleet:
                 return
             except ReplicaError as exc:
                 self._leave(replica, str(exc))
-                yield sse({"error": {"message": f"the replica serving this completion ({replica.url} on "
-                                                f"{replica.node}) failed after it had started streaming: {exc}. "
-                                                "Retry the request; another replica serves it",
-                                     "type": "server_error", "param": None, "code": 502}})
+                yield sse(
+                    {
+                        "error": {
+                            "message": f"the replica serving this completion ({replica.url} on "
+                            f"{replica.node}) failed after it had started streaming: {exc}. "
+                            "Retry the request; another replica serves it",
+                            "type": "server_error",
+                            "param": None,
+                            "code": 502,
+                        }
+                    }
+                )
                 return
             yield chunk
 
@@ -236,23 +256,35 @@ class Fleet:
         """Take a replica server into the fleet: it must answer /health with this head's key and run this head's
         engine. It gets completions once it serves each model's step (loaded in the background)."""
         if request.engine != self.local.name:
-            raise HTTPException(409, f"the replica on {request.node} runs the {request.engine} engine and this head "
-                                     f"runs {self.local.name}: start every node with the same ART_SKY_ENGINE")
-        session = aiohttp.ClientSession(base_url=request.url, headers=self.headers,
-                                        connector=aiohttp.TCPConnector(limit=0),
-                                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0))
+            raise HTTPException(
+                409,
+                f"the replica on {request.node} runs the {request.engine} engine and this head "
+                f"runs {self.local.name}: start every node with the same ART_SKY_ENGINE",
+            )
+        session = aiohttp.ClientSession(
+            base_url=request.url,
+            headers=self.headers,
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
+        )
         try:
             async with session.get("/health", timeout=aiohttp.ClientTimeout(total=10.0)) as health:
                 accepted = health.status == 200 and (await health.json()).get("engine") is not None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             await session.close()
-            raise HTTPException(502, f"the head cannot reach the replica at {request.url} ({_said(exc)}): start the "
-                                     "replica with --host on an address of the cluster's private network that "
-                                     "the head reaches, and open its port between the nodes") from exc
+            raise HTTPException(
+                502,
+                f"the head cannot reach the replica at {request.url} ({_said(exc)}): start the "
+                "replica with --host on an address of the cluster's private network that "
+                "the head reaches, and open its port between the nodes",
+            ) from exc
         if not accepted:
             await session.close()
-            raise HTTPException(502, f"the replica at {request.url} did not accept this head's API key: start it "
-                                     "with the head's ART_SKY_API_KEY")
+            raise HTTPException(
+                502,
+                f"the replica at {request.url} did not accept this head's API key: start it "
+                "with the head's ART_SKY_API_KEY",
+            )
         self._loop = asyncio.get_running_loop()
         try:
             await self._one_per_rank(request)
@@ -271,8 +303,9 @@ class Fleet:
     async def _one_per_rank(self, request: JoinRequest) -> None:
         """A node has one replica: one of the same rank elsewhere that still answers refuses the join (409, naming
         it); one that does not answer is gone, and the newcomer replaces it."""
-        for other in [r for r in self.remotes if request.rank is not None and r.rank == request.rank
-                      and r.url != request.url]:
+        for other in [
+            r for r in self.remotes if request.rank is not None and r.rank == request.rank and r.url != request.url
+        ]:
             try:
                 async with other.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
                     alive = r.status == 200
@@ -281,9 +314,12 @@ class Fleet:
             if not alive:
                 self._leave(other, f"node rank {request.rank} joined again at {request.url}")
                 continue
-            raise HTTPException(409, f"node rank {request.rank} is in the fleet already: the replica at {other.url} "
-                                     f"on {other.node} (pid {other.pid}) serves it. One replica per node: stop that "
-                                     f"one first, or start this one with its own --node-rank")
+            raise HTTPException(
+                409,
+                f"node rank {request.rank} is in the fleet already: the replica at {other.url} "
+                f"on {other.node} (pid {other.pid}) serves it. One replica per node: stop that "
+                f"one first, or start this one with its own --node-rank",
+            )
 
     def describe(self) -> list[FleetReplica]:
         return [r.describe() for r in self.replicas]
@@ -292,8 +328,11 @@ class Fleet:
         """(A worker thread.) The worker nodes that are gone, in words: their replicas left the fleet in the last
         LOST_WITHIN s, or do not answer now. Where a trainer rank was lost, this says with which node."""
         now = time.monotonic()
-        gone = [f"{_named(r)} left the fleet {now - at:.1f} s earlier ({why})"
-                for at, r, why in self._departures if now - at < LOST_WITHIN]
+        gone = [
+            f"{_named(r)} left the fleet {now - at:.1f} s earlier ({why})"
+            for at, r, why in self._departures
+            if now - at < LOST_WITHIN
+        ]
         if self._loop is not None and self.remotes:
             silent = asyncio.run_coroutine_threadsafe(self._silent(), self._loop).result(HEALTH_TIMEOUT + 5)
             gone += [f"{_named(r)} does not answer" for r in silent]
@@ -308,7 +347,9 @@ class Fleet:
                 return True
 
         replicas = self.remotes
-        return [r for r, quiet in zip(replicas, await asyncio.gather(*(silent(r) for r in replicas))) if quiet]
+        return [
+            r for r, quiet in zip(replicas, await asyncio.gather(*(silent(r) for r in replicas)), strict=False) if quiet
+        ]
 
     def _leave(self, replica: Replica, reason: str) -> None:
         """(Event loop.) The replica leaves: its requests in flight end at once (retried where they can be)."""
@@ -376,8 +417,9 @@ class Fleet:
         body = ReplicaModel(request=state.request, step=step).model_dump(mode="json")
 
         async def load() -> tuple[int, bytes]:
-            async with replica.session.post("/fleet/models", json=body,
-                                            timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT)) as response:
+            async with replica.session.post(
+                "/fleet/models", json=body, timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT)
+            ) as response:
                 return response.status, await response.read()
 
         status, content = await _until_gone(replica, load())
@@ -385,8 +427,9 @@ class Fleet:
             raise ReplicaError(f"it could not load {state.name}@{step}: {_detail(content)}")
 
 
-def install(app: FastAPI, fleet: Fleet, dependencies: list, states: dict[str, ModelState],
-            rendezvous: TrainerRendezvous | None) -> None:
+def install(
+    app: FastAPI, fleet: Fleet, dependencies: list, states: dict[str, ModelState], rendezvous: TrainerRendezvous | None
+) -> None:
     """The head's fleet routes: a replica joins, and fetches a step's adapter files."""
     router = APIRouter(dependencies=dependencies)
 
@@ -403,8 +446,9 @@ def install(app: FastAPI, fleet: Fleet, dependencies: list, states: dict[str, Mo
         state = states.get(name)
         path = (await asyncio.to_thread(state.adapter_dir, step)) / file if state is not None else None
         if path is None or not path.is_file():
-            raise HTTPException(404, f"no {file} for {name}@{step} on the head: the step is not registered or "
-                                     "was deleted")
+            raise HTTPException(
+                404, f"no {file} for {name}@{step} on the head: the step is not registered or was deleted"
+            )
         return FileResponse(path)
 
     app.include_router(router)

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
-UNAUTHORIZED = ("missing or wrong API key: send the server's key as a bearer token (model.openai_client() and the "
-                "backends do this for you)")
+UNAUTHORIZED = (
+    "missing or wrong API key: send the server's key as a bearer token (model.openai_client() and the "
+    "backends do this for you)"
+)
 
 
 class OpenAIError(ArtSkyError):
@@ -59,8 +61,9 @@ _MESSAGES = TypeAdapter(list[ChatMessage])
 
 def invalid_request(exc: ValidationError, *within: str) -> OpenAIError:
     """A 400 naming each wrong field (its path in the body, e.g. messages.2.role)."""
-    problems = "; ".join(f"{'.'.join(str(p) for p in (*within, *e['loc'])) or 'body'}: {e['msg']}"
-                         for e in exc.errors()[:10])
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in (*within, *e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:10]
+    )
     first = (*within, *exc.errors()[0]["loc"]) if exc.errors() else ()
     return OpenAIError(400, f"invalid request: {problems}", param=str(first[0]) if first else None)
 
@@ -96,9 +99,16 @@ class Served:
             choice["art_sky_step"] = self.step
             tokens = len(choice.get("token_ids") or [])
             if tokens:
-                choice["policy_token_spans"] = [{
-                    "start_token": 0, "end_token": tokens, "generation_id": completion.get("id") or self.name,
-                    "policy_version": self.step, "lora_slot": self.name, "update_seq": self.step}]
+                choice["policy_token_spans"] = [
+                    {
+                        "start_token": 0,
+                        "end_token": tokens,
+                        "generation_id": completion.get("id") or self.name,
+                        "policy_version": self.step,
+                        "lora_slot": self.name,
+                        "update_seq": self.step,
+                    }
+                ]
         return completion
 
 
@@ -121,43 +131,78 @@ def resolve(states: dict[str, ModelState], model_id: Any) -> Served:
     name, at, step = model_id.partition("@")
     state = states.get(name)
     if state is None:
-        raise OpenAIError(404, f"model {model_id!r} is not registered on this server (registered: "
-                               f"{sorted(states) or 'none'}): call `await model.register(backend)` first",
-                          param="model", type="not_found_error")
+        raise OpenAIError(
+            404,
+            f"model {model_id!r} is not registered on this server (registered: "
+            f"{sorted(states) or 'none'}): call `await model.register(backend)` first",
+            param="model",
+            type="not_found_error",
+        )
     if not at:
         return Served(state, state.step)
     steps = state.checkpoints.steps()
     if not step.isdigit() or int(step) not in steps and int(step) != state.step:  # the newest: maybe still written
-        raise OpenAIError(404, f"model {model_id!r}: {name!r} has no checkpoint for step {step!r} (steps on this "
-                               f"server: {', '.join(map(str, steps)) or 'none'}); name one of them, or {name!r} for "
-                               "the newest", param="model", type="not_found_error")
+        raise OpenAIError(
+            404,
+            f"model {model_id!r}: {name!r} has no checkpoint for step {step!r} (steps on this "
+            f"server: {', '.join(map(str, steps)) or 'none'}); name one of them, or {name!r} for "
+            "the newest",
+            param="model",
+            type="not_found_error",
+        )
     return Served(state, int(step))
 
 
 def _model_card(state: ModelState, step: int | None) -> dict:
     manifest = state.checkpoints.manifest(step if step is not None else state.step)
     created = manifest.created_at if manifest is not None else time.time()  # the newest step, being written
-    card = {"id": state.name if step is None else f"{state.name}@{step}", "object": "model",
-            "created": int(created), "owned_by": "art-sky", "root": state.request.base_model}
+    card = {
+        "id": state.name if step is None else f"{state.name}@{step}",
+        "object": "model",
+        "created": int(created),
+        "owned_by": "art-sky",
+        "root": state.request.base_model,
+    }
     return card | ({"parent": state.name, "step": step} if step is not None else {"step": state.step})
 
 
 # /v1/chat/completions in the server's OpenAPI document (it is a plain ASGI route, which FastAPI does not list).
-PATHS = {"/v1/chat/completions": {"post": {
-    "summary": "Chat completion (OpenAI's API; streamed as server-sent events with stream=true)",
-    "operationId": "chat_completions",
-    "security": [{"HTTPBearer": []}],
-    "requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
-    "responses": {"200": {"description": "the completion, or its events", "content": {
-        "application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
-                  "400": {"description": "a parameter the engine would not honour, or a malformed request"},
-                  "404": {"description": "the model (or its step) is not served here"},
-                  "413": {"description": "the request body is over the server's limit"}}}}}
+PATHS = {
+    "/v1/chat/completions": {
+        "post": {
+            "summary": "Chat completion (OpenAI's API; streamed as server-sent events with stream=true)",
+            "operationId": "chat_completions",
+            "security": [{"HTTPBearer": []}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the completion, or its events",
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                "400": {"description": "a parameter the engine would not honour, or a malformed request"},
+                "404": {"description": "the model (or its step) is not served here"},
+                "413": {"description": "the request body is over the server's limit"},
+            },
+        }
+    }
+}
 
 
-def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str,
-            dependencies: list, activities: dict[str, ModelActivity]) -> None:
+def install(
+    app: FastAPI,
+    engine: Engine,
+    states: dict[str, ModelState],
+    gate: DeviceGate,
+    api_key: str,
+    dependencies: list,
+    activities: dict[str, ModelActivity],
+) -> None:
     """Add the /v1 routes to the server's app; each completion is counted in its model's `activities`."""
     router = APIRouter(dependencies=dependencies)
 
@@ -179,18 +224,23 @@ def install(app: FastAPI, engine: Engine, states: dict[str, ModelState], gate: D
         return _model_card(served.state, None if "@" not in model_id else served.step)
 
     app.include_router(router)
-    app.router.add_route("/v1/chat/completions", _ChatCompletions(engine, states, gate, api_key, activities),
-                         methods=["POST"])
-    app.router.add_route("/v1/{path:path}", _not_served, include_in_schema=False,
-                         methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    app.router.add_route(
+        "/v1/chat/completions", _ChatCompletions(engine, states, gate, api_key, activities), methods=["POST"]
+    )
+    app.router.add_route(
+        "/v1/{path:path}", _not_served, include_in_schema=False, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]
+    )
 
 
 async def _not_served(request: Request) -> JSONResponse:
     """Any other /v1 route (a client calling /v1/completions, /v1/embeddings, /v1/responses) gets an answer in
     OpenAI's format that says what is served, not a bare "Not Found"."""
-    return OpenAIError(404, f"{request.method} {request.url.path} is not served here: art-sky serves POST "
-                            "/v1/chat/completions, GET /v1/models and GET /v1/models/{id}",
-                       type="not_found_error").response()
+    return OpenAIError(
+        404,
+        f"{request.method} {request.url.path} is not served here: art-sky serves POST "
+        "/v1/chat/completions, GET /v1/models and GET /v1/models/{id}",
+        type="not_found_error",
+    ).response()
 
 
 class SampledTokens:
@@ -216,7 +266,7 @@ class SampledTokens:
             end = match.end()
         for match in self._USAGE.finditer(text):
             self.usage, end = int(match.group(1)), max(end, match.end())
-        self._tail = text[max(end, len(text) - self._TAIL):]
+        self._tail = text[max(end, len(text) - self._TAIL) :]
 
     @property
     def tokens(self) -> int:
@@ -228,8 +278,14 @@ class _ChatCompletions:
     cores its per-request work is taken from vLLM's own: no dependency injection, no response classes, each
     server-sent event passed on as the bytes it arrived as."""
 
-    def __init__(self, engine: Engine, states: dict[str, ModelState], gate: DeviceGate, api_key: str,
-                 activities: dict[str, ModelActivity]):
+    def __init__(
+        self,
+        engine: Engine,
+        states: dict[str, ModelState],
+        gate: DeviceGate,
+        api_key: str,
+        activities: dict[str, ModelActivity],
+    ):
         self.engine, self.states, self.gate, self.activities = engine, states, gate, activities
         self.api_key = api_key.encode()
 
@@ -245,12 +301,22 @@ class _ChatCompletions:
         if not isinstance(result, SSE):
             counted.feed(result)
             activity.completion_finished(counted.tokens)
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(result)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(result)).encode())],
+                }
+            )
             return await send({"type": "http.response.body", "body": result})
         try:  # however it ends (done, failed, the client gone), the engine's side is closed
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+                }
+            )
             async for chunk in result.chunks:
                 counted.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

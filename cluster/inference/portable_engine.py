@@ -41,6 +41,7 @@ from .tool_parsers import ToolParser, portable_parser
 
 log = logging.getLogger("art_sky.cluster")
 
+
 @dataclass
 class Sample:
     token_ids: list[int]
@@ -80,8 +81,9 @@ class PortableEngine:
     honoured = PORTABLE
     serves_while_training = True  # from its own copy of each adapter (a model it cannot copy turns this off)
 
-    def __init__(self, max_new_tokens_limit: int, max_batch_rows: int = 64, max_loaded_steps: int = 4,
-                 tool_parser: str = ""):
+    def __init__(
+        self, max_new_tokens_limit: int, max_batch_rows: int = 64, max_loaded_steps: int = 4, tool_parser: str = ""
+    ):
         portable_parser(tool_parser, None)  # a parser this engine lacks is refused at start, naming the setting
         self.tool_parser = tool_parser
         self.max_new_tokens_limit = max_new_tokens_limit
@@ -100,8 +102,11 @@ class PortableEngine:
         try:
             self._serving[id(state)] = _serving_copy(state.model)
         except Exception as exc:  # a trainer's model that deepcopy cannot take (patched modules)
-            log.warning("portable engine: %s cannot be copied for serving (%s): inference pauses while it trains",
-                        state.name, exc)
+            log.warning(
+                "portable engine: %s cannot be copied for serving (%s): inference pauses while it trains",
+                state.name,
+                exc,
+            )
             self._serving[id(state)] = state.model
             self.serves_while_training = False
 
@@ -133,7 +138,8 @@ class PortableEngine:
         except ValidationError as exc:
             raise invalid_request(exc) from exc
         job = await asyncio.to_thread(  # the chat template and the tokenizer: off the event loop
-            self.prepare, served.state, request, None if served.step == served.state.step else served.step)
+            self.prepare, served.state, request, None if served.step == served.state.step else served.step
+        )
         if self._queue is None:
             self._queue = _BatchQueue(self)
         if request.stream:
@@ -159,21 +165,35 @@ class PortableEngine:
         try:
             prompt = prompt_ids(state.tokenizer, request.message_dicts(), tools, request.chat_template_kwargs)
         except TokenizationError as exc:
-            raise OpenAIError(400, str(exc), param="chat_template_kwargs" if "chat_template_kwargs" in str(exc)
-                              else "messages") from exc
+            raise OpenAIError(
+                400, str(exc), param="chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
+            ) from exc
         except Exception as exc:  # the model's own template code: whatever it raises means "cannot render this"
-            raise OpenAIError(400, f"the model's chat template cannot render these messages: {exc!r}",
-                              param="messages") from exc
+            raise OpenAIError(
+                400, f"the model's chat template cannot render these messages: {exc!r}", param="messages"
+            ) from exc
         asked = request.max_completion_tokens or request.max_tokens
         room = state.request.config.max_seq_length - len(prompt)
         if room <= 0:
-            raise ValueError(f"the prompt is {len(prompt)} tokens, the model's context is "
-                             f"{state.request.config.max_seq_length}: shorten the conversation")
+            raise ValueError(
+                f"the prompt is {len(prompt)} tokens, the model's context is "
+                f"{state.request.config.max_seq_length}: shorten the conversation"
+            )
         if asked is not None and asked > self.max_new_tokens_limit:
-            raise ValueError(f"max_tokens {asked} exceeds this server's limit {self.max_new_tokens_limit} "
-                             "(ART_SKY_MAX_NEW_TOKENS_LIMIT)")
-        return Job(state, request, prompt, min(asked or self.max_new_tokens_limit, room), step=step, tools=tools,
-                   grammar=grammar, parser=portable_parser(self.tool_parser, state.tokenizer.chat_template))
+            raise ValueError(
+                f"max_tokens {asked} exceeds this server's limit {self.max_new_tokens_limit} "
+                "(ART_SKY_MAX_NEW_TOKENS_LIMIT)"
+            )
+        return Job(
+            state,
+            request,
+            prompt,
+            min(asked or self.max_new_tokens_limit, room),
+            step=step,
+            tools=tools,
+            grammar=grammar,
+            parser=portable_parser(self.tool_parser, state.tokenizer.chat_template),
+        )
 
     def complete(self, state: ModelState, request: ChatCompletionRequest) -> ChatCompletion:
         return ChatCompletion.model_validate(self.run([self.prepare(state, request)])[0])
@@ -182,7 +202,7 @@ class PortableEngine:
         """Blocking: sample every job (all for one model) in one batch. Run it off the event loop, under the gate.
         A non-streaming job gets its response; a streaming one got its tokens already (None)."""
         results: list[dict | None | OpenAIError] = []
-        for job, rows in zip(jobs, self._sample(jobs)):
+        for job, rows in zip(jobs, self._sample(jobs), strict=False):
             try:
                 results.append(None if job.stream else _response(job, rows))
             except OpenAIError as exc:  # this request's answer is refused (tool_choice), not the batch's
@@ -203,7 +223,7 @@ class PortableEngine:
             self._model(job.state).load_adapter(str(job.state.checkpoints.step_dir(job.step)), adapter_name=name)
             self._older[key] = (job.state, name)
             log.info("portable engine loaded step %d of %s", job.step, job.state.name)
-            for old in [k for k in self._older if k not in needed][:max(0, len(self._older) - self.max_older)]:
+            for old in [k for k in self._older if k not in needed][: max(0, len(self._older) - self.max_older)]:
                 state, evicted = self._older.pop(old)
                 self._model(state).delete_adapter(evicted)
         for key in needed:
@@ -220,27 +240,31 @@ class PortableEngine:
         model = self._model(state)
         rows = [(job, copy) for job in jobs for copy in range(job.request.n)]
         adapters = self._adapters(jobs)
-        extra = {} if adapters is None else {
-            "adapter_names": [name for job, name in zip(jobs, adapters) for _ in range(job.request.n)]}
+        extra = (
+            {}
+            if adapters is None
+            else {
+                "adapter_names": [name for job, name in zip(jobs, adapters, strict=False) for _ in range(job.request.n)]
+            }
+        )
         width = max(len(job.prompt) for job in jobs)
         pad = state.tokenizer.pad_token_id or 0
         ids = torch.tensor([[pad] * (width - len(job.prompt)) + job.prompt for job, _ in rows], device=dev)
-        mask = torch.tensor([[0] * (width - len(job.prompt)) + [1] * len(job.prompt) for job, _ in rows],
-                            device=dev)
+        mask = torch.tensor([[0] * (width - len(job.prompt)) + [1] * len(job.prompt) for job, _ in rows], device=dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generators = [torch.Generator(device=dev) for _ in jobs]
-        for job, generator in zip(jobs, generators):
+        for job, generator in zip(jobs, generators, strict=False):
             seed = job.request.seed
             generator.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:6]))
         spans, start = [], 0
         for job in jobs:
             spans.append((start, start + job.request.n))
             start += job.request.n
-        texts = [_Detokenizer(state.tokenizer) if job.stream or job.request.stop_strings else None
-                 for job, _ in rows]
+        texts = [_Detokenizer(state.tokenizer) if job.stream or job.request.stop_strings else None for job, _ in rows]
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
-        matchers = Matchers(state.tokenizer, sorted(state.eos_token_ids), out.logits.shape[-1],
-                            [job.grammar for job, _ in rows])
+        matchers = Matchers(
+            state.tokenizer, sorted(state.eos_token_ids), out.logits.shape[-1], [job.grammar for job, _ in rows]
+        )
         tokens: list[list[int]] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in rows]
@@ -250,8 +274,12 @@ class PortableEngine:
             logits = out.logits[:, -1, :].float()
             logprobs = torch.log_softmax(logits, dim=-1)  # recorded unmasked: the model's own, as the trainer's
             drawn = matchers.masked(logits)
-            chosen = torch.cat([_choose(drawn[a:b], job.request, generator)
-                                for job, generator, (a, b) in zip(jobs, generators, spans)])
+            chosen = torch.cat(
+                [
+                    _choose(drawn[a:b], job.request, generator)
+                    for job, generator, (a, b) in zip(jobs, generators, spans, strict=False)
+                ]
+            )
             events: dict[int, list] = {}
             for row, (job, copy) in enumerate(rows):
                 if finish[row] is not None:
@@ -265,11 +293,12 @@ class PortableEngine:
                 logps[row].append(float(logprobs[row, token]))
                 if job.request.top_logprobs:
                     values, indices = logprobs[row].topk(job.request.top_logprobs)
-                    tops[row].append(list(zip(indices.tolist(), values.tolist())))
+                    tops[row].append(list(zip(indices.tolist(), values.tolist(), strict=False)))
                 delta = texts[row].add(token) if texts[row] else ""
                 stops = job.request.stop_strings
                 if (token in eos and not job.request.ignore_eos) or (
-                        stops and any(s in texts[row].text for s in stops)):
+                    stops and any(s in texts[row].text for s in stops)
+                ):
                     finish[row] = "stop"
                 elif step + 1 >= job.budget:
                     finish[row] = "length"
@@ -277,7 +306,8 @@ class PortableEngine:
                     matchers.finish(row)
                 if job.stream:
                     events.setdefault(id(job), []).append(
-                        (copy, token, logps[row][-1], tops[row][-1] if tops[row] else [], delta, finish[row]))
+                        (copy, token, logps[row][-1], tops[row][-1] if tops[row] else [], delta, finish[row])
+                    )
             for job in jobs:
                 if id(job) in events:
                     job.stream.put(events[id(job)])
@@ -285,8 +315,14 @@ class PortableEngine:
                 break
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
             positions = positions[:, -1:] + 1
-            out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True, **extra)
+            out = model(
+                input_ids=chosen[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+                **extra,
+            )
         samples = [Sample(tokens[r], logps[r], tops[r], finish[r] or "length") for r in range(len(rows))]
         return [samples[a:b] for a, b in spans]
 
@@ -319,15 +355,19 @@ def _tools_shown(request: ChatCompletionRequest) -> list[dict] | None:
     """The tools the chat template shows the model: none for tool_choice "none", only the named one when named."""
     choice = request.tool_choice
     if choice is not None and not request.tools:
-        raise OpenAIError(400, "tool_choice is set but the request has no tools: add tools or drop tool_choice",
-                          param="tool_choice")
+        raise OpenAIError(
+            400, "tool_choice is set but the request has no tools: add tools or drop tool_choice", param="tool_choice"
+        )
     if choice == "none":
         return None
     if choice is not None and not isinstance(choice, str):
         named = [t for t in request.tools if t.get("function", {}).get("name") == choice.function.name]
         if not named:
-            raise OpenAIError(400, f"tool_choice names function {choice.function.name!r}, which is not among the "
-                                   "request's tools", param="tool_choice")
+            raise OpenAIError(
+                400,
+                f"tool_choice names function {choice.function.name!r}, which is not among the request's tools",
+                param="tool_choice",
+            )
         return named
     return request.tools
 
@@ -339,9 +379,13 @@ def _content_and_calls(job: Job, text: str) -> tuple[str | None, list[dict]]:
     if job.forced_call:
         calls = tool_calls(job.grammar, text)
         if calls is None:
-            raise OpenAIError(422, "the reply to tool_choice was cut at max_tokens before its call's JSON ended "
-                                   f"({text[:200]!r}): raise max_tokens", param="max_tokens",
-                              type="model_output_error")
+            raise OpenAIError(
+                422,
+                "the reply to tool_choice was cut at max_tokens before its call's JSON ended "
+                f"({text[:200]!r}): raise max_tokens",
+                param="max_tokens",
+                type="model_output_error",
+            )
         content = ""
     elif job.parses_tools:
         content, calls = job.parser.parse(text)
@@ -349,8 +393,10 @@ def _content_and_calls(job: Job, text: str) -> tuple[str | None, list[dict]]:
         return text, []
     if job.request.parallel_tool_calls is False:
         calls = calls[:1]
-    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+    return content, [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+        for name, arguments in calls
+    ]
 
 
 def _final_text(job: Job, sample: Sample) -> str:
@@ -379,16 +425,25 @@ def _response(job: Job, samples: list[Sample]) -> dict:
         if request.wants_token_ids:  # vLLM's fields, and the prompt on each choice: a Choice carries its context
             choice |= {"token_ids": sample.token_ids, "prompt_token_ids": job.prompt}
         if request.logprobs:
-            choice["logprobs"] = {"content": [
-                _token_logprob(job, token, logprob, sample.top[i] if sample.top else [])
-                for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs))]}
+            choice["logprobs"] = {
+                "content": [
+                    _token_logprob(job, token, logprob, sample.top[i] if sample.top else [])
+                    for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs, strict=False))
+                ]
+            }
         choices.append(choice)
     completion_tokens = sum(len(s.token_ids) for s in samples)
     completion = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": request.model, "choices": choices,
-        "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_len + completion_tokens},
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_len + completion_tokens,
+        },
     }
     return completion | ({"prompt_token_ids": job.prompt} if request.wants_token_ids else {})
 
@@ -411,13 +466,13 @@ class _Detokenizer:
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        self.text += after[len(before):]
-        return after[len(before):]
+        self.text += after[len(before) :]
+        return after[len(before) :]
 
 
 class _Events:
@@ -446,14 +501,27 @@ class _StreamWriter:
         self.holds = [s for s in job.request.stop_strings] + ([self.marker] if self.marker else [])
 
     def _chunk(self, choices: list[dict], **extra) -> bytes:
-        return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": choices, **extra})
+        return sse(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                **extra,
+            }
+        )
 
     async def chunks(self, done: asyncio.Future) -> AsyncIterator[bytes]:
         job = self.job
         first = {"prompt_token_ids": job.prompt} if job.request.wants_token_ids else {}
-        yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None} for i in range(job.request.n)], **first)
+        yield self._chunk(
+            [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(job.request.n)
+            ],
+            **first,
+        )
         while not all(self.finished):
             if done.done():  # every event of a finished batch is queued before its future resolves
                 events = [] if job.stream.queue.empty() else job.stream.queue.get_nowait()
@@ -473,16 +541,21 @@ class _StreamWriter:
                     yield piece
         if job.request.stream_options is not None and job.request.stream_options.include_usage:
             completion = sum(len(t) for t in self.tokens)
-            yield self._chunk([], usage={"prompt_tokens": len(job.prompt), "completion_tokens": completion,
-                                         "total_tokens": len(job.prompt) + completion})
+            yield self._chunk(
+                [],
+                usage={
+                    "prompt_tokens": len(job.prompt),
+                    "completion_tokens": completion,
+                    "total_tokens": len(job.prompt) + completion,
+                },
+            )
         yield b"data: [DONE]\n\n"
 
     def _token(self, index: int, token: int, logprob: float, top: list, delta: str, finish: str | None):
         job = self.job
         self.tokens[index].append(token)
         self.text[index] += delta
-        choice: dict = {"index": index, "delta": {}, "logprobs": None, "finish_reason": None,
-                        "art_sky_step": self.step}
+        choice: dict = {"index": index, "delta": {}, "logprobs": None, "finish_reason": None, "art_sky_step": self.step}
         if job.request.wants_token_ids:
             choice["token_ids"] = [token]
         if job.request.logprobs:
@@ -500,7 +573,7 @@ class _StreamWriter:
             yield sse({"error": _error_body(exc)})
             self.finished = [True] * len(self.finished)
             return
-        rest = (content or "")[len(self.sent[index]):] if (content or "").startswith(self.sent[index]) else ""
+        rest = (content or "")[len(self.sent[index]) :] if (content or "").startswith(self.sent[index]) else ""
         choice["delta"]["content"] = rest
         if calls:
             choice["delta"]["tool_calls"] = [call | {"index": i} for i, call in enumerate(calls)]
@@ -523,7 +596,7 @@ class _StreamWriter:
                     break
         if not text.startswith(self.sent[index]) or len(text) <= len(self.sent[index]):
             return ""
-        new, self.sent[index] = text[len(self.sent[index]):], text
+        new, self.sent[index] = text[len(self.sent[index]) :], text
         return new
 
 
@@ -568,7 +641,7 @@ class _BatchQueue:
                 except Exception as exc:  # one bad batch fails its requests, not the server
                     log.exception("inference failed")
                     results = [exc] * len(batch)
-                for (_, future), result in zip(batch, results):
+                for (_, future), result in zip(batch, results, strict=False):
                     if not future.done():
                         (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
 

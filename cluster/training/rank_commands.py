@@ -25,8 +25,12 @@ class RankSequence(BaseModel):
 
     @classmethod
     def of(cls, sequence: Sequence) -> RankSequence:
-        return cls(token_ids=sequence.token_ids, trained=sequence.trained, old_logprobs=sequence.old_logprobs,
-                   advantage=sequence.advantage)
+        return cls(
+            token_ids=sequence.token_ids,
+            trained=sequence.trained,
+            old_logprobs=sequence.old_logprobs,
+            advantage=sequence.advantage,
+        )
 
     def sequence(self) -> Sequence:
         return Sequence(self.token_ids, self.trained, self.old_logprobs, self.advantage)

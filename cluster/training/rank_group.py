@@ -78,8 +78,12 @@ class RankGroup:
         self.key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=self.key)
         self.rendezvous = TrainerRendezvous(
-            endpoint=f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}", run_id=secrets.token_hex(8),
-            nodes=settings.nodes, ranks_per_node=ranks_per_node, max_restarts=settings.trainer_max_restarts)
+            endpoint=f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}",
+            run_id=secrets.token_hex(8),
+            nodes=settings.nodes,
+            ranks_per_node=ranks_per_node,
+            max_restarts=settings.trainer_max_restarts,
+        )
         self.generation = 0  # moves on when the ranks fail and when the leader connects (again)
         self.min_nodes = 1  # the fewest nodes the ranks go on with: the nodes the largest model needs (its shards)
         self.loaded: dict[str, Callable[[], RankCommand]] = {}
@@ -115,8 +119,11 @@ class RankGroup:
                     failure, cause = reply.message, None
                 if command.kind in _REPEATABLE and not retried:  # the group was restarting as it was sent
                     retried = True
-                    log.warning("the trainer's ranks restarted under %s (%s): sending it again once they are back",
-                                command.kind, failure)
+                    log.warning(
+                        "the trainer's ranks restarted under %s (%s): sending it again once they are back",
+                        command.kind,
+                        failure,
+                    )
                     continue
                 raise RankError(self._said(failure)) from cause
 
@@ -178,16 +185,19 @@ class RankGroup:
         reply = self._exchange(connection, command, lambda done, total: None)
         if reply.kind == "error":
             self._lost(connection)
-            raise RankError(self._said(f"reloading {command.name} on the trainer's restarted ranks failed: "
-                                       f"{reply.message}"))
+            raise RankError(
+                self._said(f"reloading {command.name} on the trainer's restarted ranks failed: {reply.message}")
+            )
 
     def _what_stopped(self) -> str:
         """Which part of the group stopped, as far as the server can tell."""
         code = self._process.poll() if self._process is not None else None
         if code is not None:
-            return (f"torchrun on this node exited (code {code}): its {self.rendezvous.max_restarts} restarts "
-                    "(ART_SKY_TRAINER_MAX_RESTARTS) are used up, or it could not start; the next command starts it "
-                    "again")
+            return (
+                f"torchrun on this node exited (code {code}): its {self.rendezvous.max_restarts} restarts "
+                "(ART_SKY_TRAINER_MAX_RESTARTS) are used up, or it could not start; the next command starts it "
+                "again"
+            )
         return "the leading rank's connection closed (a rank stopped, on this node or another)"
 
     def _said(self, what: str) -> str:
@@ -195,24 +205,40 @@ class RankGroup:
         lost = self.lost_nodes()
         node = f" A worker node was lost, and its ranks with it: {lost}." if lost else ""
         nodes = " (on the nodes that remain)" if self.rendezvous.nodes > 1 else ""
-        return (f"{what}.{node} torchrun restarts the ranks{nodes}, which reload the last committed step; the next "
-                f"step waits for them up to {self.settings.server_start_timeout:.0f} s (ART_SKY_SERVER_START_TIMEOUT):"
-                " train again")
+        return (
+            f"{what}.{node} torchrun restarts the ranks{nodes}, which reload the last committed step; the next "
+            f"step waits for them up to {self.settings.server_start_timeout:.0f} s (ART_SKY_SERVER_START_TIMEOUT):"
+            " train again"
+        )
 
     def _start(self) -> None:
         address = self._listener.address
         env = os.environ | self.env | RANKS_ENV | {LEADER_ENV: f"{address[0]}:{address[1]}", KEY_ENV: self.key.hex()}
-        log.info("starting the trainer's ranks: %d per node on %d node(s), rendezvous at %s", self.ranks_per_node,
-                 self.rendezvous.nodes, self.rendezvous.endpoint)
-        self._process = subprocess.Popen(torchrun(self.rendezvous, self.min_nodes), env=env, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_ends_with_parent)
+        log.info(
+            "starting the trainer's ranks: %d per node on %d node(s), rendezvous at %s",
+            self.ranks_per_node,
+            self.rendezvous.nodes,
+            self.rendezvous.endpoint,
+        )
+        self._process = subprocess.Popen(
+            torchrun(self.rendezvous, self.min_nodes),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_ends_with_parent,
+        )
 
     def _not_ready(self) -> str:
-        waiting = (f" (the models' shards need {self.min_nodes} of the cluster's {self.rendezvous.nodes} nodes: "
-                   f"waiting for lost ones to be replaced, at the rendezvous at {self.rendezvous.endpoint})"
-                   if self.min_nodes > 1 else "")
-        return (f"the trainer's ranks did not start within {self.settings.server_start_timeout:.0f} s{waiting}: "
-                "see the server log for torchrun's output")
+        waiting = (
+            f" (the models' shards need {self.min_nodes} of the cluster's {self.rendezvous.nodes} nodes: "
+            f"waiting for lost ones to be replaced, at the rendezvous at {self.rendezvous.endpoint})"
+            if self.min_nodes > 1
+            else ""
+        )
+        return (
+            f"the trainer's ranks did not start within {self.settings.server_start_timeout:.0f} s{waiting}: "
+            "see the server log for torchrun's output"
+        )
 
     def _accept(self) -> None:
         while not self._closed:
@@ -269,8 +295,9 @@ class RankWeights:
 
     def save(self, directory: Path, optimizer: bool = True) -> None:
         try:
-            self.group.request(RankCommand(kind="save", name=self.state.name, directory=str(directory),
-                                           optimizer=optimizer))
+            self.group.request(
+                RankCommand(kind="save", name=self.state.name, directory=str(directory), optimizer=optimizer)
+            )
         except RankError as exc:
             if exc.intact:  # the step says the checkpoint could not be written, and why
                 raise OSError(str(exc)) from exc
@@ -279,8 +306,9 @@ class RankWeights:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            set_peft_model_state_dict(self.state.model, load_file(str(directory / "adapter_model.safetensors")),
-                                      adapter_name=ADAPTER)
+            set_peft_model_state_dict(
+                self.state.model, load_file(str(directory / "adapter_model.safetensors")), adapter_name=ADAPTER
+            )
 
     def _mirror(self) -> list[torch.Tensor]:
         return [p for p in self.state.model.parameters() if p.requires_grad] if self.mirrored else []
@@ -295,28 +323,41 @@ class ShardedTrainer:
 
     def __init__(self, group: RankGroup, mirrored: bool, gpu_memory_bytes: int | None = None):
         self.group, self.mirrored = group, mirrored
-        self.capacity = capacity.Layout(gpu_memory_bytes, group.rendezvous.nodes, engine_gpus=0,
-                                        trainer_gpus=group.ranks_per_node) if gpu_memory_bytes else None
+        self.capacity = (
+            capacity.Layout(gpu_memory_bytes, group.rendezvous.nodes, engine_gpus=0, trainer_gpus=group.ranks_per_node)
+            if gpu_memory_bytes
+            else None
+        )
         self.ranks = group.ranks_per_node * group.rendezvous.nodes
         self.rendezvous = group.rendezvous  # what a worker node is told when it joins
 
     def load_model(self, request: RegisterRequest, settings: Settings, checkpoint: Path | None) -> tuple[Any, Any]:
         """The server's copy: the whole model (mirrored), else its shape; refused when its shards do not fit the
         trainer's GPUs."""
-        model, tokenizer = (load_peft(request, settings, checkpoint) if self.mirrored
-                            else load_shape(request, settings))
+        model, tokenizer = load_peft(request, settings, checkpoint) if self.mirrored else load_shape(request, settings)
         problem = self.capacity.problem(base_parameters(model)) if self.capacity else None
         if problem:
-            raise ConfigError(f"{request.base_model} does not fit this cluster: {problem}. Start a cluster with more "
-                              "trainer GPUs (ART_SKY_TRAINER_GPUS, more nodes) or larger ones, or train a smaller "
-                              "model")
+            raise ConfigError(
+                f"{request.base_model} does not fit this cluster: {problem}. Start a cluster with more "
+                "trainer GPUs (ART_SKY_TRAINER_GPUS, more nodes) or larger ones, or train a smaller "
+                "model"
+            )
         if self.capacity:
-            refuse_unfit(request, model, base_parameters(model), self.capacity.trainer_ranks,
-                         self.capacity.gpu_memory_bytes, settings.train_microbatch_tokens,
-                         settings.activation_checkpointing)
+            refuse_unfit(
+                request,
+                model,
+                base_parameters(model),
+                self.capacity.trainer_ranks,
+                self.capacity.gpu_memory_bytes,
+                settings.train_microbatch_tokens,
+                settings.activation_checkpointing,
+            )
             # after losing nodes, the ranks go on only with enough of them for this model's shards
-            needed = next(n for n in range(1, self.capacity.nodes + 1)
-                          if replace(self.capacity, nodes=n).problem(base_parameters(model)) is None)
+            needed = next(
+                n
+                for n in range(1, self.capacity.nodes + 1)
+                if replace(self.capacity, nodes=n).problem(base_parameters(model)) is None
+            )
             self.group.min_nodes = max(self.group.min_nodes, needed)
         return model, tokenizer
 
@@ -324,21 +365,44 @@ class ShardedTrainer:
         """Load the model on the ranks (from `step_dir`, or a fresh LoRA), and again from its newest committed
         step whenever the ranks restart."""
         name, request = state.name, state.request
-        self.group.request(RankCommand(kind="load", name=name, request=request,
-                                       checkpoint=str(step_dir) if step_dir else None))
+        self.group.request(
+            RankCommand(kind="load", name=name, request=request, checkpoint=str(step_dir) if step_dir else None)
+        )
         self.group.loaded[name] = lambda: _reload(state)
         return RankWeights(self.group, state, self.mirrored)
 
-    def train(self, state: ModelState, sequences: list[Sequence], config: TrainConfig,
-              progress: Progress = lambda done, total: None) -> dict[str, float]:
-        return self.group.request(RankCommand(kind="train", name=state.name, config=config,
-                                              sequences=[RankSequence.of(s) for s in sequences]), progress).metrics
+    def train(
+        self,
+        state: ModelState,
+        sequences: list[Sequence],
+        config: TrainConfig,
+        progress: Progress = lambda done, total: None,
+    ) -> dict[str, float]:
+        return self.group.request(
+            RankCommand(
+                kind="train", name=state.name, config=config, sequences=[RankSequence.of(s) for s in sequences]
+            ),
+            progress,
+        ).metrics
 
-    def sft(self, state: ModelState, batches: list[list[Sequence]], learning_rates: list[float],
-            max_grad_norm: float, progress: Progress = lambda done, total: None) -> list[dict[str, float]]:
-        return self.group.request(RankCommand(
-            kind="sft", name=state.name, batches=[[RankSequence.of(s) for s in batch] for batch in batches],
-            learning_rates=learning_rates, max_grad_norm=max_grad_norm), progress).batches
+    def sft(
+        self,
+        state: ModelState,
+        batches: list[list[Sequence]],
+        learning_rates: list[float],
+        max_grad_norm: float,
+        progress: Progress = lambda done, total: None,
+    ) -> list[dict[str, float]]:
+        return self.group.request(
+            RankCommand(
+                kind="sft",
+                name=state.name,
+                batches=[[RankSequence.of(s) for s in batch] for batch in batches],
+                learning_rates=learning_rates,
+                max_grad_norm=max_grad_norm,
+            ),
+            progress,
+        ).batches
 
     def close(self) -> None:
         self.group.close()
@@ -363,11 +427,18 @@ class WorkerRanks:
 
     def _run(self) -> None:
         while not self._closed.is_set():
-            log.info("joining the trainer's rendezvous at %s with %d rank(s)", self.rendezvous.endpoint,
-                     self.rendezvous.ranks_per_node)
-            self._process = subprocess.Popen(torchrun(self.rendezvous), env=os.environ | self.env | RANKS_ENV,
-                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                             preexec_fn=_ends_with_parent)
+            log.info(
+                "joining the trainer's rendezvous at %s with %d rank(s)",
+                self.rendezvous.endpoint,
+                self.rendezvous.ranks_per_node,
+            )
+            self._process = subprocess.Popen(
+                torchrun(self.rendezvous),
+                env=os.environ | self.env | RANKS_ENV,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_ends_with_parent,
+            )
             code = self._process.wait()
             if not self._closed.is_set():
                 log.warning("this node's trainer ranks ended (exit %s): joining again", code)
@@ -382,20 +453,35 @@ def torchrun(rendezvous: TrainerRendezvous, min_nodes: int | None = None) -> lis
     group restarts, reloading the last commit). A worker waits for the head's rendezvous as long as it takes."""
     head = min_nodes is not None
     nodes = f"{min_nodes or 1}:{rendezvous.nodes}" if rendezvous.nodes > 1 else "1"
-    conf = f"is_host={int(head)},last_call_timeout={LAST_CALL},keep_alive_interval={NODE_HEARTBEAT}," + \
-        ("keep_alive_max_attempt=3" if head else f"keep_alive_max_attempt=3,read_timeout={WORKER_WAIT}")
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
-            f"--nproc-per-node={rendezvous.ranks_per_node}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.run_id}", f"--rdzv-conf={conf}",
-            f"--max-restarts={rendezvous.max_restarts}", "-m", "art_sky.cluster.training.sharded"]
+    conf = f"is_host={int(head)},last_call_timeout={LAST_CALL},keep_alive_interval={NODE_HEARTBEAT}," + (
+        "keep_alive_max_attempt=3" if head else f"keep_alive_max_attempt=3,read_timeout={WORKER_WAIT}"
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={rendezvous.ranks_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rendezvous.endpoint}",
+        f"--rdzv-id={rendezvous.run_id}",
+        f"--rdzv-conf={conf}",
+        f"--max-restarts={rendezvous.max_restarts}",
+        "-m",
+        "art_sky.cluster.training.sharded",
+    ]
 
 
 def _reload(state: ModelState) -> RankCommand:
     """The model's newest step, once on disk (its background write waited for)."""
     state.writer.flush()
     steps = state.checkpoints.steps()
-    return RankCommand(kind="load", name=state.name, request=state.request,
-                       checkpoint=str(state.checkpoints.step_dir(steps[-1])) if steps else None)
+    return RankCommand(
+        kind="load",
+        name=state.name,
+        request=state.request,
+        checkpoint=str(state.checkpoints.step_dir(steps[-1])) if steps else None,
+    )
 
 
 def _ends_with_parent() -> None:

@@ -53,8 +53,14 @@ class Built:
     rerendered_tokens: int  # trained tokens whose turn or prompt the chat template rendered again
 
 
-def build_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int, vocab_size: int,
-                    eos_ids: set[int], dict_turns: bool = False) -> Built:
+def build_sequences(
+    tokenizer: Any,
+    trajectory: WireTrajectory,
+    max_length: int,
+    vocab_size: int,
+    eos_ids: set[int],
+    dict_turns: bool = False,
+) -> Built:
     """Every sampled turn of every history of the trajectory, in the context it was sampled from (advantage 0: the
     caller sets it once the group's trajectories are built). With `dict_turns` (ART's
     allow_training_without_logprobs), assistant turns written as dicts train too, rendered by the chat template.
@@ -71,24 +77,28 @@ def build_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
         raise TokenizationError(
             "no sampled turn to train on: put the objects your completions returned in messages_and_choices (an "
             "openai Choice or ChatCompletion, a litellm ModelResponse, a LangChain AIMessage); assistant messages "
-            "given as dicts are context, as in ART, unless TrainConfig(allow_training_without_logprobs=True)")
+            "given as dicts are context, as in ART, unless TrainConfig(allow_training_without_logprobs=True)"
+        )
     for sequence in built.sequences:
         if len(sequence.token_ids) > max_length:
             raise TokenizationError(
                 f"a sequence is {len(sequence.token_ids)} tokens, longer than the model's max_seq_length "
-                f"{max_length}: shorten the rollout or register the model with a larger max_seq_length")
+                f"{max_length}: shorten the rollout or register the model with a larger max_seq_length"
+            )
     return built
 
 
-def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_ids: set[int], where: str,
-                   built: Built, dict_turns: bool) -> None:
+def _build_history(
+    tokenizer: Any, history: WireHistory, vocab_size: int, eos_ids: set[int], where: str, built: Built, dict_turns: bool
+) -> None:
     messages: list[dict] = []
     current: Sequence | None = None
     previous: list[int] = []  # the last choice's full prompt + sampled ids: what `prompt_shared` refers to
     for index, item in enumerate(history.items):
         if isinstance(item, WireMessage) and dict_turns and item.role == "assistant":
-            item = WireChoice(content=item.content, tool_calls=item.tool_calls,
-                              reasoning_content=item.reasoning_content)  # trained as a choice without its ids
+            item = WireChoice(
+                content=item.content, tool_calls=item.tool_calls, reasoning_content=item.reasoning_content
+            )  # trained as a choice without its ids
         if isinstance(item, WireMessage):
             messages.append(item.message())
             continue
@@ -103,13 +113,15 @@ def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_id
                     f"{at}: the engine sampled this turn from a prompt of {item.prompt_tokens} tokens, but the "
                     f"messages before it render to {len(prompt)}: the trajectory is not what was sampled (a request "
                     "with tools whose Trajectory has no tools=?). Give the Trajectory what the request had, or keep "
-                    "the openai Choice (its prompt ids come along)")
+                    "the openai Choice (its prompt ids come along)"
+                )
         else:
             if item.prompt_shared > len(previous):
                 raise TokenizationError(
                     f"{at}: prompt_shared is {item.prompt_shared} but the previous choice with prompt ids has "
-                    f"{len(previous)} ids: send the full prompt_token_ids")
-            prompt = previous[:item.prompt_shared] + item.prompt_token_ids
+                    f"{len(previous)} ids: send the full prompt_token_ids"
+                )
+            prompt = previous[: item.prompt_shared] + item.prompt_token_ids
         if item.token_ids is not None:
             sampled, logprobs = item.token_ids, _old_logprobs(item)
             if item.prompt_token_ids is not None:
@@ -135,8 +147,9 @@ def _build_history(tokenizer: Any, history: WireHistory, vocab_size: int, eos_id
         current.extend(sampled, trained=True, logprobs=logprobs)
 
 
-def sft_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
-                  assistant_turns: str = "all") -> list[Sequence]:
+def sft_sequences(
+    tokenizer: Any, trajectory: WireTrajectory, max_length: int, assistant_turns: str = "all"
+) -> list[Sequence]:
     """ART's SFT: the conversation rendered by the chat template, the tokens of its assistant turns trained (a
     choice or a written assistant message, with its end-of-turn marker; `assistant_turns` "last": the final one
     only, the earlier ones context), the rest masked.
@@ -158,7 +171,7 @@ def sft_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
     for index in turns:
         at = f"messages_and_choices[{index}]"
         prompt = _render(tokenizer, messages[:index], history, True, at)
-        full = _render(tokenizer, messages[:index + 1], history, False, at)
+        full = _render(tokenizer, messages[: index + 1], history, False, at)
         start = len(os.path.commonprefix([prompt, full]))
         if start == len(full):
             raise TokenizationError(f"{at}: the chat template renders nothing for this assistant turn")
@@ -171,9 +184,11 @@ def sft_sequences(tokenizer: Any, trajectory: WireTrajectory, max_length: int,
         current.extend(turn, trained=True)
     for sequence in sequences:
         if len(sequence.token_ids) > max_length:
-            raise TokenizationError(f"a sequence is {len(sequence.token_ids)} tokens, longer than the model's "
-                                    f"max_seq_length {max_length}: shorten it or register the model with a larger "
-                                    "max_seq_length")
+            raise TokenizationError(
+                f"a sequence is {len(sequence.token_ids)} tokens, longer than the model's "
+                f"max_seq_length {max_length}: shorten it or register the model with a larger "
+                "max_seq_length"
+            )
     return sequences
 
 
@@ -183,8 +198,15 @@ def _old_logprobs(choice: WireChoice) -> list[float]:
     return [lp if lp is not None and math.isfinite(lp) else math.nan for lp in choice.logprobs]
 
 
-def _rerendered(tokenizer: Any, messages: list[dict], choice: WireChoice, history: WireHistory,
-                prompt_text: str, eos_ids: set[int], at: str) -> list[int]:
+def _rerendered(
+    tokenizer: Any,
+    messages: list[dict],
+    choice: WireChoice,
+    history: WireHistory,
+    prompt_text: str,
+    eos_ids: set[int],
+    at: str,
+) -> list[int]:
     """A choice without sampled ids: the template's text for the turn, up to and including the end-of-turn token the
     model samples (what follows it, a newline say, is the template's)."""
     after = _render(tokenizer, [*messages, choice.message()], history, False, at)
@@ -192,8 +214,9 @@ def _rerendered(tokenizer: Any, messages: list[dict], choice: WireChoice, histor
         raise TokenizationError(
             f"{at}: this choice came without sampled token ids and the chat template renders its turn differently "
             "from the prompt it was sampled from, so it cannot be re-rendered: request logprobs (the server then "
-            "returns the sampled ids) and keep the Choice objects")
-    ids = encode(tokenizer, after[len(prompt_text):])
+            "returns the sampled ids) and keep the Choice objects"
+        )
+    ids = encode(tokenizer, after[len(prompt_text) :])
     end = next((i + 1 for i, token in enumerate(ids) if token in eos_ids), len(ids))
     return ids[:end]
 
@@ -209,5 +232,7 @@ def _render(tokenizer: Any, messages: list[dict], history: WireHistory, generati
 def _check_vocabulary(ids: list[int], vocab_size: int, at: str, what: str) -> None:
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         bad = next(i for i in ids if i < 0 or i >= vocab_size)
-        raise TokenizationError(f"{at}: {what} token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})"
-                                ": the ids must come from this model's engine")
+        raise TokenizationError(
+            f"{at}: {what} token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})"
+            ": the ids must come from this model's engine"
+        )

@@ -49,8 +49,16 @@ LEADER_ENV = "ART_SKY_RANK_LEADER"  # host:port of the server's socket; set on t
 KEY_ENV = "ART_SKY_RANK_KEY"  # the socket's key (hex), beside it
 CONTROL_TIMEOUT = timedelta(days=365)  # commands may be hours apart (the rollouts between steps)
 # what a collective says when a peer is gone (gloo's transport, NCCL's watchdog, a store): another rank stopped
-_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport", "Timed out",
-              "timed out", "NCCL communicator was aborted", "ProcessGroupNCCL")
+_LOST_PEER = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "gloo/transport",
+    "Timed out",
+    "timed out",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL",
+)
 
 
 @dataclass
@@ -67,8 +75,9 @@ class Ranks:
     def __init__(self, settings: Settings, leader: int, control: dist.ProcessGroup):
         self.settings, self.leader, self.control = settings, leader, control
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.trainer = PeftTrainer(settings.train_microbatch_tokens, settings.activation_checkpointing)
         self.models: dict[str, Sharded] = {}
 
@@ -120,8 +129,11 @@ class Ranks:
         if self.rank == 0 and saved is not None:
             set_peft_model_state_dict(model, saved["adapter"], adapter_name=ADAPTER)
         full = model.state_dict() if self.rank == 0 else {}
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.device.type == "cuda" else MixedPrecisionPolicy()
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.device.type == "cuda"
+            else MixedPrecisionPolicy()
+        )
         for module in model.modules():
             if type(module).__name__ in layers:
                 fully_shard(module, mp_policy=policy)
@@ -142,8 +154,11 @@ class Ranks:
         if saved is not None and saved["optimizer"] is not None:
             weights.load_optimizer(model, optimizer, saved["optimizer"])
         pad = self.from_leader(lambda: pad_id(_tokenizer(source)))
-        return Sharded(model, optimizer, Policy(model, optimizer, pad, reduce=_summed,
-                                                last=lambda last: model.set_requires_gradient_sync(last)))
+        return Sharded(
+            model,
+            optimizer,
+            Policy(model, optimizer, pad, reduce=_summed, last=lambda last: model.set_requires_gradient_sync(last)),
+        )
 
     def _train(self, sharded: Sharded, command: RankCommand, progress) -> dict[str, float]:
         sequences = [s.sequence() for s in command.sequences]
@@ -156,10 +171,10 @@ class Ranks:
         shares = []
         for batch in command.batches:
             sequences = [s.sequence() for s in batch]
-            shares.append((self._share(sequences, sharded.policy), sum(s.trained_tokens for s in sequences),
-                           len(sequences)))
-        return self.trainer.sft_steps(sharded.policy, shares, command.learning_rates, command.max_grad_norm,
-                                      progress)
+            shares.append(
+                (self._share(sequences, sharded.policy), sum(s.trained_tokens for s in sequences), len(sequences))
+            )
+        return self.trainer.sft_steps(sharded.policy, shares, command.learning_rates, command.max_grad_norm, progress)
 
     def _share(self, sequences: list[Sequence], policy: Policy) -> list[list[Sequence]]:
         """This rank's micro-batches of the step: the sequences dealt out longest first to the rank with the fewest
@@ -171,8 +186,10 @@ class Ranks:
             owners[index] = owner
             loads[owner] += len(sequences[index].token_ids)
         packed = self.trainer.packs(policy.model)
-        batches = [self.trainer.microbatches([s for i, s in enumerate(sequences) if owners[i] == rank], packed)
-                   for rank in range(self.world)]
+        batches = [
+            self.trainer.microbatches([s for i, s in enumerate(sequences) if owners[i] == rank], packed)
+            for rank in range(self.world)
+        ]
         most = max(1, *(len(b) for b in batches))
         idle = [Sequence([policy.pad_id] * 2, [False, False], [float("nan")] * 2)]  # no trained token: a zero loss
         return batches[self.rank] + [idle] * (most - len(batches[self.rank]))
@@ -187,8 +204,11 @@ class Ranks:
             if optimizer is not None:
                 weights.save_optimizer(optimizer, directory)
         except OSError as exc:  # every rank's shards are as trained: the server restores the snapshot
-            return RankReply(kind="error", intact=True,
-                             message=f"the trainer's leading rank could not write {directory}: {exc.strerror or exc}")
+            return RankReply(
+                kind="error",
+                intact=True,
+                message=f"the trainer's leading rank could not write {directory}: {exc.strerror or exc}",
+            )
         return RankReply(kind="done")
 
     def from_leader(self, read: Callable[[], Any]) -> Any:
@@ -204,8 +224,11 @@ def _read_step(step_dir: Path) -> dict[str, Any]:
 
     config = LoraConfig.from_pretrained(str(step_dir))
     config.inference_mode = False  # saved adapters say inference; these train
-    return {"config": config, "optimizer": weights.read_optimizer(step_dir),
-            "adapter": load_file(str(step_dir / "adapter_model.safetensors"))}
+    return {
+        "config": config,
+        "optimizer": weights.read_optimizer(step_dir),
+        "adapter": load_file(str(step_dir / "adapter_model.safetensors")),
+    }
 
 
 def _tokenizer(source: str) -> Any:
@@ -266,8 +289,9 @@ def _failure(rank: int, kind: str, exc: Exception) -> str:
     where = f"rank {rank} (on {socket.gethostname()})"
     text = str(exc)
     if isinstance(exc, dist.DistError) or any(sign in text for sign in _LOST_PEER):
-        return (f"{where} lost its connection to the other ranks during {kind}: another rank stopped, or its node "
-                "was lost")
+        return (
+            f"{where} lost its connection to the other ranks during {kind}: another rank stopped, or its node was lost"
+        )
     return f"{where} failed during {kind}: {type(exc).__name__}: {text}"
 
 
@@ -279,6 +303,7 @@ def _connect(address: str | None) -> Connection:
 def _next_command(connection: Connection | None, ranks: Ranks) -> RankCommand:
     """The leader's next command from the server (a closed socket: the server stopped, so the ranks stop), on
     every rank."""
+
     def receive() -> str:
         try:
             return connection.recv_bytes().decode()  # type: ignore[union-attr]

@@ -5,9 +5,10 @@ Only the model differs: the micro-batching, the loss (cluster/training/grpo.py),
 (cluster/training/lm_head.py: Unsloth hands back the hidden states under UNSLOTH_RETURN_HIDDEN_STATES, as ART uses it)
 and the optimizer step are PeftTrainer's, inherited, so both trainers compute one loss. Micro-batches stay padded rows
 here (Unsloth's attention does not read transformers' packed format, and its own `packed_seq_lengths` path has not
-run on a GPU of ours yet), and activation checkpointing is Unsloth's own, always on. Checkpoints are the PEFT
-layout vLLM loads (save_pretrained of the PeftModel Unsloth returns). With `standby` (vLLM's GPU build on the same GPU) a model whose weights Unsloth can
-share is loaded with vLLM inside (fast_inference), which the engine then serves from (cluster/node/gpu_sharing.py).
+run on a GPU of ours yet), and activation checkpointing is Unsloth's own, always on. Checkpoints are the PEFT layout
+vLLM loads (save_pretrained of the PeftModel Unsloth returns). With `standby` (vLLM's GPU build on the same GPU) a
+model whose weights Unsloth can share is loaded with vLLM inside (fast_inference), which the engine then serves from
+(cluster/node/gpu_sharing.py).
 """
 
 from __future__ import annotations
@@ -45,27 +46,41 @@ class UnslothTrainer(PeftTrainer):
         source = resolve_base_model(request.base_model, settings)
         shared = {}
         if self.standby and standby_supported(AutoConfig.from_pretrained(source)):
-            shared = dict(fast_inference=True, gpu_memory_utilization=settings.engine_gpu_memory,
-                          max_lora_rank=vllm_lora_rank(cfg.lora_rank))
+            shared = dict(
+                fast_inference=True,
+                gpu_memory_utilization=settings.engine_gpu_memory,
+                max_lora_rank=vllm_lora_rank(cfg.lora_rank),
+            )
         try:
             base, tokenizer = FastLanguageModel.from_pretrained(
-                model_name=source, max_seq_length=cfg.max_seq_length, dtype=None, load_in_4bit=False, **shared)
+                model_name=source, max_seq_length=cfg.max_seq_length, dtype=None, load_in_4bit=False, **shared
+            )
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"Unsloth cannot load base model {request.base_model!r}: {exc}. Use a local Hugging "
-                              "Face model directory or a hub id on a node with internet access") from exc
+            raise ConfigError(
+                f"Unsloth cannot load base model {request.base_model!r}: {exc}. Use a local Hugging "
+                "Face model directory or a hub id on a node with internet access"
+            ) from exc
         if tokenizer.chat_template is None:
             raise ConfigError(f"base model {request.base_model!r} has no chat template; art-sky trains chat models")
         model = FastLanguageModel.get_peft_model(
-            base, r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
-            target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES, use_gradient_checkpointing="unsloth",
-            random_state=0)
+            base,
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            bias="none",
+            target_modules=cfg.target_modules or DEFAULT_TARGET_MODULES,
+            use_gradient_checkpointing="unsloth",
+            random_state=0,
+        )
         if checkpoint is not None:
             weights = load_file(str(checkpoint / "adapter_model.safetensors"))
             result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
             if result.unexpected_keys:
-                raise ConfigError(f"checkpoint {checkpoint} does not fit this model's LoRA (unexpected keys "
-                                  f"{result.unexpected_keys[:3]}): register with the LoRA settings it was trained "
-                                  "with")
+                raise ConfigError(
+                    f"checkpoint {checkpoint} does not fit this model's LoRA (unexpected keys "
+                    f"{result.unexpected_keys[:3]}): register with the LoRA settings it was trained "
+                    "with"
+                )
         self.refuse_unfit(request, model)
         return model, tokenizer
 

@@ -54,8 +54,11 @@ def snapshot(model: Any, optimizer: torch.optim.Optimizer) -> Snapshot:
     """Copies in host memory of the LoRA's weights and the optimizer's state (the device keeps its memory for
     training); on a rank, of its own shards."""
     params = trainable(model)
-    moments = {i: {key: _host(value) for key, value in optimizer.state[p].items()}
-               for i, p in enumerate(params) if p in optimizer.state}
+    moments = {
+        i: {key: _host(value) for key, value in optimizer.state[p].items()}
+        for i, p in enumerate(params)
+        if p in optimizer.state
+    }
     return Snapshot([_host(p) for p in params], moments)
 
 
@@ -94,8 +97,10 @@ class Staged:
     @property
     def nbytes(self) -> int:
         moments = self.optimizer["state"].values() if self.optimizer is not None else []
-        tensors = [*self.adapter.values(), *(value for entries in moments for value in entries.values()
-                                            if isinstance(value, torch.Tensor))]
+        tensors = [
+            *self.adapter.values(),
+            *(value for entries in moments for value in entries.values() if isinstance(value, torch.Tensor)),
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def write_adapter(self, directory: Path) -> None:
@@ -125,8 +130,11 @@ def stage(model: Any, optimizer: torch.optim.Optimizer | None) -> Staged:
     adapter = {name: _host(value) for name, value in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
     if optimizer is None:
         return Staged(adapter, config, None)
-    return Staged(adapter, config, _named_state(model, optimizer) if optimizer.state else
-                  _to_host(optimizer_state(model, optimizer)))
+    return Staged(
+        adapter,
+        config,
+        _named_state(model, optimizer) if optimizer.state else _to_host(optimizer_state(model, optimizer)),
+    )
 
 
 def _named_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -135,8 +143,11 @@ def _named_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]
     `optimizer_state`, which makes its state with a step at learning rate 0, as the ranks' does."""
     names = {param: name for name, param in model.named_parameters() if param.requires_grad}
     state = {names[param]: _to_host(values) for param, values in optimizer.state.items()}
-    groups = [{key: value for key, value in group.items() if key != "params"}
-              | {"params": [names[param] for param in group["params"]]} for group in optimizer.param_groups]
+    groups = [
+        {key: value for key, value in group.items() if key != "params"}
+        | {"params": [names[param] for param in group["params"]]}
+        for group in optimizer.param_groups
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -153,8 +164,11 @@ def save_optimizer(state: dict[str, Any], directory: Path) -> None:
             else:
                 values[f"{name}/{key}"] = value
     (directory / OPTIMIZER_STATE).parent.mkdir(exist_ok=True)
-    save_file(tensors, directory / OPTIMIZER_STATE, metadata={
-        "param_groups": json.dumps(state["param_groups"]), "values": json.dumps(values)})
+    save_file(
+        tensors,
+        directory / OPTIMIZER_STATE,
+        metadata={"param_groups": json.dumps(state["param_groups"]), "values": json.dumps(values)},
+    )
 
 
 def read_optimizer(step_dir: Path) -> dict[str, Any] | None:
@@ -168,7 +182,7 @@ def read_optimizer(step_dir: Path) -> dict[str, Any] | None:
     state: dict[str, dict[str, Any]] = {}
     with safe_open(str(saved), framework="pt") as handle:
         metadata = handle.metadata()
-        for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+        for key in handle.keys():
             name, _, entry = key.rpartition("/")
             state.setdefault(name, {})[entry] = handle.get_tensor(key)
     for key, value in json.loads(metadata["values"]).items():
@@ -182,9 +196,12 @@ def load_optimizer(model: Any, optimizer: torch.optim.Optimizer, saved: dict[str
     before name-keyed checkpoints) is read in the order of the LoRA's parameters, which is the optimizer's."""
     if saved["state"] and all(isinstance(key, int) for key in saved["state"]):
         names = [name for name, p in model.named_parameters() if p.requires_grad]
-        saved = {"state": {names[i]: value for i, value in saved["state"].items()},
-                 "param_groups": [group | {"params": [names[i] for i in group["params"]]}
-                                  for group in saved["param_groups"]]}
+        saved = {
+            "state": {names[i]: value for i, value in saved["state"].items()},
+            "param_groups": [
+                group | {"params": [names[i] for i in group["params"]]} for group in saved["param_groups"]
+            ],
+        }
     set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
 
 

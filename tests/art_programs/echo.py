@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import art
+
 import art_sky
 
 
@@ -23,16 +24,21 @@ class EchoEnvironment:
 
 async def rollout(model: art.TrainableModel, env: EchoEnvironment, seed: int) -> art.Trajectory:
     client = model.openai_client()
-    messages = [{"role": "system", "content": "You are an agent in an echo environment."},
-                {"role": "user", "content": env.reset()}]
+    messages = [
+        {"role": "system", "content": "You are an agent in an echo environment."},
+        {"role": "user", "content": env.reset()},
+    ]
     completion = await client.chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_completion_tokens=8, logprobs=True, seed=seed)
+        model=model.get_inference_name(), messages=messages, max_completion_tokens=8, logprobs=True, seed=seed
+    )
     choice = completion.choices[0]
     aside = [{"role": "user", "content": "Summarise your plan."}]
     summary = await client.chat.completions.create(
-        model=model.get_inference_name(), messages=aside, max_completion_tokens=4, logprobs=True)
+        model=model.get_inference_name(), messages=aside, max_completion_tokens=4, logprobs=True
+    )
     return art.Trajectory(
-        messages_and_choices=[*messages, choice], reward=env.step(choice.message.content or ""),
+        messages_and_choices=[*messages, choice],
+        reward=env.step(choice.message.content or ""),
         additional_histories=[art.trajectories.History(messages_and_choices=[*aside, summary.choices[0]])],
     ).finish()
 
@@ -46,12 +52,13 @@ async def main() -> None:
     for step in range(2):  # each rollout its own seed: the untrained model writes the same every run
         groups = await art.gather_trajectory_groups(
             [art.TrajectoryGroup(rollout(model, env, 8 * step + 4 * g + i) for i in range(4)) for g in range(2)],
-            pbar_desc="gather")
+            pbar_desc="gather",
+        )
         result = await backend.train(model, groups, learning_rate=1e-4, loss_fn="ppo", kl_penalty_coef=0.1)
         seen["metrics"].append(result.metrics)
     try:
         await backend.train(model, groups, adam_params={"beta1": 0.8})
-    except Exception as exc:  # noqa: BLE001 (reported to the test)
+    except Exception as exc:
         seen["refused"] = f"{type(exc).__name__}: {exc}"
     seen["get_step"] = await model.get_step()
     await backend.close()

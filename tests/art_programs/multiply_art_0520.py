@@ -1,11 +1,11 @@
 """An openpipe-art 0.5.20+ program (ART's own idiom, as its train-rl skill writes one) on an art-sky backend: the
 only line that differs from ART's own is the one marked BACKEND. Python >= 3.12, with the real openpipe-art.
 
-It samples through ART's own client and litellm_completion_params() (which send ART's extra_body:
-return_token_ids, return_tokens_as_token_ids, chat_template_kwargs, nvext), trains with backend.train and ART's newer keywords, logs with model.log, records a
-group the capture way (art.trajectory), samples an older step under exact_adapter_lease, prunes checkpoints, runs
-train_sft, trains a step without a checkpoint, starts a second run_name at step 0, and runs ART's PipelineTrainer
-with its eval. It prints what it saw as JSON (the last line) for tests/test_openpipe_art.py.
+It samples through ART's own client and litellm_completion_params() (which send ART's extra_body: return_token_ids,
+return_tokens_as_token_ids, chat_template_kwargs, nvext), trains with backend.train and ART's newer keywords, logs
+with model.log, records a group the capture way (art.trajectory), samples an older step under exact_adapter_lease,
+prunes checkpoints, runs train_sft, trains a step without a checkpoint, starts a second run_name at step 0, and runs
+ART's PipelineTrainer with its eval. It prints what it saw as JSON (the last line) for tests/test_openpipe_art.py.
 """
 
 import asyncio
@@ -14,9 +14,10 @@ import os
 import sys
 
 import art
-import art_sky
 import litellm
 from art.pipeline_trainer import PipelineTrainer
+
+import art_sky
 
 PROJECT = "art-latest"
 
@@ -30,10 +31,12 @@ def reward_of(text: str, rank: int) -> float:
 async def rollout(model: art.TrainableModel, a: int, rank: int) -> art.Trajectory:
     messages = [{"role": "user", "content": f"What is {a} * {a + 1}? Answer with just the number."}]
     completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_tokens=4)
+        model=model.get_inference_name(), messages=messages, max_tokens=4
+    )
     choice = completion.choices[0]
-    return art.Trajectory(messages_and_choices=[*messages, choice], reward=reward_of(choice.message.content or "",
-                                                                                     rank))
+    return art.Trajectory(
+        messages_and_choices=[*messages, choice], reward=reward_of(choice.message.content or "", rank)
+    )
 
 
 async def captured(model: art.TrainableModel, a: int, rank: int) -> None:
@@ -49,27 +52,35 @@ async def captured(model: art.TrainableModel, a: int, rank: int) -> None:
 async def groups_of(model: art.TrainableModel) -> list[art.TrajectoryGroup]:
     return await art.gather_trajectory_groups(
         [art.TrajectoryGroup(rollout(model, a, rank) for rank in range(4)) for a in range(2)],
-        pbar_desc="gather", max_exceptions=0)
+        pbar_desc="gather",
+        max_exceptions=0,
+    )
 
 
 async def pipeline_rollout(model: art.TrainableModel, scenario: dict, config: None) -> art.TrajectoryGroup:
     """One request with n=4 choices, as ART's PipelineTrainer examples write it."""
     messages = [{"role": "user", "content": scenario["prompt"]}]
     response = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_tokens=3, n=4)
-    return art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*messages, choice],
-                                               reward=reward_of(choice.message.content or "", rank))
-                                for rank, choice in enumerate(response.choices)])
+        model=model.get_inference_name(), messages=messages, max_tokens=3, n=4
+    )
+    return art.TrajectoryGroup(
+        [
+            art.Trajectory(
+                messages_and_choices=[*messages, choice], reward=reward_of(choice.message.content or "", rank)
+            )
+            for rank, choice in enumerate(response.choices)
+        ]
+    )
 
 
 async def pipeline_eval(model: art.TrainableModel, step: int, config: None) -> list[art.Trajectory]:
     messages = [{"role": "user", "content": "What is 2 * 3?"}]
     response = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(step), messages=messages, max_tokens=3)
+        model=model.get_inference_name(step), messages=messages, max_tokens=3
+    )
     pipeline_eval.models.append(response.model)
     choice = response.choices[0]
-    return [art.Trajectory(messages_and_choices=[*messages, choice], reward=reward_of(choice.message.content or "",
-                                                                                      0))]
+    return [art.Trajectory(messages_and_choices=[*messages, choice], reward=reward_of(choice.message.content or "", 0))]
 
 
 pipeline_eval.models = []
@@ -77,13 +88,19 @@ pipeline_eval.models = []
 
 async def main() -> None:
     backend = art_sky.LocalBackend()  # BACKEND: an ART program has `from art.local import LocalBackend` here
-    model = art.TrainableModel(name="multiply", run_name="run-a", project=PROJECT, base_model="art-sky/tiny",
-                               lora_config=art.dev.LoRAConfig(rank=4, alpha=8))
+    model = art.TrainableModel(
+        name="multiply",
+        run_name="run-a",
+        project=PROJECT,
+        base_model="art-sky/tiny",
+        lora_config=art.dev.LoRAConfig(rank=4, alpha=8),
+    )
     await model.register(backend)
     seen: dict = {"steps": [], "trained_tokens": []}
 
-    reply = await litellm.acompletion(messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                      **model.litellm_completion_params())  # ART's extra_body through litellm
+    reply = await litellm.acompletion(
+        messages=[{"role": "user", "content": "hi"}], max_tokens=2, **model.litellm_completion_params()
+    )  # ART's extra_body through litellm
     seen["litellm"] = [reply.model, len(reply.choices[0].provider_specific_fields["token_ids"])]
 
     groups = await groups_of(model)
@@ -97,15 +114,25 @@ async def main() -> None:
     seen["trained_tokens"].append(result.metrics["trained_tokens_exact"])
 
     groups = await groups_of(model)
-    result = await backend.train(model, groups, learning_rate=1e-4, loss_fn="ppo", importance_sampling_level="sequence",
-                                 kl_penalty_coef=0.1, kl_penalty_source="sample", optimizer_save_interval=5,
-                                 final_training_step=10, grad_accumulation_sequences=4)
+    result = await backend.train(
+        model,
+        groups,
+        learning_rate=1e-4,
+        loss_fn="ppo",
+        importance_sampling_level="sequence",
+        kl_penalty_coef=0.1,
+        kl_penalty_source="sample",
+        optimizer_save_interval=5,
+        final_training_step=10,
+        grad_accumulation_sequences=4,
+    )
     await model.log(groups, metrics=result.metrics, step=result.step, split="train")
     seen["steps"].append(result.step)
     seen["gradient_steps"] = [result.metrics["sequences"], result.metrics.get("num_gradient_steps", 1.0)]
 
-    captured_groups = [await art.trajectory_group([art.trajectory(captured(model, a, rank)) for rank in range(4)])
-                       for a in range(2)]
+    captured_groups = [
+        await art.trajectory_group([art.trajectory(captured(model, a, rank)) for rank in range(4)]) for a in range(2)
+    ]
     seen["captured_exchanges"] = len(captured_groups[0].trajectories[0].exchanges.chat_completions)
     result = await backend.train(model, captured_groups, learning_rate=1e-4)
     seen["steps"].append(result.step)
@@ -115,7 +142,8 @@ async def main() -> None:
     async with backend.exact_adapter_lease(model, 1):
         name = model.get_inference_name()
         completion = await model.openai_client().chat.completions.create(
-            model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
         seen["leased"] = [name, completion.model]
         await model.log(await groups_of(model), split="val")  # step 3's val/reward: the best and the newest
         await model.delete_checkpoints()
@@ -123,11 +151,19 @@ async def main() -> None:
     await model.delete_checkpoints()
     seen["kept_after_lease"] = sorted(c.step for c in await backend.list_checkpoints(model))
 
-    conversations = [art.Trajectory(messages_and_choices=[
-        {"role": "system", "content": "Answer with digits."},
-        {"role": "user", "content": f"What is {a} + {a}?"}, {"role": "assistant", "content": str(2 * a)},
-        {"role": "user", "content": f"And {a} * {a}?"}, {"role": "assistant", "content": str(a * a)}], reward=0.0)
-        for a in range(4)]
+    conversations = [
+        art.Trajectory(
+            messages_and_choices=[
+                {"role": "system", "content": "Answer with digits."},
+                {"role": "user", "content": f"What is {a} + {a}?"},
+                {"role": "assistant", "content": str(2 * a)},
+                {"role": "user", "content": f"And {a} * {a}?"},
+                {"role": "assistant", "content": str(a * a)},
+            ],
+            reward=0.0,
+        )
+        for a in range(4)
+    ]
     await model.train_sft(conversations, art.TrainSFTConfig(learning_rate=1e-3, batch_size=2, assistant_turns="last"))
     seen["step_after_sft"] = await model.get_step()
 
@@ -144,10 +180,19 @@ async def main() -> None:
 
     piped = art.TrainableModel(name="piped", run_name="piped-1", project=PROJECT, base_model="art-sky/tiny")
     await piped.register(backend)
-    trainer = PipelineTrainer(model=piped, backend=backend, rollout_fn=pipeline_rollout,
-                              scenarios=[{"prompt": f"Count to {n}."} for n in range(100)], config=None,
-                              learning_rate=1e-4, eval_fn=pipeline_eval, max_steps=3, eval_every_n_steps=2,
-                              eval_at_start=False, log_interval_seconds=3600)
+    trainer = PipelineTrainer(
+        model=piped,
+        backend=backend,
+        rollout_fn=pipeline_rollout,
+        scenarios=[{"prompt": f"Count to {n}."} for n in range(100)],
+        config=None,
+        learning_rate=1e-4,
+        eval_fn=pipeline_eval,
+        max_steps=3,
+        eval_every_n_steps=2,
+        eval_at_start=False,
+        log_interval_seconds=3600,
+    )
     await trainer.train(handle_signals=False)
     seen["pipeline_step"] = await piped.get_step()
     seen["pipeline_eval_models"] = pipeline_eval.models

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from random_models import build  # noqa: E402
+from random_models import build
 
 SHAPE = os.environ.get("ART_SKY_GPU_SHAPE", "qwen2-0.5b")
 ON_CPU = os.environ.get("ART_SKY_GPU_RUN_ON_CPU") == "1"
@@ -28,8 +28,9 @@ KEY = "gpu-test-key"
 RESULTS = os.environ.get("ART_SKY_GPU_RESULTS")  # a JSON file for each step's metrics (tests/gpu/run_gpu.sh)
 PROMPT = [{"role": "user", "content": "Name a colour."}]
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU),
-                                reason="needs CUDA (ART_SKY_GPU_RUN_ON_CPU=1 rehearses it on a CPU)")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (ART_SKY_GPU_RUN_ON_CPU=1 rehearses it on a CPU)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +40,41 @@ async def server(tmp_path_factory):
 
     cache = tmp_path_factory.mktemp("cache")
     model_dir = build(SHAPE, Path(os.environ.get("ART_SKY_CACHE_DIR", cache)))
-    app = create_app(tmp_path_factory.mktemp("art"), KEY, Settings(engine="portable", trainer="peft",
-                                                                    max_new_tokens_limit=64))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server", timeout=600,
-                                 headers={"authorization": f"Bearer {KEY}"}) as client:
-        response = await client.post("/art/models", json={
-            "name": "gpu", "project": "tests", "base_model": str(model_dir),
-            "config": {"lora_rank": 16, "lora_alpha": 32, "max_seq_length": 1024}})
+    app = create_app(
+        tmp_path_factory.mktemp("art"), KEY, Settings(engine="portable", trainer="peft", max_new_tokens_limit=64)
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://server",
+        timeout=600,
+        headers={"authorization": f"Bearer {KEY}"},
+    ) as client:
+        response = await client.post(
+            "/art/models",
+            json={
+                "name": "gpu",
+                "project": "tests",
+                "base_model": str(model_dir),
+                "config": {"lora_rank": 16, "lora_alpha": 32, "max_seq_length": 1024},
+            },
+        )
         assert response.status_code == 200, response.text
         yield client
 
 
 async def sample(client: httpx.AsyncClient, n: int, seed: int) -> list[dict]:
-    response = await client.post("/v1/chat/completions", json={
-        "model": "gpu", "messages": PROMPT, "n": n, "max_tokens": 24, "seed": seed, "logprobs": True,
-        "return_tokens_as_token_ids": True})
+    response = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "gpu",
+            "messages": PROMPT,
+            "n": n,
+            "max_tokens": 24,
+            "seed": seed,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()["choices"]
 
@@ -61,9 +82,12 @@ async def sample(client: httpx.AsyncClient, n: int, seed: int) -> list[dict]:
 def trajectory(choice: dict, reward: float) -> dict:
     """The wire form of [prompt, choice] (what the client sends): the choice's exact sampled ids and logprobs."""
     tokens = choice["logprobs"]["content"]
-    sampled = {"kind": "choice", "content": choice["message"]["content"],
-               "token_ids": [int(t["token"].removeprefix("token_id:")) for t in tokens],
-               "logprobs": [t["logprob"] for t in tokens]}
+    sampled = {
+        "kind": "choice",
+        "content": choice["message"]["content"],
+        "token_ids": [int(t["token"].removeprefix("token_id:")) for t in tokens],
+        "logprobs": [t["logprob"] for t in tokens],
+    }
     return {"items": [*PROMPT, sampled], "reward": reward}
 
 
@@ -85,8 +109,9 @@ async def test_two_grpo_steps_and_the_trained_adapter_is_served(server):
             choices = await sample(server, 4, seed=10 * step + seed)
             assert all(len(c["logprobs"]["content"]) > 0 for c in choices)
             groups.append({"trajectories": [trajectory(c, float(i % 2)) for i, c in enumerate(choices)]})
-        response = await server.post("/art/models/gpu/train", json={"groups": groups,
-                                                                   "config": {"learning_rate": 1e-3}})
+        response = await server.post(
+            "/art/models/gpu/train", json={"groups": groups, "config": {"learning_rate": 1e-3}}
+        )
         assert response.status_code == 200, response.text
         result = [json.loads(line) for line in response.text.splitlines() if '"result"' in line]
         assert result, response.text
@@ -97,8 +122,10 @@ async def test_two_grpo_steps_and_the_trained_adapter_is_served(server):
         info = (await server.get("/art/models/gpu")).json()
         assert info["step"] == step
         recorded.append(metrics)
-        print(f"\nstep {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())
-                                             if k.startswith(("time/", "memory/"))))
+        print(
+            f"\nstep {step}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith(("time/", "memory/")))
+        )
     if RESULTS:
         Path(RESULTS).write_text(json.dumps({"shape": SHAPE, "steps": recorded}, indent=1))
     after = await sample(server, 1, seed=7)
