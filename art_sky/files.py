@@ -82,7 +82,7 @@ def atomic_dir(target: str | os.PathLike, *, replace: bool = True, advice: str =
 def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
     """Remove what killed `atomic_dir` writers left in `directory` (a write in progress elsewhere is kept); returns
     what was removed."""
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(Path(directory).iterdir())
     except OSError:

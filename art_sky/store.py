@@ -16,7 +16,7 @@ import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlparse
 
 import obstore
@@ -28,6 +28,9 @@ from art_sky.errors import CheckpointStoreError, ConfigError
 from art_sky.files import atomic_dir
 from art_sky.layout import HISTORY, MANIFEST, model_key, step_key, step_name
 from art_sky.settings import Settings
+
+if TYPE_CHECKING:  # obstore's typed dicts exist only in its stubs
+    from obstore.store import ClientConfig, S3Config
 
 log = logging.getLogger("art_sky.store")
 
@@ -330,14 +333,16 @@ def _open(uri: str, endpoint: str | None, credentials: dict[str, str]):
             raise ConfigError(f"checkpoint store URI {uri!r} names no bucket: {usage}")
         prefix = parsed.path.strip("/") or None
         if parsed.scheme == "gs":
-            return GCSStore(
-                parsed.netloc, prefix=prefix, config={k: v for k, v in credentials.items() if k.startswith("GOOGLE_")}
-            )
+            google = {k: v for k, v in credentials.items() if k.startswith("GOOGLE_")}
+            # obstore takes its environment variables' names as config keys; its stubs list only the short ones
+            return GCSStore(parsed.netloc, prefix=prefix, config=google)  # type: ignore[arg-type]
         endpoint = endpoint or credentials.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
-        options = {"endpoint": endpoint} if endpoint else {}
-        client = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None
+        options: S3Config = {"endpoint": endpoint} if endpoint else {}
+        client: ClientConfig | None = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None
         config = {k: v for k, v in credentials.items() if k.startswith("AWS_") and k != "AWS_ENDPOINT_URL"}
-        return S3Store(parsed.netloc, prefix=prefix, client_options=client, config=config, **options)
+        # obstore takes its environment variables' names as config keys (its stubs list only the short ones), and
+        # its stubs' S3Config holds `bucket`, so any **S3Config reads as a second bucket
+        return S3Store(parsed.netloc, prefix=prefix, client_options=client, config=config, **options)  # type: ignore[arg-type, misc]
     except (BaseError, OSError) as exc:
         raise CheckpointStoreError(f"checkpoint store {uri}: cannot open it: {str(exc).splitlines()[0]}") from exc
 

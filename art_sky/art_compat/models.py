@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import ValidationError
 
@@ -183,4 +183,5 @@ def sft_settings(config: Any, dev_config: dict | None) -> tuple[int, list[float]
     turns = getattr(config, "assistant_turns", "all")
     if turns not in ("all", "last"):
         raise ConfigError(f"TrainSFTConfig.assistant_turns={turns!r}: 'all' or 'last', as ART takes it")
-    return (2 if batch_size == "auto" else int(batch_size)), (list(rate) if isinstance(rate, list) else [rate]), turns
+    rates = list(rate) if isinstance(rate, list) else [rate]
+    return (2 if batch_size == "auto" else int(batch_size)), rates, cast(Literal["all", "last"], turns)  # checked above

@@ -222,7 +222,7 @@ def _subclass_of(local: type) -> type:
     """art-sky's TrainResult that is also ART's `LocalTrainResult` (both dataclasses: their fields merge)."""
 
     @dataclass
-    class ArtTrainResult(local, TrainResult):  # type: ignore[misc, valid-type]
+    class ArtTrainResult(local, TrainResult):
         __doc__ = TrainResult.__doc__
 
     ArtTrainResult.__name__ = ArtTrainResult.__qualname__ = "TrainResult"

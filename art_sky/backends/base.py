@@ -361,7 +361,8 @@ class Backend(ArtProtocol):
                 try:
                     return await self._follow_step(model, route, request, bar, stall)
                 except _Lost as exc:
-                    lost, wait = exc.__cause__ or exc, min(0.5 * 2**attempt, 10.0)
+                    cause = exc.__cause__  # the transport's error, or None where the stream just ended
+                    lost, wait = cause if isinstance(cause, Exception) else exc, min(0.5 * 2**attempt, 10.0)
                     if await self._recovered(lost):  # the cluster was lost and is back: retry at once, time anew
                         deadline, wait = time.monotonic() + self.settings.train_retry_timeout, 0.0
                 except NotFoundError as exc:
@@ -465,6 +466,7 @@ class Backend(ArtProtocol):
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
+            assert self.base_url is not None  # requests follow `_ensure_started`, whose `_start` sets it
             self._http = httpx.AsyncClient(
                 base_url=self.base_url,
                 headers={"authorization": f"Bearer {self.api_key}"},

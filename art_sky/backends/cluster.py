@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import ClassVar
+from typing import ClassVar, Self
 
 from pydantic import BaseModel
 
@@ -102,7 +102,7 @@ class ClusterBackend(Backend):
         if machine is not None:
             machine.close()
 
-    def _attached(self, record: clusters.ClusterRecord) -> ClusterBackend:
+    def _attached(self, record: clusters.ClusterRecord) -> Self:
         self.name = record.name
         self.keep_server = True
         self._api_key = record.api_key.get_secret_value()

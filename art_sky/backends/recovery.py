@@ -283,6 +283,7 @@ class Recovery:
         self.phases = {"found lost": time.monotonic() - lost_at}
         self.interrupted |= set(self.in_flight)
         self._save("recovering", why, lost_at)
+        assert backend.tunnel is not None  # recovery watches a started backend, which has its tunnel
         backend.tunnel.hold()
         requests: list[str] = []  # SkyPilot's launch request, to cancel if recovery ends first
         try:
@@ -346,13 +347,16 @@ class Recovery:
         backend.force_restart = False
         backend.forget_machine()  # the old cluster's SSH connection
         started = time.monotonic()
+        assert backend.api_key is not None and backend.tunnel is not None  # a started backend's
         layout = await backend._launch(backend.api_key, on_request=on_request)
         self.phases["launched"] = time.monotonic() - started
+        target = backend.target
+        assert target is not None  # `_launch` found the new machine's
         private: list[Tunnel] = []
 
         def reach(port: int) -> str:
             if not private or private[-1].remote[1] != port:
-                private.append(Tunnel(backend.target, port, self.settings))
+                private.append(Tunnel(target, port, self.settings))
                 private[-1].start()
             return private[-1].base_url
 
@@ -371,7 +375,7 @@ class Recovery:
             restoring = time.monotonic()
             redone = await self._restore(private[-1].base_url)
             self.phases["models restored"] = time.monotonic() - restoring
-            await asyncio.to_thread(backend.tunnel.retarget, backend.target, server.port)
+            await asyncio.to_thread(backend.tunnel.retarget, target, server.port)
         finally:
             for tunnel in private:
                 await asyncio.to_thread(tunnel.close)
@@ -395,11 +399,13 @@ class Recovery:
             )
             for model in list(self.models.values()):
                 info = await helper.register(model)
+                assert info is not None  # recovery keeps trainable models only, which register returns
                 step = info.step
                 for kept in self.kept.get(model.name, []):
                     if kept.step <= step:
                         continue
                     result = await helper._stream_step(kept.model, kept.route, kept.request, False)
+                    assert result.step is not None  # a step's result names it
                     step = result.step
                     if not result.replayed:
                         self.steps_replayed += 1

@@ -108,11 +108,11 @@ class SkyPilotBackend(SSHBackend):
         version, source = _version_or_source(art_sky_version)
         secrets = server_env(settings, checkpoint_uri) | read_env_file(env_path)
         recover = recovery_mode(recover, spot, secrets.get("ART_SKY_CHECKPOINT_URI"))
-        trainer_gpus = secrets.get("ART_SKY_TRAINER_GPUS", "1")  # what the server will see: the env file's
+        given = secrets.get("ART_SKY_TRAINER_GPUS", "1")  # what the server will see: the env file's
         try:
-            trainer_gpus = int(trainer_gpus)
+            trainer_gpus = int(given)
         except ValueError:
-            raise ConfigError(f"ART_SKY_TRAINER_GPUS={trainer_gpus!r} in {env_path}: give a whole number") from None
+            raise ConfigError(f"ART_SKY_TRAINER_GPUS={given!r} in {env_path}: give a whole number") from None
         capacity.check_before_renting(gpu, num_nodes, trainer_gpus, base_model)
         spec = ClusterSpec(
             gpu=gpu,
@@ -210,13 +210,14 @@ class SkyPilotBackend(SSHBackend):
         again on a relaunched cluster) and the result says what recovery did (`cluster/*` metrics)."""
         if self.recovery is None:
             return await super()._stream_step(model, route, request, verbose)
-        request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex})
+        request_id = request.request_id or uuid.uuid4().hex
+        request = request.model_copy(update={"request_id": request_id})
         sent = time.monotonic()
-        self.recovery.sent(request.request_id)
+        self.recovery.sent(request_id)
         try:
             result = await super()._stream_step(model, route, request, verbose)
         finally:
-            self.recovery.done(request.request_id)
+            self.recovery.done(request_id)
         self.recovery.trained(model, route, request, result, time.monotonic() - sent)
         return result.model_copy(update={"metrics": result.metrics | self.recovery.metrics()})
 
@@ -340,7 +341,7 @@ def recovery_mode(recover: bool | str | None, spot: bool, store: str | None) -> 
     """Whether a lost cluster is relaunched: as asked, else with spot instances (where it is safe: a store to
     resume from). Recovery without a store would start the new cluster from step 0: refused unless asked so."""
     if recover == "from-scratch":
-        return recover
+        return "from-scratch"
     if recover not in (None, True, False):
         raise ConfigError(
             f"recover={recover!r}: give True, False, None (on with spot=True and an object store) or 'from-scratch'"

@@ -37,6 +37,7 @@ class SSHBackend(ClusterBackend):
     """
 
     kind = "ssh"
+    name: str  # the host's server directory's name: always one ("default" unless given)
     tunnel_refused_wait = 0.0  # seconds a connection through the tunnel retries a server port that refuses
 
     def __init__(

@@ -49,7 +49,7 @@ def _git_files(workdir: Path) -> list[str] | None:
 
 
 def _walk(workdir: Path) -> set[str]:
-    found = set()
+    found: set[str] = set()
     for root, _, files in os.walk(workdir):
         found.update(os.path.relpath(os.path.join(root, f), workdir) for f in files)
     return found
@@ -58,7 +58,7 @@ def _walk(workdir: Path) -> set[str]:
 def _minus_skyignore(workdir: Path) -> list[str]:
     """SkyPilot's reading of .skyignore: `/x` anchors at the root, any other pattern matches at any depth; a
     matched directory excludes what is under it."""
-    excluded = set()
+    excluded: set[str] = set()
     for line in (workdir / SKYIGNORE).read_text().splitlines():
         line = line.strip()
         if not line or line.startswith("#"):

@@ -136,7 +136,9 @@ def push(
         if not steps or (step is not None and step not in local.steps()):
             raise ConfigError(f"no step {'' if step is None else step} in {local.path}: check --path")
         for number in steps:
-            with _bar(f"push step {number}", local.manifest(number).size_bytes) as bar:
+            manifest = local.manifest(number)
+            assert manifest is not None  # steps() lists only the steps with a readable manifest
+            with _bar(f"push step {number}", manifest.size_bytes) as bar:
                 sent = await store.upload_step(local, number, bar.update)
                 bar.update(bar.total - bar.n)
             console.print(f"step {number}: " + ("already in the store" if sent == 0 else f"sent {_size(sent)}"))

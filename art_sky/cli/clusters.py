@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
+from typer._click import Context  # typer's vendored click: what a command's methods get (typer.Context subclasses it)
 from typer.core import TyperCommand
 
 from art_sky import clusters
@@ -57,7 +58,7 @@ class CommandAfterDashes(TyperCommand):
     """`art-sky ssh NAME -- COMMAND...`: everything after `--` is the command, so `art-sky ssh -- ls` runs `ls` on
     the default cluster rather than taking `ls` for a cluster's name."""
 
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
         if "--" not in args:
             return super().parse_args(ctx, args)
         split = args.index("--")

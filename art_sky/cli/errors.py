@@ -19,6 +19,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
+from typer._click import Context  # typer's vendored click: what a group's methods get (typer.Context subclasses it)
 from typer.core import TyperGroup
 
 from art_sky.errors import ArtSkyError
@@ -33,7 +34,7 @@ class ErrorBoundary(TyperGroup):
     exit_code = 1
     prefix = ""  # before "error:" (`art-sky ci: error: ...`, so CI logs show who failed)
 
-    def invoke(self, ctx: typer.Context):
+    def invoke(self, ctx: Context):
         verbose = bool(ctx.find_root().params.get("verbose"))
         logs = quiet_logs(verbose) if ctx.parent is None else contextlib.nullcontext()
         with logs:
@@ -84,6 +85,7 @@ def quiet_logs(verbose: bool) -> Iterator[None]:
     root, ours = logging.getLogger(), logging.getLogger("art_sky")
     handler = logging.StreamHandler(sys.stderr)
     saved = root.level, ours.level
+    added: list[tuple[logging.Logger, logging.Handler]]
     if verbose:
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         added = [(root, handler)]

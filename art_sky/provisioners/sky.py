@@ -83,6 +83,7 @@ async def _call(
         stderr=asyncio.subprocess.STDOUT,
         limit=1 << 24,
     )
+    assert process.stdin is not None and process.stdout is not None  # both are pipes
     process.stdin.write(json.dumps(args).encode())
     process.stdin.close()
     reply, log = None, []

@@ -171,6 +171,7 @@ class Tunnel:
                         self.target,
                         self.keepalive,
                     )
+                    assert self._client is not None  # `connected`: a client, never unset once made
                     self._client.close()
             if self.connected:
                 continue
@@ -193,6 +194,8 @@ class Tunnel:
         """Does the server answer a request? A connection whose peer vanished (laptop asleep, network changed)
         stays open for TCP's many minutes; no answer is how it is found."""
         transport = self._client.get_transport() if self._client else None
+        if transport is None:
+            return True  # closed meanwhile: no connection to ask, which `connected` reports
         answered = threading.Event()
 
         def ask() -> None:
@@ -232,7 +235,8 @@ class Tunnel:
                 continue
             transport = self._client.get_transport() if self._client else None
             try:
-                return transport.open_channel("direct-tcpip", self.remote, peer, timeout=30)
+                if transport is not None:  # None: the connection is gone (the watchdog reconnects)
+                    return transport.open_channel("direct-tcpip", self.remote, peer, timeout=30)
             except (paramiko.SSHException, OSError, EOFError, AttributeError) as exc:
                 if transport is not None and transport.is_active():  # nothing listens at the remote port
                     refused_since = refused_since or time.monotonic()
