@@ -44,7 +44,7 @@ class BodyLimits:
         limit, hint = self.limit(scope["path"])
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await _refuse(send, limit, hint)
+            return await _refuse(receive, send, limit, hint)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -53,7 +53,7 @@ class BodyLimits:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return await _refuse(send, limit, hint)
+                return await _refuse(receive, send, limit, hint)
             chunks.append(chunk)
             if not message.get("more_body"):
                 break
@@ -70,13 +70,13 @@ class BodyLimits:
         await self.app(scope, replay, send)
 
 
-async def _refuse(send, limit: int, hint: str) -> None:
+async def _refuse(receive, send, limit: int, hint: str) -> None:
     message = f"request body is larger than the server's limit of {limit} bytes {hint}"
     response = JSONResponse(
         {"detail": message, "error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}},
         status_code=413,
     )
-    await response({"type": "http"}, None, send)
+    await response({"type": "http"}, receive, send)
 
 
 async def parse(request: Request, model: type[M]) -> M:
@@ -115,6 +115,7 @@ def document(app: FastAPI, models: list[type[BaseModel]], paths: dict[str, Any])
             for name, definition in found.get("$defs", {}).items():
                 components.setdefault(name, definition)
             schema["paths"].update(paths)
+        assert app.openapi_schema is not None  # `generate` keeps what it made
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its document

@@ -115,9 +115,7 @@ def _conversation(tokenizer: Any, messages: list[dict]) -> list[dict]:
     if knows_developer or not any(m.get("role") == "developer" for m in conversation):
         return conversation
     system = ("system", "developer")
-    merged = "\n\n".join(
-        _joined(m.get("content")) for m in conversation if m.get("role") in system and m.get("content")
-    )
+    merged = "\n\n".join(_joined(m["content"]) for m in conversation if m.get("role") in system and m.get("content"))
     return [{"role": "system", "content": merged}] + [m for m in conversation if m.get("role") not in system]
 
 

@@ -55,7 +55,8 @@ def load_base(base_model: str, settings: Settings) -> tuple[Any, Any]:
     dtype = torch.bfloat16 if device().type == "cuda" else torch.float32
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device())
+        # transformers' `to` is a functools.wraps of torch's, which mypy does not bind as a method
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device())  # type: ignore[arg-type]
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"cannot load base model {base_model!r}: {exc}. Use {TINY_MODEL_NAME!r}, a local Hugging Face model "
@@ -258,6 +259,7 @@ def create_model_state(
     unsaved: list[int] = []
     for step in reversed(checkpoints.steps()):
         manifest = checkpoints.manifest(step)
+        assert manifest is not None  # steps() lists only the steps with a readable manifest
         if manifest.base_model != request.base_model:
             raise ConfigError(
                 f"model {request.name!r} of project {request.project!r} was trained from {manifest.base_model!r}, "

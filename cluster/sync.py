@@ -142,12 +142,14 @@ class CheckpointSync:
         self._queue.put_nowait((label, job))
 
     async def _work(self) -> None:
+        queue = self._queue
+        assert queue is not None  # `_put` makes the queue before it starts this worker
         while True:
-            label, job = await self._queue.get()
+            label, job = await queue.get()
             try:
                 await job()
             except Exception:  # a bug in a job must not stop the worker
                 log.exception("checkpoint sync job %r failed", label)
             finally:
                 self._pending.remove(label)
-                self._queue.task_done()
+                queue.task_done()

@@ -119,7 +119,8 @@ PORTABLE = frozenset(
 
 def refused(body: dict[str, Any], honoured: frozenset[str] | set[str], engine: str) -> str | None:
     """A message naming every parameter of `body` that `engine` would not honour, or None if there is none."""
-    unknown, unsupported = [], []
+    unknown: list[str] = []
+    unsupported: list[str] = []
     for name, value in body.items():
         if name in honoured or name in IGNORED or value is None or (name in NO_OP and value == NO_OP[name]):
             continue

@@ -11,21 +11,24 @@ from __future__ import annotations
 import json
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
 
-from art_sky.wire import ChatCompletionRequest
+from art_sky.wire import ChatCompletionRequest, NamedToolChoice
 
 from .openai_api import OpenAIError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # in llguidance's stubs only
 
 # Compact JSON (`,` and `:`, no whitespace between tokens), as OpenAI's structured outputs and vLLM's
 # `disable_any_whitespace` (cluster/inference/vllm_engine.py sets it): free whitespace lets a weak model pad a reply
 # until max_tokens cuts it, while a schema that bounds its strings, numbers and arrays bounds the whole reply.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -51,8 +54,14 @@ def grammar_for(request: ChatCompletionRequest) -> Grammar | None:
                 "response_format and a forced tool_choice both constrain the reply: send one",
                 param="response_format",
             )
-        schema = {"type": "object"} if form.type == "json_object" else form.json_schema.json_schema
+        schema: dict[str, Any]
+        if form.type == "json_object":
+            schema = {"type": "object"}
+        else:
+            assert form.json_schema is not None  # ResponseFormat requires it for "json_schema"
+            schema = form.json_schema.json_schema
         return Grammar("json", schema, _compiled(schema, "response_format.json_schema.schema"))
+    tools = request.tools or []  # a tool_choice without tools is refused before (portable_engine._tools_shown)
     if choice == "required":  # vLLM's schema, a call object holding nothing else
         schema = {
             "type": "array",
@@ -68,15 +77,15 @@ def grammar_for(request: ChatCompletionRequest) -> Grammar | None:
                         "required": ["name", "parameters"],
                         "additionalProperties": False,
                     }
-                    for tool in request.tools
+                    for tool in tools
                 ],
             },
         }
         if request.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return Grammar("required", schema, _compiled(schema, "tools"))
-    if forced:
-        tool = next(t for t in request.tools if t["function"]["name"] == choice.function.name)
+    if isinstance(choice, NamedToolChoice):  # forced, and not "required"
+        tool = next(t for t in tools if t["function"]["name"] == choice.function.name)
         return Grammar("named", _parameters(tool), _compiled(_parameters(tool), "tools"), tool=choice.function.name)
     return None
 
@@ -103,6 +112,7 @@ def tool_calls(grammar: Grammar, text: str) -> list[tuple[str, str]] | None:
     except ValueError:
         return None
     if grammar.kind == "named":
+        assert grammar.tool is not None  # `grammar_for` names the tool of a named grammar
         return [(grammar.tool, json.dumps(value, ensure_ascii=False))]
     return [(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
 
@@ -123,7 +133,7 @@ class Matchers:
 
     def __init__(self, tokenizer: Any, eos: list[int], vocab: int, grammars: list[Grammar | None]):
         ll = _ll_tokenizer(tokenizer, vocab, eos) if any(grammars) else None
-        self.rows = [llguidance.LLMatcher(ll, g.text, log_level=0) if g else None for g in grammars]
+        self.rows = [llguidance.LLMatcher(ll, g.text, log_level=0) if g and ll is not None else None for g in grammars]
         self.active = [row for row, matcher in enumerate(self.rows) if matcher is not None]
         self.vocab, self.eos = vocab, set(eos)
 
@@ -133,7 +143,9 @@ class Matchers:
             return logits
         bitmask = llguidance.torch.allocate_token_bitmask(len(self.active), self.vocab)
         for index, row in enumerate(self.active):
-            llguidance.torch.fill_next_token_bitmask(self.rows[row], bitmask, index)
+            matcher = self.rows[row]
+            assert matcher is not None  # an active row is a constrained one
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
         allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, : logits.shape[-1]].bool()
         logits = logits.clone()
         rows = torch.tensor(self.active, device=logits.device)

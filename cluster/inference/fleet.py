@@ -73,6 +73,12 @@ class Replica:
     gone: asyncio.Event = field(default_factory=asyncio.Event)
     syncing: asyncio.Task | None = None
 
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """A joined replica's session (the head's own engine, `local`, is called directly and has none)."""
+        assert self.session is not None, f"the replica {self.url} has no session: it is the head's own engine"
+        return self.session
+
     def describe(self) -> FleetReplica:
         return FleetReplica(
             url=self.url,
@@ -127,7 +133,7 @@ class Fleet:
         self._models[state.name] = state
         self.head.steps[state.name] = state.step
         for replica in self.remotes:
-            self._loop.call_soon_threadsafe(self._sync, replica)
+            self._replicas_loop.call_soon_threadsafe(self._sync, replica)
 
     def pause(self) -> None:
         self.local.pause()
@@ -139,9 +145,9 @@ class Fleet:
             with self._lock:
                 serving = [r for r in self.remotes if state.name in r.steps]
             if serving:
-                asyncio.run_coroutine_threadsafe(self._serve_everywhere(serving, state), self._loop).result()
+                asyncio.run_coroutine_threadsafe(self._serve_everywhere(serving, state), self._replicas_loop).result()
             for replica in self.remotes:  # those still loading an older step catch up
-                self._loop.call_soon_threadsafe(self._sync, replica)
+                self._replicas_loop.call_soon_threadsafe(self._sync, replica)
         self.local.resume(state, trained)
         self.head.steps[state.name] = state.step
 
@@ -152,7 +158,7 @@ class Fleet:
         if self._monitor is not None:
             self._monitor.cancel()
         for replica in self.remotes:
-            await replica.session.close()
+            await replica.http.close()
         await self.local.aclose()
 
     async def chat(self, served: Served, body: dict, hold: Hold) -> bytes | SSE:
@@ -184,6 +190,12 @@ class Fleet:
     def remotes(self) -> list[Replica]:
         return [r for r in self.replicas if r is not self.head]
 
+    @property
+    def _replicas_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the replicas' sessions live on: a join sets it before its replica is in the fleet."""
+        assert self._loop is not None, "no replica has joined the fleet"
+        return self._loop
+
     def _pick(self, served: Served, body: dict, tried: list[Replica]) -> Replica:
         if served.step != served.state.step:
             return self.head  # an older step: only the head has every checkpoint
@@ -200,7 +212,7 @@ class Fleet:
         request's (passed on); anything else is the replica's failure (ReplicaError)."""
         response = await _until_gone(
             replica,
-            replica.session.post(
+            replica.http.post(
                 "/v1/chat/completions",
                 data=json.dumps(body | {"model": served.name}).encode(),
                 headers={"content-type": "application/json"},
@@ -307,7 +319,7 @@ class Fleet:
             r for r in self.remotes if request.rank is not None and r.rank == request.rank and r.url != request.url
         ]:
             try:
-                async with other.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
+                async with other.http.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
                     alive = r.status == 200
             except (aiohttp.ClientError, TimeoutError):
                 alive = False
@@ -341,7 +353,7 @@ class Fleet:
     async def _silent(self) -> list[Replica]:
         async def silent(replica: Replica) -> bool:
             try:
-                async with replica.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
+                async with replica.http.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
                     return r.status != 200
             except (aiohttp.ClientError, TimeoutError):
                 return True
@@ -359,7 +371,7 @@ class Fleet:
         self.replicas.remove(replica)
         replica.gone.set()
         log.warning("replica %s on %s left the fleet: %s", replica.url, replica.node, reason)
-        asyncio.get_running_loop().create_task(replica.session.close())
+        asyncio.get_running_loop().create_task(replica.http.close())
 
     async def _watch(self) -> None:
         while True:
@@ -368,7 +380,7 @@ class Fleet:
 
     async def _check(self, replica: Replica) -> None:
         try:
-            async with replica.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
+            async with replica.http.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
                 r.raise_for_status()
         except aiohttp.ClientConnectorError as exc:  # nothing listens there any more
             self._leave(replica, f"it refuses connections ({_said(exc)})")
@@ -417,7 +429,7 @@ class Fleet:
         body = ReplicaModel(request=state.request, step=step).model_dump(mode="json")
 
         async def load() -> tuple[int, bytes]:
-            async with replica.session.post(
+            async with replica.http.post(
                 "/fleet/models", json=body, timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT)
             ) as response:
                 return response.status, await response.read()

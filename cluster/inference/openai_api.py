@@ -224,9 +224,9 @@ def install(
         return _model_card(served.state, None if "@" not in model_id else served.step)
 
     app.include_router(router)
-    app.router.add_route(
-        "/v1/chat/completions", _ChatCompletions(engine, states, gate, api_key, activities), methods=["POST"]
-    )
+    completions = _ChatCompletions(engine, states, gate, api_key, activities)
+    # an ASGI app, which Starlette routes to as one; the stub types only request handlers
+    app.router.add_route("/v1/chat/completions", completions, methods=["POST"])  # type: ignore[arg-type]
     app.router.add_route(
         "/v1/{path:path}", _not_served, include_in_schema=False, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]
     )

@@ -27,7 +27,7 @@ class ToolParser:
 
 
 def _arguments(body: dict, *names: str) -> str:
-    value = next((body[n] for n in names if n in body), {})
+    value: object = next((body[n] for n in names if n in body), {})
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 

@@ -291,8 +291,11 @@ class VllmEngine:
         started = time.monotonic()
         deadline = started + self.settings.vllm_start_timeout
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                code = self._process.returncode
+            process = self._process
+            if process is None:  # `close` ran meanwhile (the server is stopping)
+                raise EngineError("vLLM was stopped while it was starting: the server is shutting down")
+            if process.poll() is not None:
+                code = process.returncode
                 self.close()
                 raise EngineError(
                     f"vLLM exited with code {code} while starting. Last lines of "

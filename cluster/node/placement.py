@@ -153,16 +153,26 @@ def choose(gpus: Gpus, settings: Settings, vllm: bool) -> Placement:
             "for more GPUs (e.g. --gpu H100:8)"
         )
     dedicated = asked == "dedicated" or (asked == "auto" and vllm and count >= 2)
-    common = {"gpu_memory_bytes": gpus.memory_bytes, "bus_order": gpus.bus_order}
+    memory, bus_order = gpus.memory_bytes, gpus.bus_order
     if count == 0:
-        return Placement("dedicated" if dedicated else "cpu", **common)
+        return Placement("dedicated" if dedicated else "cpu", gpu_memory_bytes=memory, bus_order=bus_order)
     if not dedicated:  # one GPU for both jobs: CUDA's device 0; any others stay idle
         return Placement(
-            "shared", engine_gpus=gpus.ids[:1], trainer_gpus=gpus.ids[:1], idle_gpus=gpus.ids[1:], **common
+            "shared",
+            engine_gpus=gpus.ids[:1],
+            trainer_gpus=gpus.ids[:1],
+            idle_gpus=gpus.ids[1:],
+            gpu_memory_bytes=memory,
+            bus_order=bus_order,
         )
     engine = layout(count, gpus.memory_bytes or 0, trainer_gpus=settings.trainer_gpus).engine_gpus
     return Placement(
-        "dedicated", engine_gpus=gpus.ids[:engine], trainer_gpus=gpus.ids[engine:], data_parallel=engine, **common
+        "dedicated",
+        engine_gpus=gpus.ids[:engine],
+        trainer_gpus=gpus.ids[engine:],
+        data_parallel=engine,
+        gpu_memory_bytes=memory,
+        bus_order=bus_order,
     )
 
 

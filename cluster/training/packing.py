@@ -66,12 +66,11 @@ def layout(batch: list[Sequence], pad_id: int, packed: bool, device: torch.devic
                 place.append(row * (width - 1) + t)
                 targets.append(seq.token_ids[t + 1])
         offset += len(seq.token_ids)
-    ints = dict(device=device, dtype=torch.long)
     return Layout(
         _inputs(batch, pad_id, packed, width, device),
-        torch.tensor(select, **ints),
-        torch.tensor(targets, **ints),
-        torch.tensor(place, **ints),
+        torch.tensor(select, device=device, dtype=torch.long),
+        torch.tensor(targets, device=device, dtype=torch.long),
+        torch.tensor(place, device=device, dtype=torch.long),
         len(batch),
         width,
     )

@@ -107,6 +107,7 @@ def _build_history(
         if item.prompt_token_ids is None or item.token_ids is None:
             prompt_text = _render(tokenizer, messages, history, True, at)
         if item.prompt_token_ids is None:
+            assert prompt_text is not None  # rendered above
             prompt = encode(tokenizer, prompt_text)
             if item.token_ids is not None and item.prompt_tokens not in (None, len(prompt)):
                 raise TokenizationError(
@@ -129,6 +130,7 @@ def _build_history(
             else:
                 built.rerendered_tokens += len(sampled)
         else:
+            assert prompt_text is not None  # rendered above
             sampled = _rerendered(tokenizer, messages, item, history, prompt_text, eos_ids, at)
             logprobs = None
             built.rerendered_tokens += len(sampled)
