@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import io
 import json
 import logging
 import os
@@ -116,6 +117,7 @@ def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.close(null)
+    assert isinstance(sys.stdout, io.TextIOWrapper)  # the interpreter's own: nothing in the server replaces it
     sys.stdout.reconfigure(line_buffering=True)
 
 
@@ -169,6 +171,8 @@ def _serve(
 ) -> None:
     import uvicorn
 
+    assert settings.api_key is not None  # `main` refuses to start without one
+    api_key = settings.api_key.get_secret_value()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request forwarded to vLLM is too many
     import torch
@@ -185,9 +189,9 @@ def _serve(
         if join:
             from .replica import create_replica_app
 
-            app = create_replica_app(art_path, settings.api_key.get_secret_value(), settings, placement, join)
+            app = create_replica_app(art_path, api_key, settings, placement, join)
         else:
-            app = create_app(art_path, settings.api_key.get_secret_value(), settings, placement)
+            app = create_app(art_path, api_key, settings, placement)
     except ConfigError as exc:  # a setting or the installed stack: the message says what to change
         sys.exit(f"the cluster server cannot start: {exc}")
     sockets = []
@@ -231,7 +235,7 @@ def _serve(
     url = f"http://{f'[{where}]' if ':' in where else where}:{bound}"
     membership = Membership(
         join,
-        settings.api_key.get_secret_value(),
+        api_key,
         JoinRequest(url=url, node=socket.gethostname(), engine=app.state.engine, rank=node_rank, pid=os.getpid()),
     )
     refused: list[str] = []

@@ -421,12 +421,11 @@ def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer |
         if not prepared.sequences:  # nothing to learn
             return {"trained_tokens": 0.0, "sequences": 0.0} | prepared.metrics, []
         chunks = _optimizer_steps(prepared.sequences, body.config.grad_accumulation_sequences)
-        per_step = [
-            trainer.train(
-                state, chunk, body.config, lambda done, total, i=i: progress(i * total + done, len(chunks) * total)
-            )
-            for i, chunk in enumerate(chunks)
-        ]
+
+        def part(i: int) -> Progress:  # optimizer step i's progress, as a share of the whole request's
+            return lambda done, total: progress(i * total + done, len(chunks) * total)
+
+        per_step = [trainer.train(state, chunk, body.config, part(i)) for i, chunk in enumerate(chunks)]
         return _combined(per_step) | prepared.metrics, []
 
     named = prepared.skipped[:_LOGGED_SKIPS]

@@ -155,6 +155,7 @@ def publish(state: ModelState, engine: Engine, trained: Trained, timer: StepTime
     sampled by one adapter and labelled with another's step). Returns the step's result (what the client gets, and
     a retry of its request id) with the step's time split, throughput and cost (`clock` is the client's)."""
     step = trained.result.step
+    assert step is not None  # `train_and_save` made the result with its step
     state.step, state.requests = step, trained.requests
     timer.begin("swapping", "the engine loads the new adapter")
     try:

@@ -21,13 +21,23 @@ if TYPE_CHECKING:
 
 
 class Engine(Protocol):
-    name: str
-    engine_port: int | None  # the engine's own OpenAI port on the server's machine (vLLM), for diagnostics
-    honoured: frozenset[str]  # the chat completion parameters it honours; others are refused by name
-    # True: it keeps serving the previous step's adapter while a step trains (its own copy of the adapter, or its
-    # own device), and the step closes the device gate only to swap the new one in; False: `pause` holds inference
-    # for the whole step (the device's memory is needed by the trainer). /health reports it.
-    serves_while_training: bool
+    # Read-only for the server: an engine may hold them as attributes or compute them (the fleet's are its head's).
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def engine_port(self) -> int | None:
+        """The engine's own OpenAI port on the server's machine (vLLM), for diagnostics."""
+
+    @property
+    def honoured(self) -> frozenset[str]:
+        """The chat completion parameters it honours; others are refused by name."""
+
+    @property
+    def serves_while_training(self) -> bool:
+        """True: it keeps serving the previous step's adapter while a step trains (its own copy of the adapter, or
+        its own device), and the step closes the device gate only to swap the new one in; False: `pause` holds
+        inference for the whole step (the device's memory is needed by the trainer). /health reports it."""
 
     def check(self, request: RegisterRequest) -> None:
         """Before a model is loaded: ConfigError when this engine cannot serve it."""

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,9 +142,10 @@ class PortableEngine:
         )
         if self._queue is None:
             self._queue = _BatchQueue(self)
+        queue = self._queue
         if request.stream:
             job.stream = _Events(asyncio.get_running_loop())
-        done = self._queue.submit(job)
+        done = queue.submit(job)
         done.add_done_callback(lambda _: hold.release())  # once the job has left the sampler, never before
         if not request.stream:
             completion = await asyncio.shield(done)
@@ -152,7 +153,7 @@ class PortableEngine:
 
         async def close() -> None:
             job.cancelled = True  # the sampler drops this job's rows at its next token
-            self._queue.withdraw(job)
+            queue.withdraw(job)
 
         return SSE(_StreamWriter(job, served.name, served.step).chunks(done), close)
 
@@ -216,8 +217,10 @@ class PortableEngine:
             return None
         needed = {(id(job.state), job.step) for job in jobs if job.step is not None}
         for job in jobs:
+            if job.step is None:
+                continue
             key = (id(job.state), job.step)
-            if job.step is None or key in self._older:
+            if key in self._older:
                 continue
             name = f"step-{job.step}"
             self._model(job.state).load_adapter(str(job.state.checkpoints.step_dir(job.step)), adapter_name=name)
@@ -294,10 +297,11 @@ class PortableEngine:
                 if job.request.top_logprobs:
                     values, indices = logprobs[row].topk(job.request.top_logprobs)
                     tops[row].append(list(zip(indices.tolist(), values.tolist(), strict=False)))
-                delta = texts[row].add(token) if texts[row] else ""
+                text = texts[row]  # kept where the job streams or has stop strings
+                delta = text.add(token) if text else ""
                 stops = job.request.stop_strings
                 if (token in eos and not job.request.ignore_eos) or (
-                    stops and any(s in texts[row].text for s in stops)
+                    stops and text is not None and any(s in text.text for s in stops)
                 ):
                     finish[row] = "stop"
                 elif step + 1 >= job.budget:
@@ -309,7 +313,7 @@ class PortableEngine:
                         (copy, token, logps[row][-1], tops[row][-1] if tops[row] else [], delta, finish[row])
                     )
             for job in jobs:
-                if id(job) in events:
+                if job.stream is not None and id(job) in events:
                     job.stream.put(events[id(job)])
             if all(f is not None for f in finish):
                 break
@@ -354,13 +358,15 @@ def _choose(logits: torch.Tensor, request: ChatCompletionRequest, generator: tor
 def _tools_shown(request: ChatCompletionRequest) -> list[dict] | None:
     """The tools the chat template shows the model: none for tool_choice "none", only the named one when named."""
     choice = request.tool_choice
-    if choice is not None and not request.tools:
+    if choice is None:
+        return request.tools
+    if not request.tools:
         raise OpenAIError(
             400, "tool_choice is set but the request has no tools: add tools or drop tool_choice", param="tool_choice"
         )
     if choice == "none":
         return None
-    if choice is not None and not isinstance(choice, str):
+    if not isinstance(choice, str):
         named = [t for t in request.tools if t.get("function", {}).get("name") == choice.function.name]
         if not named:
             raise OpenAIError(
@@ -376,7 +382,9 @@ def _content_and_calls(job: Job, text: str) -> tuple[str | None, list[dict]]:
     """The reply's content and its OpenAI tool calls: a forced tool_choice's reply is its calls' JSON (vLLM's way,
     content ""); otherwise the template family's parser reads them from the text. parallel_tool_calls=false keeps
     the first call, as vLLM does. A forced reply cut short by max_tokens is a 422 saying so."""
+    content: str | None
     if job.forced_call:
+        assert job.grammar is not None  # a forced call's grammar
         calls = tool_calls(job.grammar, text)
         if calls is None:
             raise OpenAIError(
@@ -388,6 +396,7 @@ def _content_and_calls(job: Job, text: str) -> tuple[str | None, list[dict]]:
             )
         content = ""
     elif job.parses_tools:
+        assert job.parser is not None  # it parses tools with its parser
         content, calls = job.parser.parse(text)
     else:
         return text, []
@@ -401,7 +410,7 @@ def _content_and_calls(job: Job, text: str) -> tuple[str | None, list[dict]]:
 
 def _final_text(job: Job, sample: Sample) -> str:
     """The reply's text; with the special tokens a family's tool calls are marked by (Mistral's [TOOL_CALLS])."""
-    keep = job.parses_tools and job.parser.keeps_special_tokens
+    keep = job.parses_tools and job.parser is not None and job.parser.keeps_special_tokens
     ids = [t for t in sample.token_ids if t not in job.state.eos_token_ids] if keep else sample.token_ids
     text = job.state.tokenizer.decode(ids, skip_special_tokens=not keep)
     for stop in job.request.stop_strings:
@@ -479,7 +488,8 @@ class _Events:
     """Sampled tokens from the sampler thread to the request's stream on the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+        self.loop = loop
+        self.queue: asyncio.Queue[list] = asyncio.Queue()
 
     def put(self, events: list) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, events)
@@ -497,7 +507,8 @@ class _StreamWriter:
         self.text = [""] * n
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.finished = [False] * n
-        self.marker = job.parser.marker if job.parses_tools else None  # a tool call may start here
+        parser = job.parser if job.parses_tools else None
+        self.marker = parser.marker if parser is not None else None  # a tool call may start here
         self.holds = [s for s in job.request.stop_strings] + ([self.marker] if self.marker else [])
 
     def _chunk(self, choices: list[dict], **extra) -> bytes:
@@ -513,7 +524,8 @@ class _StreamWriter:
         )
 
     async def chunks(self, done: asyncio.Future) -> AsyncIterator[bytes]:
-        job = self.job
+        job, stream = self.job, self.job.stream
+        assert stream is not None  # a streaming job's writer
         first = {"prompt_token_ids": job.prompt} if job.request.wants_token_ids else {}
         yield self._chunk(
             [
@@ -524,13 +536,13 @@ class _StreamWriter:
         )
         while not all(self.finished):
             if done.done():  # every event of a finished batch is queued before its future resolves
-                events = [] if job.stream.queue.empty() else job.stream.queue.get_nowait()
+                events = [] if stream.queue.empty() else stream.queue.get_nowait()
                 if not events:
-                    if not done.cancelled() and done.exception() is not None:
-                        yield sse({"error": _error_body(done.exception())})
+                    if not done.cancelled() and (error := done.exception()) is not None:
+                        yield sse({"error": _error_body(error)})
                     return
             else:
-                getter = asyncio.ensure_future(job.stream.queue.get())
+                getter = asyncio.ensure_future(stream.queue.get())
                 await asyncio.wait([getter, done], return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():
                     getter.cancel()
@@ -636,14 +648,19 @@ class _BatchQueue:
                 batch = self._take()
                 if not batch:
                     continue
+                results: Sequence[dict | Exception | None]  # an OpenAIError is a request's refusal
                 try:
                     results = await asyncio.to_thread(self.engine.run, [job for job, _ in batch])
                 except Exception as exc:  # one bad batch fails its requests, not the server
                     log.exception("inference failed")
                     results = [exc] * len(batch)
                 for (_, future), result in zip(batch, results, strict=False):
-                    if not future.done():
-                        (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
+                    if future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
 
     def withdraw(self, job: Job) -> None:
         """A job whose client went away before its batch started is dropped (one in a batch stops at its next
@@ -660,7 +677,9 @@ class _BatchQueue:
         if not self.pending:
             return []
         state = self.pending[0][0].state
-        batch, rest, rows = [], [], 0
+        batch: list[tuple[Job, asyncio.Future]] = []
+        rest: list[tuple[Job, asyncio.Future]] = []
+        rows = 0
         for job, future in self.pending:
             if job.state is state and (not batch or rows + job.request.n <= self.engine.max_batch_rows):
                 batch.append((job, future))

@@ -183,6 +183,7 @@ class SharedGpuEngine:
         if self.sharing == "vllm-sleep":
             self.server.check(request)
         elif self.sharing == "unsloth-standby":
+            assert self.state is not None  # `attach` chose standby for this model
             raise ConfigError(
                 f"this server's vLLM runs inside model {self.state.name!r}, sharing its weights "
                 f"(unsloth-standby), and serves no other: register {request.name!r} on another server"

@@ -105,6 +105,7 @@ class RankGroup:
             retried = False
             while True:
                 connection = self._ready()
+                cause: Exception | None  # the lost connection's error; None where a rank said what failed
                 try:
                     reply = self._exchange(connection, command, progress)
                 except (EOFError, OSError) as exc:

@@ -75,10 +75,12 @@ class UnslothTrainer(PeftTrainer):
         if checkpoint is not None:
             weights = load_file(str(checkpoint / "adapter_model.safetensors"))
             result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
-            if result.unexpected_keys:
+            # peft annotates its return as `namedtuple` (the function); it is torch's _IncompatibleKeys
+            unexpected = result.unexpected_keys  # type: ignore[attr-defined]
+            if unexpected:
                 raise ConfigError(
                     f"checkpoint {checkpoint} does not fit this model's LoRA (unexpected keys "
-                    f"{result.unexpected_keys[:3]}): register with the LoRA settings it was trained "
+                    f"{unexpected[:3]}): register with the LoRA settings it was trained "
                     "with"
                 )
         self.refuse_unfit(request, model)
