@@ -167,6 +167,12 @@ def _cut(judge_model: str, url: str, response: Any, params: dict[str, Any], coun
             "or judge smaller groups"
         )
     bound = reply_bound(count)
+    if asked is None:  # extra_litellm_params gave max_tokens as None (or 0): the judge's own limit cut it
+        given = {key: params[key] for key in ("max_tokens", "max_completion_tokens") if key in params}
+        return (
+            f"{start}: by the judge's own limit ({given} in extra_litellm_params); a reply for {count} trajectories "
+            f"takes at most {bound} tokens: leave max_tokens out (RULER then asks for that many)"
+        )
     todo = (
         "leave max_tokens out of extra_litellm_params (RULER then asks for that many) or raise it"
         if asked < bound

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from typing import Any, Protocol
 
 import httpx
@@ -72,7 +72,7 @@ class Backend(Protocol):
         model: TrainableModel,
         trajectories: Iterable[Any],
         config: Any,
-        dev_config: dict | None = None,
+        dev_config: Mapping[str, Any] | None = None,
         verbose: bool = False,
     ) -> AsyncIterator[dict[str, float]]: ...
 
@@ -103,8 +103,9 @@ class Model(BaseModel):
         self._backend = backend
         self._openai = None
         key = backend.settings.wandb_api_key
+        wandb_key = key.get_secret_value() if key is not None else None
         self._wandb = None
-        if wandb_wanted(self.report_metrics, key and key.get_secret_value()):
+        if wandb_wanted(self.report_metrics, wandb_key):
             try:
                 require_wandb()
             except ConfigError:
@@ -116,7 +117,7 @@ class Model(BaseModel):
                     self.name,
                 )
             else:
-                self._wandb = WandbRun(self.project, self.name, key and key.get_secret_value())
+                self._wandb = WandbRun(self.project, self.name, wandb_key)
         self._langfuse = None
         if langfuse_wanted(self.report_metrics, backend.settings):
             try:
@@ -248,6 +249,7 @@ class TrainableModel(Model):
         step = await self._require_backend().train(
             self, groups, config=config, verbose=verbose, wait=False, max_steps_off_policy=max_steps_off_policy
         )
+        assert isinstance(step, asyncio.Task)  # wait=False
         metrics = asyncio.ensure_future(self._step_metrics(step, groups))
         return await metrics if wait else metrics
 

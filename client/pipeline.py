@@ -125,7 +125,9 @@ async def pipeline(
         try:
             if following is not None:
                 await _first_turns_answered(model, following, head_start)
-            metrics = await (await model.train(groups, config, wait=False, max_steps_off_policy=max_steps_off_policy))
+            training = await model.train(groups, config, wait=False, max_steps_off_policy=max_steps_off_policy)
+            assert isinstance(training, asyncio.Task)  # wait=False
+            metrics = await training
         except BaseException:
             if following is not None:
                 following.cancel()

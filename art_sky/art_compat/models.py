@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Literal, cast
 
 from pydantic import ValidationError
@@ -171,7 +172,7 @@ def chat_template_kwargs(model: Any) -> dict[str, Any] | None:
     return dict(kwargs) if isinstance(kwargs, dict) else None
 
 
-def sft_settings(config: Any, dev_config: dict | None) -> tuple[int, list[float], Literal["all", "last"]]:
+def sft_settings(config: Any, dev_config: Mapping[str, Any] | None) -> tuple[int, list[float], Literal["all", "last"]]:
     """ART's TrainSFTConfig (read by its fields) and `_config`, as (batch size, learning rates, which assistant
     turns train). "auto" is 2, as ART's LocalBackend. Of `_config`, `metric_logging` says where ART logs the
     metrics (art-sky returns them to ART, which logs them); anything else is refused by name."""

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -122,7 +122,7 @@ class ArtProtocol:
         model: Any,
         trajectories: Iterable[Any],
         config: Any,
-        dev_config: dict | None = None,
+        dev_config: Mapping[str, Any] | None = None,
         verbose: bool = False,
     ) -> AsyncIterator[dict[str, float]]:
         """ART's SFT on the model's LoRA: next-token loss on the assistant turns (`assistant_turns` "all" or

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol
 
 import paramiko
 from pydantic import BaseModel
@@ -35,6 +35,14 @@ log = logging.getLogger("art_sky")
 SERVER_JOB = "art-sky-server"  # the template's task name, so the job's name in `sky queue`
 _ACTIVE = ("INIT", "PENDING", "SETTING_UP", "RUNNING")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # SkyPilot colours its messages for a terminal; ours are plain text
+
+
+class Output(Protocol):
+    """Where SkyPilot's log goes: a text stream (stdout, a file) or `art-sky ci`'s line printer."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
 
 
 class ClusterInfo(BaseModel):
@@ -67,7 +75,7 @@ class SkyError(Exception):
 
 
 async def _call(
-    what: str, op: str, output: TextIO | None = None, on_request: Callable[[str], None] | None = None, **args: Any
+    what: str, op: str, output: Output | None = None, on_request: Callable[[str], None] | None = None, **args: Any
 ) -> Any:
     """Run one SkyPilot request (sky_driver.py's `op`) in SkyPilot's environment and return its result, relaying
     its log to `output` (default stdout) and translating SkyPilot's errors; `on_request` gets its id (to cancel)."""
@@ -278,7 +286,7 @@ async def job_state(cluster_name: str, job_id: int) -> str:
 
 
 async def launch_job(
-    cluster_name: str, task: dict[str, Any], output: TextIO, on_request: Callable[[str], None]
+    cluster_name: str, task: dict[str, Any], output: Output, on_request: Callable[[str], None]
 ) -> Launched:
     """Launch a new cluster with `task` as its first job, SkyPilot's launch log going to `output`; return once the
     job is submitted. `on_request` gets the launch request's id, for `cancel_request`."""
@@ -295,7 +303,7 @@ async def cancel_request(request_id: str) -> None:
     await _call("cancel a request", "api_cancel", request_id=request_id)
 
 
-async def follow_job(cluster_name: str, job_id: int, output: TextIO) -> None:
+async def follow_job(cluster_name: str, job_id: int, output: Output) -> None:
     """Write the job's log (setup and run) to `output` as it comes, until the job ends."""
     await _call(
         f"follow job {job_id} on {cluster_name}", "tail_logs", output=output, cluster=cluster_name, job_id=job_id
