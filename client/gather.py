@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeGuard
 
 from tqdm.auto import tqdm
 
@@ -93,13 +94,13 @@ def _replacing(group: TrajectoryGroup, result: object) -> list[TrajectoryGroup]:
     if isinstance(result, list) and all(_is_group(g) for g in result):
         return result
     if _is_group(result):
-        return [result]  # type: ignore[list-item]
+        return [result]
     raise TypeError(
         f"after_each returned {type(result).__name__}: return the group (a new one replaces it), a list "
         "of groups, or None to drop it, as in ART"
     )
 
 
-def _is_group(value: object) -> bool:
+def _is_group(value: object) -> TypeGuard[TrajectoryGroup]:
     """A trajectory group, art-sky's or ART's (read by its fields)."""
     return hasattr(value, "trajectories") and hasattr(value, "exceptions")

@@ -112,5 +112,5 @@ def _stand_in_for_arts_local_backend() -> None:
                 "SkyPilotBackend) need neither on this machine"
             )
 
-    module.LocalBackend = LocalBackend  # type: ignore[attr-defined]
+    module.LocalBackend = LocalBackend  # type: ignore[attr-defined]  # a module made here: nothing declares it
     sys.modules["art.local.backend"] = module

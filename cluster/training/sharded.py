@@ -305,8 +305,9 @@ def _next_command(connection: Connection | None, ranks: Ranks) -> RankCommand:
     every rank."""
 
     def receive() -> str:
+        assert connection is not None  # only the leader reads, and it holds the connection
         try:
-            return connection.recv_bytes().decode()  # type: ignore[union-attr]
+            return connection.recv_bytes().decode()
         except (EOFError, OSError):
             return RankCommand(kind="stop").model_dump_json()
 
