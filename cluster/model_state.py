@@ -94,8 +94,10 @@ class ModelState:
     requests: dict[str, int] = field(default_factory=dict)  # recent request ids -> the step each trained
     leases: dict[str, int] = field(default_factory=dict)  # held adapter leases (ART's) -> the step each pins
     extra: dict = field(default_factory=dict)
-    weights: TrainedWeights = None  # type: ignore[assignment]  # the trainer's; this process's LoRA by default
-    writer: CheckpointWriter = None  # type: ignore[assignment]  # writes before returning unless told otherwise
+    # the trainer's; this process's LoRA by default (None only until __post_init__ makes it)
+    weights: TrainedWeights = None  # type: ignore[assignment]
+    # writes before returning unless told otherwise (None only until __post_init__ makes it)
+    writer: CheckpointWriter = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.weights is None:
