@@ -259,3 +259,14 @@ async def test_ruler_with_the_clusters_own_endpoint_as_judge(model):
     with pytest.raises(art.rewards.JudgeError, match=r"'openai/absent' at http://127.0.0.1:9/v1 cannot be reached"):
         await art.rewards.ruler_score_group(group, "openai/absent", params)
     assert await art.rewards.ruler_score_group(group, "openai/absent", params, swallow_exceptions=True) is None
+
+
+def test_a_judge_reply_cut_where_max_tokens_was_given_as_none_says_so():
+    """extra_litellm_params={"max_tokens": None} asks for no limit, so RULER adds none and the judge's own cuts the
+    reply: a JudgeError naming that setting (once a TypeError comparing None with the bound)."""
+    from types import SimpleNamespace
+
+    message = art.rewards._cut("judge", "http://judge/v1", SimpleNamespace(usage=None), {"max_tokens": None}, 2)
+    assert message.startswith("RULER's judge 'judge' at http://judge/v1 was cut off before its scores' JSON ended")
+    assert "by the judge's own limit ({'max_tokens': None} in extra_litellm_params)" in message
+    assert f"at most {art.rewards.reply_bound(2)} tokens: leave max_tokens out" in message
