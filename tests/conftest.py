@@ -2,38 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
 
 from art_sky.provisioners.sky_env import sky_cli
+from art_sky.settings import Settings
 
 API_KEY = "test-key-0123456789"
 
 
-@pytest.fixture(scope="module")
-async def server(tmp_path_factory):
-    """The real server app in this process, reached through httpx's ASGI transport; one tiny model registered."""
+@contextlib.asynccontextmanager
+async def app_client(art_path: Path, settings: Settings | None = None, *register: dict):
+    """The real server app in this process on `art_path` (another start of the same server when the path is
+    reused), reached through httpx's ASGI transport, with these models registered. On the way out the checkpoints
+    are flushed, as a backend's close does (the last step's background write ends first)."""
     from art_sky.cluster.server import create_app
-    from art_sky.settings import Settings
 
-    art_path = tmp_path_factory.mktemp("art")
-    app = create_app(
-        art_path,
-        API_KEY,
-        Settings(max_request_bytes=2_000_000, max_completion_request_bytes=1_000_000, max_new_tokens_limit=64),
-    )
+    app = create_app(art_path, API_KEY, settings or Settings())
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app),
         base_url="http://server",
         headers={"authorization": f"Bearer {API_KEY}"},
         timeout=120,
     ) as client:
-        response = await client.post(
-            "/art/models", json={"name": "tiny", "project": "tests", "base_model": "art-sky/tiny"}
-        )
-        assert response.status_code == 200, response.text
+        for body in register:
+            response = await client.post("/art/models", json=body)
+            assert response.status_code == 200, response.text
+        yield client
+        await client.post("/art/checkpoints/flush")
+
+
+@pytest.fixture(scope="module")
+async def server(tmp_path_factory):
+    """The real server app in this process, reached through httpx's ASGI transport; one tiny model registered."""
+    art_path = tmp_path_factory.mktemp("art")
+    settings = Settings(max_request_bytes=2_000_000, max_completion_request_bytes=1_000_000, max_new_tokens_limit=64)
+    async with app_client(
+        art_path, settings, {"name": "tiny", "project": "tests", "base_model": "art-sky/tiny"}
+    ) as client:
         client.art_path = art_path
         yield client
 

@@ -11,12 +11,10 @@ import logging
 import math
 import sys
 import types
-from contextlib import asynccontextmanager
 
-import httpx
 import pytest
 from chat_templates import template_model
-from conftest import API_KEY, train_lines
+from conftest import app_client, train_lines
 from openai.types.chat import ChatCompletion
 
 import art_sky as art
@@ -272,22 +270,9 @@ async def test_after_each_replaces_drops_and_splits_groups_as_arts_does():
 
 
 # -- on the real server: leases, steps without a checkpoint, run lineages, SFT turn by turn ------------------------
-@asynccontextmanager
-async def _server(art_path, *register):
+def _server(art_path, *register):
     """A fresh in-process server on `art_path` (another start of the same server when the path is reused)."""
-    from art_sky.cluster.server import create_app
-
-    app = create_app(art_path, API_KEY, Settings(max_new_tokens_limit=8))
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://server",
-        headers={"authorization": f"Bearer {API_KEY}"},
-        timeout=120,
-    ) as client:
-        for body in register:
-            response = await client.post("/art/models", json=body)
-            assert response.status_code == 200, response.text
-        yield client
+    return app_client(art_path, Settings(max_new_tokens_limit=8), *register)
 
 
 async def _groups(client, name, count=2):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY
+from conftest import app_client as server_app
 from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 
@@ -42,24 +42,9 @@ def group(request_id: str | None = None, size: int = 4) -> dict:
     return body | ({"request_id": request_id} if request_id else {})
 
 
-@contextlib.asynccontextmanager
-async def app_client(art_path: Path):
+def app_client(art_path: Path):
     """The real server app in this process; the tiny model registered."""
-    from art_sky.cluster.server import create_app
-
-    app = create_app(art_path, API_KEY, Settings())
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://server",
-        headers={"authorization": f"Bearer {API_KEY}"},
-        timeout=120,
-    ) as client:
-        response = await client.post(
-            "/art/models", json={"name": "tiny", "project": "faults", "base_model": "art-sky/tiny"}
-        )
-        assert response.status_code == 200, response.text
-        yield client
-        await client.post("/art/checkpoints/flush")  # as a backend's close: the last step's write ends first
+    return server_app(art_path, Settings(), {"name": "tiny", "project": "faults", "base_model": "art-sky/tiny"})
 
 
 async def train(client: httpx.AsyncClient, body: dict) -> dict:
@@ -313,6 +298,7 @@ async def test_history_holds_one_line_per_step_whatever_the_restarts(tmp_path, c
                 == 200
             )
             assert json.loads(client.post("/art/models/tiny/train", json=group()).text.splitlines()[-1])["step"] == 1
+            client.post("/art/checkpoints/flush")  # the step's checkpoint, written in the background, is on disk
     finally:
         node.kill()
     async with app_client(art_path):  # restarted: the step's line is there already
