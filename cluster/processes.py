@@ -31,8 +31,8 @@ def _ended(process: subprocess.Popen, within: float) -> bool:
     """Has every process of the group ended within `within` s (the child reaped)?"""
     deadline = time.monotonic() + within
     while True:
-        process.poll()  # reaps the child once it has ended
-        if not _running(process.pid):
+        # The group first, the child after: a child that ends between the two is a zombie the poll then reaps.
+        if not _running(process.pid) and process.poll() is not None:
             return True
         if time.monotonic() > deadline:
             return False

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from art_sky.cluster.processes import stop_group
 
@@ -64,3 +65,20 @@ def test_what_is_left_of_a_group_whose_leader_ended_is_stopped_and_a_gone_group_
     stop_group(leader, grace=5)
     assert not group_alive(leader.pid)
     stop_group(leader, grace=5)  # nothing left: no error
+
+
+def test_a_child_that_ends_while_its_group_is_looked_at_is_reaped(monkeypatch):
+    """The interleaving CI once met: the child dies after one check of it and before the look at its group."""
+    from art_sky.cluster import processes
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"], start_new_session=True)
+    looked = processes._running
+
+    def look_once_the_child_is_a_zombie(group: int) -> bool:
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        return looked(group)
+
+    monkeypatch.setattr(processes, "_running", look_once_the_child_is_a_zombie)
+    stop_group(child, asked=True, grace=5)
+    assert child.returncode == 0 and not group_alive(child.pid)
