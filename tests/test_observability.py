@@ -51,6 +51,23 @@ async def gather(model: art_sky.TrainableModel) -> list[art_sky.TrajectoryGroup]
     )
 
 
+async def long_completion(model: art_sky.TrainableModel, backend: art_sky.Backend) -> asyncio.Task:
+    """A completion that takes a while, once it is in flight: a step started now waits for it before its swap."""
+    long = asyncio.create_task(
+        model.openai_client().chat.completions.create(
+            model=model.get_inference_name(),
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=768,
+            n=8,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    while not (await backend.models())[0].serving.in_flight:
+        await asyncio.sleep(0.01)
+    return long
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """`art-sky up --local`, then three steps of a model that reports to W&B (offline), with `art-sky status` run
@@ -82,19 +99,7 @@ async def _three_steps(runner: CliRunner) -> dict:
         for step in range(3):
             groups = await gather(model)
             if step == 1:  # a long completion in flight: the step waits for it, and status shows so
-                client = model.openai_client()
-                long = asyncio.create_task(
-                    client.chat.completions.create(
-                        model=model.get_inference_name(),
-                        messages=[{"role": "user", "content": "hi"}],
-                        max_tokens=768,
-                        n=8,
-                        temperature=1.0,
-                        extra_body={"ignore_eos": True},
-                    )
-                )
-                while not (await backend.models())[0].serving.in_flight:
-                    await asyncio.sleep(0.01)
+                long = await long_completion(model, backend)
                 training = asyncio.create_task(model.train(groups))
                 while not training.done():
                     info = (await backend.models())[0]
@@ -198,8 +203,10 @@ def test_plot_draws_reward_loss_and_kl(run):
 
 @pytest.mark.slow
 def test_a_stalled_step_says_what_the_server_does(run, monkeypatch):
-    """With a stall timeout shorter than any step, train() raises naming the phase; the step still commits."""
-    monkeypatch.setenv("ART_SKY_TRAIN_STALL_TIMEOUT", "0.001")
+    """With a stall timeout shorter than a step waits for a long completion in flight (4096 tokens, seconds on any
+    CPU; the step's first lines come within the timeout), train() raises naming the phase; once the completion is
+    given up, the step commits."""
+    monkeypatch.setenv("ART_SKY_TRAIN_STALL_TIMEOUT", "2")
 
     async def stalled() -> tuple[str, int]:
         backend = art_sky.attach("obs", settings=Settings())
@@ -207,8 +214,20 @@ def test_a_stalled_step_says_what_the_server_does(run, monkeypatch):
         try:
             await model.register(backend)
             before = await model.get_step()
+            groups = await gather(model)
+            long = await model.openai_client().chat.completions.create(  # streamed: closing it cancels it
+                model=model.get_inference_name(),
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4096,
+                n=4,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            while not (await backend.models())[0].serving.in_flight:
+                await asyncio.sleep(0.01)
             with pytest.raises(TrainingStalledError) as caught:
-                await model.train(await gather(model))
+                await model.train(groups)
+            await long.close()  # the client goes away: the server drops the completion, and the step swaps in
             for _ in range(600):
                 if await model.get_step() > before:
                     break
