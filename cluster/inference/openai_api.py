@@ -10,6 +10,7 @@ A model's name serves its newest step; `name@step` serves an older step while it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -309,6 +310,7 @@ class _ChatCompletions:
                 }
             )
             return await send({"type": "http.response.body", "body": result})
+        gone = asyncio.ensure_future(_disconnected(receive))  # the server does not notice it when it writes
         try:  # however it ends (done, failed, the client gone), the engine's side is closed
             await send(
                 {
@@ -318,10 +320,13 @@ class _ChatCompletions:
                 }
             )
             async for chunk in result.chunks:
+                if gone.done():  # the client went away: the engine stops sampling for it at its next token
+                    return
                 counted.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
+            gone.cancel()
             activity.completion_finished(counted.tokens)
             await result.close()
 
@@ -357,6 +362,12 @@ class _ChatCompletions:
             hold.release()
             activity.completion_finished(0)
             raise
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client of a streamed response has gone away (its request body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _body(receive) -> bytes:
