@@ -53,6 +53,7 @@ async def attached_round(name: str, project: str) -> None:
     try:
         model = await rollout_and_train(backend, project=project)
         assert await model.get_step() >= 1
+        assert (await backend.list_checkpoints(model))[-1].step >= 1  # written after train() returns: listing waits
     finally:
         await backend.close()
 
