@@ -125,7 +125,7 @@ def cluster_processes(module: str, flag: str = "") -> dict[str, list[psutil.Proc
 async def test_initialize_cluster_with_two_nodes_on_slurm(sky_slurm_pair, tmp_path, monkeypatch):
     """SkyPilot's own multi-node launch (its node IPs and rank variables): the server on the head node, the other
     node joined to it; a step's ranks span both nodes, both replicas serve it, and the worker's replica killed
-    under load loses no completion that had not started."""
+    under load loses no completion that had not started, and is started again on its node."""
     import secrets
 
     import slurm_harness
@@ -215,11 +215,14 @@ async def test_initialize_cluster_with_two_nodes_on_slurm(sky_slurm_pair, tmp_pa
             backend, lambda f: len(f) == 2 and f[1].outstanding > 0, "completions in flight on the worker node", 120
         )
         (replica,) = cluster_processes("art_sky.cluster", "--join")[worker_node]
-        replica.kill()  # the node's server is lost: nothing of it says goodbye
-        try:
-            assert [r.url for r in await wait_fleet_of(backend, lambda f: len(f) == 1, "the lost replica gone")] == [
-                "local"
-            ]
+        replica.kill()  # the node's server dies: nothing of it says goodbye
+        try:  # its node's task starts it again (a failed task would end the job, the head's server with it)
+            fleet = await wait_fleet_of(
+                backend,
+                lambda f: len(f) == 2 and f[1].pid not in (None, replica.pid) and f[1].steps == {"tiny": 1},
+                "the worker's replica started again and serving",
+            )
+            assert fleet[1].rank == 1 and slurm_harness.node_of(fleet[1].pid) == worker_node
         finally:
             lost.set()
         done = await asyncio.gather(*load, return_exceptions=True)
@@ -304,6 +307,30 @@ async def test_a_two_node_cluster_trains_on_both_nodes_and_serves_from_both(head
             worker.stop()
 
 
+async def test_a_workers_replica_that_is_killed_starts_again_and_its_node_stays(head):
+    """Only the worker's replica dies (out of memory, say): the node's script starts it again, it joins the fleet
+    again and serves the model's step, and the script itself never fails (on SkyPilot a node's task that fails ends
+    every node's, the head's server with it)."""
+    worker = SkyNode(head.home.parent, 1, head.server.port)
+    try:
+        _, before = await asyncio.to_thread(
+            wait_fleet, head.node, lambda f: len(f) == 2 and f[1]["steps"] == f[0]["steps"], "the worker serving"
+        )
+        (replica,) = [p for p in psutil.Process(worker.process.pid).children() if "--join" in p.cmdline()]
+        replica.kill()
+        fleet = await asyncio.to_thread(
+            wait_fleet,
+            head.node,
+            lambda f: len(f) == 2 and f[1]["pid"] != before["pid"] and f[1]["steps"] == before["steps"],
+            "the worker's replica started again, joined and serving",
+        )
+        assert (fleet[1]["node"], fleet[1]["rank"]) == (before["node"], 1) and worker.process.poll() is None
+        assert "replica was killed (exit 137): starting it again" in (head.home.parent / "run1.err").read_text()
+    finally:
+        worker.stop()
+    assert worker.process.returncode == 0  # stopped: the task ends well, as SkyPilot's `down` leaves it
+
+
 async def test_a_node_that_never_joins_has_the_cluster_torn_down(tmp_path, monkeypatch):
     """`up` of a two-node SkyPilot cluster waits for the second node's replica; one that does not join in time
     (a node lost on the way) tears the cluster down, the one thing here that stands in for the cloud."""
@@ -344,7 +371,7 @@ async def test_node_lost_mid_step_the_loop_goes_on_with_the_head_within_30_s(hea
     """A replacement for the worker node lost above joins, and the trainer's ranks take it in (torchrun's elastic
     range). Then every process of it is SIGKILLed while a step trains on both nodes: the step rolls back, the
     client trains it again (same request id), and the ranks go on with the head alone instead of waiting
-    ART_SKY_SERVER_START_TIMEOUT (600 s) for the lost node: the step is training again within 30 s of the loss.
+    ART_SKY_SERVER_START_TIMEOUT (600 s) for the lost node: the step is trained again within 30 s of the loss.
     The loop finishes its steps, each trained once."""
     import time
 
@@ -385,14 +412,9 @@ async def test_node_lost_mid_step_the_loop_goes_on_with_the_head_within_30_s(hea
         lost_at = time.time()
         for process in lost:
             process.kill()
-        training_again = None
-        while training_again is None and not step.done():
-            activity = (await backend.model_info(model)).activity
-            if activity.phase == "training" and activity.since > lost_at:
-                training_again = activity.since - lost_at
-            await asyncio.sleep(0.2)
         assert (await step)["step"] == start + 2
-        assert training_again is not None and training_again < 30, training_again  # not 600 s
+        trained_again = time.time() - lost_at  # (a poll of the phase can miss a tiny model's short one)
+        assert trained_again < 30, trained_again  # not 600 s
         assert (await model.train([await group(3)], config=config))["step"] == start + 3
         assert [r.url for r in (await backend.health()).fleet] == ["local"]
         checkpoints = CheckpointDir(Path(head.layout.art_path), "nodes", "tiny")
