@@ -331,6 +331,7 @@ async def test_a_step_without_a_checkpoint_is_served_and_a_restart_resumes_from_
             json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
         )
         assert served.json()["model"] == "tiny@2"
+        await client.get("/art/models/tiny/checkpoints")  # returns once the step's background write is done
         assert not (checkpoints.step_dir(2) / OPTIMIZER_STATE).exists()
         assert (checkpoints.step_dir(1) / OPTIMIZER_STATE).exists()
         assert [e["step"] for e in checkpoints.history()] == [1, 2]
