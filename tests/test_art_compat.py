@@ -26,7 +26,7 @@ from art_sky.checkpoints import CheckpointDir
 from art_sky.errors import ConfigError
 from art_sky.layout import OPTIMIZER_STATE
 from art_sky.settings import Settings
-from art_sky.wire import ModelConfig
+from art_sky.wire import ModelConfig, TrainConfig
 
 
 # -- backend.train's keywords ----------------------------------------------------------------------------------
@@ -94,6 +94,14 @@ def test_a_misspelt_keyword_is_a_type_error_listing_the_accepted_ones():
 def test_every_keyword_says_which_release_added_it():
     assert {keyword.since for keyword in KEYWORDS.values()} <= set(releases.LINES)
     assert KEYWORDS["kl_penalty_source"].since == "0.5.20" and KEYWORDS["save_checkpoint"].since == "0.5.18"
+
+
+def test_every_keyword_that_shapes_the_loss_reaches_the_trainer():
+    """A "config" keyword is a TrainConfig field of its name, or one of the three translated: none is dropped."""
+    for name, keyword in KEYWORDS.items():
+        if keyword.role == "config" and name not in TrainConfig.model_fields:
+            assert name in ("normalize_advantages", "precalculate_logprobs", "kl_penalty_reference_step"), name
+    assert train_options(None, {"kl_penalty_coef": 0.3})[0].kl_penalty_coef == 0.3
 
 
 # -- a model's run, LoRA and chat template arguments -------------------------------------------------------------

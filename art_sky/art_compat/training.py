@@ -101,22 +101,10 @@ def train_options(config: TrainConfig | None, kwargs: dict[str, Any]) -> tuple[T
     for name, value in kwargs.items():
         _check(name, value)
     given = {name: value for name, value in kwargs.items() if KEYWORDS[name].role == "config"}
-    values: dict[str, Any] = {}
-    for name in (
-        "learning_rate",
-        "loss_fn",
-        "kl_penalty_coef",
-        "kl_penalty_source",
-        "epsilon",
-        "epsilon_high",
-        "scale_rewards",
-        "importance_sampling_level",
-        "allow_training_without_logprobs",
-        "truncated_importance_sampling",
-        "grad_accumulation_sequences",
-    ):
-        if given.get(name) is not None:
-            values[name] = given[name]
+    # A keyword named as a TrainConfig field is that field; the three below are translated.
+    values: dict[str, Any] = {
+        name: value for name, value in given.items() if value is not None and name in TrainConfig.model_fields
+    }
     if given.get("normalize_advantages") is False:
         values["scale_rewards"] = False
     if given.get("precalculate_logprobs"):
@@ -189,12 +177,8 @@ class Ready:
     def __init__(self, wait: Callable[[], Awaitable[Any]]):
         self._wait = wait
 
-    def __await__(self) -> Generator[Any, None, None]:
-        yield from _awaited(self._wait()).__await__()
-
-
-async def _awaited(awaitable: Awaitable[Any]) -> None:
-    await awaitable
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._wait().__await__()
 
 
 def train_result(
