@@ -123,7 +123,7 @@ def _remove_dead_run_dirs(run_root: Path) -> None:
         return
     for entry in entries:
         found = _UNNAMED.match(entry.name)
-        if found and not _running(int(found[1])) and not _running(_pid_in(entry)):
+        if found and not pid_running(int(found[1])) and not pid_running(_pid_in(entry)):
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -134,7 +134,8 @@ def _pid_in(run_dir: Path) -> int | None:
         return None
 
 
-def _running(pid: int | None) -> bool:
+def pid_running(pid: int | None) -> bool:
+    """Does process `pid` run on this machine (one of another user's counts)?"""
     if pid is None:
         return False
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from typing import Literal
 
@@ -18,6 +17,7 @@ from pydantic import BaseModel
 from art_sky import clusters
 from art_sky.backends import attach
 from art_sky.backends.cluster import Machine
+from art_sky.backends.local import pid_running
 from art_sky.errors import ArtSkyError, VersionMismatchError
 from art_sky.settings import Settings
 from art_sky.wire import FleetReplica, ModelInfo
@@ -57,7 +57,7 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
         )
     log = backend.server.layout.log_file if backend.server else None
     recovery = clusters.load(settings.home, name).recovery
-    if recovery is not None and recovery.state == "recovering" and _alive(recovery.pid):
+    if recovery is not None and recovery.state == "recovering" and pid_running(recovery.pid):
         await backend.close()  # the record's machine is the lost one: nothing to ask there
         return ClusterStatus(
             name=name,
@@ -114,17 +114,6 @@ async def cluster_status(name: str, settings: Settings) -> ClusterStatus:
             f"({recovery.downtime_s:.0f} s down)"
         )
     return ClusterStatus(name=name, kind=backend.kind, machine=machine, server=server, models=models, recovery=recovery)
-
-
-def _alive(pid: int) -> bool:
-    """Does the process recovering a cluster still run (on this machine: recovery runs in the loop's process)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def cluster_statuses(names: list[str], settings: Settings) -> list[ClusterStatus]:
