@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from art_sky import clusters
+from art_sky import capacity, clusters
 from art_sky.errors import ArtSkyError, BackendUnavailableError
 from art_sky.provisioners import sky as provisioner
 from art_sky.remote import lifecycle
@@ -492,9 +492,4 @@ def _machines(backend: Any) -> int:
     if spec is None:
         return 1
     gpu = spec.gpu[0] if isinstance(spec.gpu, list) else spec.gpu
-    count = gpu.partition(":")[2] if gpu else ""
-    try:
-        per_node = max(int(float(count)), 1) if count else 1
-    except ValueError:
-        per_node = 1
-    return per_node * spec.num_nodes
+    return (max(capacity.accelerator(gpu)[1], 1) if gpu else 1) * spec.num_nodes  # checked before it was rented
