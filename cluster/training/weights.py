@@ -160,7 +160,7 @@ def save_optimizer(state: dict[str, Any], directory: Path) -> None:
     for name, entries in state["state"].items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{name}/{key}"] = _host(value).contiguous()
+                tensors[f"{name}/{key}"] = _local(value).detach().cpu().contiguous()  # staged on the host: no copy
             else:
                 values[f"{name}/{key}"] = value
     (directory / OPTIMIZER_STATE).parent.mkdir(exist_ok=True)
