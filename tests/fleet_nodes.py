@@ -4,10 +4,12 @@ lifecycle (art_sky.remote.lifecycle). A node can be pinned to one core (taskset:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,3 +102,20 @@ async def complete(http: httpx.AsyncClient, text: str, **extra) -> httpx.Respons
         "/v1/chat/completions",
         json={"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8} | extra,
     )
+
+
+async def load_until_replica_busy(
+    head: Node, start: Callable[[int], Awaitable[httpx.Response]], timeout: float = 120
+) -> list[asyncio.Future[httpx.Response]]:
+    """Completions `start(0)`, `start(1)`, ... sent 8 more at a time until the head's fleet shows its second replica
+    with some in flight; all of them, still going. A fixed batch could all end before a poll of /health saw any
+    there (a fast engine, a /health slow to answer under load), and what a test then does to the replica would
+    find it idle."""
+    sent: list[asyncio.Future[httpx.Response]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        sent += [asyncio.ensure_future(start(len(sent) + i)) for i in range(8)]
+        replicas = await asyncio.to_thread(fleet, head)
+        if len(replicas) == 2 and replicas[1]["outstanding"] > 0:
+            return sent
+        assert time.monotonic() < deadline, f"the replica never had completions in flight within {timeout}s: {replicas}"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet_nodes import API_KEY, Node, complete, fleet, start_node, wait_fleet
+from fleet_nodes import API_KEY, Node, complete, fleet, load_until_replica_busy, start_node, wait_fleet
 from loop import trajectory
 from typer.testing import CliRunner
 
@@ -252,18 +252,11 @@ def test_a_replica_started_before_its_head_joins_once_the_head_answers(tmp_path)
 async def test_a_replica_that_stops_answering_leaves_and_joins_again_once_it_answers(nodes):
     head, replica = nodes
     async with client(head) as http:
-        requests = [asyncio.ensure_future(complete(http, f"stall {i}", max_tokens=32)) for i in range(24)]
-        await asyncio.to_thread(
-            wait_fleet,
-            head,
-            lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
-            "completions in flight on the replica",
-            60,
-        )
+        requests = await load_until_replica_busy(head, lambda i: complete(http, f"stall {i}", max_tokens=32))
         os.kill(replica.server.pid, signal.SIGSTOP)
         try:  # three missed health checks later it leaves, and what it held is served by the head
             responses = await asyncio.gather(*requests)
-            assert [r.status_code for r in responses] == [200] * 24
+            assert [r.status_code for r in responses] == [200] * len(requests)
             assert [r["url"] for r in fleet(head)] == ["local"]
         finally:
             os.kill(replica.server.pid, signal.SIGCONT)
@@ -279,19 +272,13 @@ async def test_a_replica_that_stops_answering_leaves_and_joins_again_once_it_ans
 async def test_a_replica_killed_under_load_loses_no_completion_and_leaves(nodes):
     head, replica = nodes
     async with client(head) as http:
-        requests = [asyncio.ensure_future(complete(http, f"load {i}", max_tokens=32)) for i in range(40)]
-        streams = [asyncio.ensure_future(complete(http, f"stream {i}", max_tokens=64, stream=True)) for i in range(6)]
-        await asyncio.to_thread(
-            wait_fleet,
-            head,
-            lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
-            "completions in flight on the replica",
-            60,
+        sent = await load_until_replica_busy(  # every 8th streamed
+            head, lambda i: complete(http, f"load {i}", max_tokens=32 if i % 8 else 64, stream=not i % 8)
         )
         replica.kill()
-        responses = await asyncio.gather(*requests)
-        streamed = [response.text for response in await asyncio.gather(*streams)]
-    assert [r.status_code for r in responses] == [200] * 40, [r.text for r in responses if r.status_code != 200]
+        responses = await asyncio.gather(*sent)
+    streamed = [r.text for i, r in enumerate(responses) if not i % 8]
+    assert [r.status_code for r in responses] == [200] * len(sent), [r.text for r in responses if r.status_code != 200]
     for text in streamed:  # whole, or ended by an error event that says what happened
         assert text.endswith("data: [DONE]\n\n") or "failed after it had started streaming" in text, text[-500:]
     assert [r["url"] for r in wait_fleet(head, lambda f: len(f) == 1, "the killed replica gone")] == ["local"]

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from fleet_nodes import API_KEY, Node, complete, wait_fleet
+from fleet_nodes import API_KEY, Node, complete, load_until_replica_busy, wait_fleet
 from loop import trajectory
 
 from art_sky.layout import ServerLayout
@@ -285,17 +285,12 @@ async def test_a_two_node_cluster_trains_on_both_nodes_and_serves_from_both(head
             answers = await asyncio.gather(*(complete(http, f"after the step {i}") for i in range(16)))
             assert {a.json()["model"] for a in answers} == {"tiny@1"}
 
-            load = [asyncio.ensure_future(complete(http, f"load {i}", max_tokens=24)) for i in range(24)]
-            await asyncio.to_thread(
-                wait_fleet,
-                head.node,
-                lambda f: len(f) == 2 and f[1]["outstanding"] > 0,
-                "completions in flight on the worker node",
-                60,
-            )
+            load = await load_until_replica_busy(head.node, lambda i: complete(http, f"load {i}", max_tokens=24))
             worker.stop(signal.SIGKILL)  # the node is lost: nothing of it says goodbye
             responses = await asyncio.gather(*load)
-            assert [r.status_code for r in responses] == [200] * 24, [r.text for r in responses if r.status_code != 200]
+            assert [r.status_code for r in responses] == [200] * len(load), [
+                r.text for r in responses if r.status_code != 200
+            ]
             assert [
                 r["url"]
                 for r in await asyncio.to_thread(
@@ -406,6 +401,7 @@ async def test_node_lost_mid_step_the_loop_goes_on_with_the_head_within_30_s(hea
 
         step = asyncio.ensure_future(model.train([await group(2)], config=config))
         while (await backend.model_info(model)).activity.phase != "training":
+            assert not step.done(), "the step ended before its worker node could be lost mid-step"
             await asyncio.sleep(0.05)
         node = psutil.Process(worker.process.pid)
         lost = [node, *node.children(recursive=True)]  # the replica server, torchrun, the ranks: the whole node
