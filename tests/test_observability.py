@@ -64,6 +64,7 @@ async def long_completion(model: art_sky.TrainableModel, backend: art_sky.Backen
         )
     )
     while not (await backend.models())[0].serving.in_flight:
+        assert not long.done(), long.result()
         await asyncio.sleep(0.01)
     return long
 
@@ -101,6 +102,8 @@ async def _three_steps(runner: CliRunner) -> dict:
             if step == 1:  # a long completion in flight: the step waits for it, and status shows so
                 long = await long_completion(model, backend)
                 training = asyncio.create_task(model.train(groups))
+                # when it returned, not when a status call running then has answered too
+                training.add_done_callback(lambda _: returned.append(time.monotonic()))
                 while not training.done():
                     info = (await backend.models())[0]
                     seen.append(info.activity.phase)
@@ -111,7 +114,7 @@ async def _three_steps(runner: CliRunner) -> dict:
                 await long
             else:
                 results.append(await model.train(groups))
-            returned.append(time.monotonic())
+                returned.append(time.monotonic())
         after = await asyncio.to_thread(runner.invoke, app, ["status"])
         model._wandb.finish()
         return {
@@ -223,7 +226,9 @@ def test_a_stalled_step_says_what_the_server_does(run, monkeypatch):
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
+            deadline = time.monotonic() + 60
             while not (await backend.models())[0].serving.in_flight:
+                assert time.monotonic() < deadline, "the streamed completion never showed as in flight"
                 await asyncio.sleep(0.01)
             with pytest.raises(TrainingStalledError) as caught:
                 await model.train(groups)

@@ -102,7 +102,7 @@ async def test_completions_go_on_while_a_step_trains_sampled_by_the_previous_ste
     status, lines = await step
     assert status == 200 and lines[-1]["step"] == previous + 1, lines
     metrics = lines[-1]["metrics"]
-    assert metrics["time/step_inference_paused_s"] < metrics["time/step_trainer_s"] / 5, metrics
+    assert metrics["time/step_inference_paused_s"] < metrics["time/step_trainer_s"] / 2, metrics  # the swap only
     after = (await server.post("/v1/chat/completions", json=probe)).json()
     assert after["model"] == f"tiny@{previous + 1}" and _logprobs(after["choices"][0]) != _logprobs(before)
     # what the engine serves as the new step is its checkpoint: once a step follows, it is loaded from disk

@@ -253,6 +253,9 @@ async def test_preempted_mid_train_and_mid_rollouts_both_loops_finish_each_step_
         )
         rolling_out.clear()
         results.append(await asyncio.wait_for(training, LIMIT))
+    if not lost:  # else waiting for it would wait for ever
+        preempting.cancel()
+        pytest.fail("no poll saw a step in flight while rollouts were: the cluster was never lost")
     await preempting
     ((lost_step, lost_at),) = lost
     after = results[-1]

@@ -399,7 +399,8 @@ async def test_node_lost_mid_step_the_loop_goes_on_with_the_head_within_30_s(hea
         assert (await model.train([await group(1)], config=config))["step"] == start + 1
         assert len(worker.trainer_ranks()) == 1  # the step's ranks span both nodes again
 
-        step = asyncio.ensure_future(model.train([await group(2)], config=config))
+        groups = [await group(seed) for seed in (2, 20, 21, 22)]  # a step long enough for a poll to see it train
+        step = asyncio.ensure_future(model.train(groups, config=config))
         while (await backend.model_info(model)).activity.phase != "training":
             assert not step.done(), "the step ended before its worker node could be lost mid-step"
             await asyncio.sleep(0.05)

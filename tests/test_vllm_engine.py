@@ -254,7 +254,7 @@ async def test_vllm_serves_the_previous_step_while_the_trainer_trains(served):
     assert all(result == (before[0], pytest.approx(before[1], abs=TOLERANCE)) for result in served_while_training)
     metrics = await training
     assert metrics["step"] == step + 1
-    assert metrics["time/step_inference_paused_s"] < metrics["time/step_trainer_s"] / 5, metrics
+    assert metrics["time/step_inference_paused_s"] < metrics["time/step_trainer_s"] / 2, metrics  # the swap only
     assert (await sampled(model, "vt"))[1] != pytest.approx(before[1], abs=TOLERANCE), "the new step serves"
 
 
