@@ -119,16 +119,38 @@ def test_a_held_tunnel_keeps_its_port_and_forwards_to_its_new_target_once_releas
         other.server_close()
 
 
-def test_through_a_proxy_command(sshd, echo_port, art_sky_home):
-    """As SkyPilot's clusters are reached: ProxyCommand with %h/%p, here an `ssh -W` through the same sshd."""
+def proxied(sshd):
+    """The sshd's target reached as SkyPilot's clusters are: ProxyCommand with %h/%p, here an `ssh -W` through the
+    same sshd."""
     proxy = (
         f"ssh -i {sshd.client_key} -p {sshd.port} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
         f"-o BatchMode=yes -W %h:%p {sshd.target().user}@127.0.0.1"
     )
-    target = sshd.target().model_copy(update={"proxy_command": proxy})
-    with Tunnel(target, echo_port, Settings()) as tunnel:
+    return sshd.target().model_copy(update={"proxy_command": proxy})
+
+
+def test_through_a_proxy_command(sshd, echo_port, art_sky_home):
+    with Tunnel(proxied(sshd), echo_port, Settings()) as tunnel:
         assert roundtrip(tunnel.local_port) == b"HELLO"
     assert not (art_sky_home / "known_hosts").exists()  # a proxied host's key is not pinned
+
+
+def test_a_proxy_command_that_dies_is_started_again_and_no_thread_ends_in_a_traceback(
+    sshd, echo_port, art_sky_home, monkeypatch
+):
+    """As when a lost SkyPilot cluster's websocket proxy exits: the keepalive finds the connection dead without a
+    thread dying of it, and the tunnel reconnects through a new proxy."""
+    died: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(f"{args.thread.name}: {args.exc_value!r}"))
+    with Tunnel(proxied(sshd), echo_port, Settings(), keepalive=0.2) as tunnel:
+        assert roundtrip(tunnel.local_port) == b"HELLO"
+        tunnel._client.get_transport().sock.process.kill()  # the proxy command's process
+        deadline = time.monotonic() + 15
+        while tunnel.reconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tunnel.reconnects == 1
+        assert roundtrip(tunnel.local_port, b"again") == b"AGAIN"
+    assert died == []
 
 
 def test_remote_port_with_nothing_listening_closes_the_connection(sshd, art_sky_home):

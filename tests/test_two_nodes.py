@@ -414,6 +414,7 @@ async def test_node_lost_mid_step_the_loop_goes_on_with_the_head_within_30_s(hea
         assert trained_again < 30, trained_again  # not 600 s
         assert (await model.train([await group(3)], config=config))["step"] == start + 3
         assert [r.url for r in (await backend.health()).fleet] == ["local"]
+        await backend.flush_checkpoints()  # each step's files are written in the background: on disk now
         checkpoints = CheckpointDir(Path(head.layout.art_path), "nodes", "tiny")
         ids = [checkpoints.record(s).request_id for s in range(1, start + 4)]
         assert len(set(ids)) == start + 3  # each step trained once, from its own request

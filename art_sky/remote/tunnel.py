@@ -192,20 +192,24 @@ class Tunnel:
 
     def _answers(self, timeout: float) -> bool:
         """Does the server answer a request? A connection whose peer vanished (laptop asleep, network changed)
-        stays open for TCP's many minutes; no answer is how it is found."""
+        stays open for TCP's many minutes, and one whose ProxyCommand died (a SkyPilot cluster's proxy) never sees
+        an end of file: no answer is how either is found."""
         transport = self._client.get_transport() if self._client else None
         if transport is None:
             return True  # closed meanwhile: no connection to ask, which `connected` reports
-        answered = threading.Event()
+        done, answered = threading.Event(), threading.Event()
 
         def ask() -> None:
             try:
                 transport.global_request("keepalive@openssh.com", wait=True)
+                answered.set()  # a reply (OpenSSH's is a refusal) or the transport closed, which `connected` reports
+            except (paramiko.SSHException, OSError, EOFError):
+                pass  # the request could not be sent: its proxy command gone, its socket broken
             finally:
-                answered.set()  # an error means a dead transport, which `connected` reports
+                done.set()
 
         threading.Thread(target=ask, daemon=True, name="art-sky-tunnel-keepalive").start()
-        return answered.wait(timeout)
+        return done.wait(timeout) and answered.is_set()
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
