@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from art_sky.errors import ErrorCode
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _HOSTNAME = r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
@@ -572,6 +574,7 @@ class TrainProgress(BaseModel):
     status: int | None = Field(
         None, description="error: its HTTP status, as a plain request would get it (507: the disk is full)"
     )
+    code: ErrorCode | None = Field(None, description="error: its code, as a plain request's ErrorResponse has it")
     skipped: list[str] = Field(
         [], description="trajectories left out of the step, each with its group and trajectory index and the reason"
     )
@@ -630,7 +633,10 @@ class Lease(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """Every error the server answers: what happened and what to do, and its kind for clients to branch on."""
+
     detail: str
+    code: ErrorCode = ErrorCode.INTERNAL
 
 
 class NamedFunction(_Strict):

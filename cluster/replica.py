@@ -30,7 +30,7 @@ from art_sky.settings import Settings
 from art_sky.wire import HealthResponse, JoinReply, JoinRequest, ModelInfo, RegisterRequest, ReplicaModel
 
 from .activity import ModelActivity
-from .http_status import http_status
+from .http_status import error_response
 from .inference import openai_api
 from .inference.fleet import ADAPTER_FILES
 from .inference.gate import DeviceGate
@@ -77,7 +77,8 @@ def create_replica_app(
 
     @app.exception_handler(ArtSkyError)
     async def _art_sky_error(request: Request, exc: ArtSkyError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=http_status(exc))
+        status, body = error_response(exc)
+        return JSONResponse(body.model_dump(), status_code=status)
 
     @app.get("/health")
     async def health(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> HealthResponse:

@@ -30,13 +30,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
 from art_sky.disk_full import disk_full
-from art_sky.errors import ArtSkyError, TokenizationError
+from art_sky.errors import ArtSkyError, ErrorCode, NotRegisteredError, TokenizationError
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
     ChatCompletionRequest,
     CheckpointInfo,
     DeleteCheckpointsRequest,
+    ErrorResponse,
     HealthResponse,
     Lease,
     LeaseRequest,
@@ -50,7 +51,7 @@ from art_sky.wire import (
 
 from . import bodies
 from .activity import ModelActivity, StepTimer
-from .http_status import http_status
+from .http_status import error_response
 from .inference import openai_api
 from .inference.fleet import Fleet
 from .inference.fleet import install as fleet_routes
@@ -143,7 +144,8 @@ def create_app(
 
     @app.exception_handler(ArtSkyError)
     async def _art_sky_error(request: Request, exc: ArtSkyError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=http_status(exc))
+        status, body = error_response(exc)
+        return JSONResponse(body.model_dump(), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -151,30 +153,29 @@ def create_app(
             f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()[:10]
         )
         more = f" (and {len(exc.errors()) - 10} more)" if len(exc.errors()) > 10 else ""
-        return JSONResponse({"detail": f"invalid request: {problems}{more}"}, status_code=422)
+        body = ErrorResponse(detail=f"invalid request: {problems}{more}", code=ErrorCode.INVALID)
+        return JSONResponse(body.model_dump(), status_code=422)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         """What no route expected: a full disk is still said as such (507); anything else, a sentence, not
         Starlette's bare "Internal Server Error"."""
         if full := disk_full(exc, art_path):
-            return JSONResponse({"detail": str(full)}, status_code=http_status(full))
+            status, body = error_response(full)
+            return JSONResponse(body.model_dump(), status_code=status)
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(
-            {
-                "detail": f"the server failed on {request.method} {request.url.path} "
-                f"({type(exc).__name__}: {exc}); the traceback is in its log "
-                "(`art-sky logs`): please report it"
-            },
-            status_code=500,
+        body = ErrorResponse(
+            detail=f"the server failed on {request.method} {request.url.path} ({type(exc).__name__}: {exc}); the "
+            "traceback is in its log (`art-sky logs`): please report it",
+            code=ErrorCode.INTERNAL,
         )
+        return JSONResponse(body.model_dump(), status_code=500)
 
     def model(name: str) -> ModelState:
         if name not in states:
-            raise HTTPException(
-                404,
+            raise NotRegisteredError(
                 f"model {name!r} is not registered on this server (registered: "
-                f"{sorted(states) or 'none'}): call `await model.register(backend)` first",
+                f"{sorted(states) or 'none'}): call `await model.register(backend)` first"
             )
         return states[name]
 

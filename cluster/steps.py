@@ -33,7 +33,7 @@ from art_sky.errors import ArtSkyError, EngineError
 from art_sky.wire import StepClock, TrainProgress
 
 from .activity import StepTimer, reset_peak_memory, step_metrics
-from .http_status import http_status
+from .http_status import classify
 from .inference.engine import Engine
 from .inference.gate import DeviceGate
 from .model_state import ModelState
@@ -340,7 +340,8 @@ class Steps:
                     log.exception("training %s failed", state.name)
                     if state.step != start:  # committed, then the engine failed: the checkpoint still uploads
                         self.on_commit(state)
-                    job.report(TrainProgress(type="error", message=str(exc), status=http_status(exc)))
+                    status, code = classify(exc)
+                    job.report(TrainProgress(type="error", message=str(exc), status=status, code=code))
                     return
             log.info("committed step %d of %s", result.step, state.name)
             self.on_commit(state)

@@ -121,13 +121,15 @@ def checkpoint_state(server):
     )
 
 
-async def expect_refused(server, method, path, status, match, **kwargs):
+async def expect_refused(server, method, path, status, match, code=None, **kwargs):
     await server.post("/art/checkpoints/flush")  # an earlier step's checkpoint, written in the background, is done
     before = checkpoint_state(server)
     step = (await server.get("/art/models/tiny")).json()["step"]
     response = await server.request(method, path, **kwargs)
     assert response.status_code == status, response.text
     assert match in response.json()["detail"]
+    if code is not None:  # what clients branch on, never the wording
+        assert response.json()["code"] == code
     # the server keeps serving and nothing was trained or written
     assert (await server.get("/art/models/tiny")).json()["step"] == step
     assert checkpoint_state(server) == before
@@ -138,7 +140,7 @@ async def test_bad_inputs_get_clear_4xx(server):
     good = await sampled_group(server)
     one = {"trajectories": good["trajectories"][:1]}
     train = "/art/models/tiny/train"
-    await expect_refused(server, "POST", train, 422, "groups", json={"groups": []})
+    await expect_refused(server, "POST", train, 422, "groups", code="invalid", json={"groups": []})
     await expect_refused(server, "POST", train, 422, "at least 2 trajectories", json={"groups": [one]})
     await expect_refused(server, "POST", train, 422, "at least 2 trajectories", json={"groups": [{"trajectories": []}]})
     await expect_refused(
@@ -169,7 +171,9 @@ async def test_bad_inputs_get_clear_4xx(server):
             content=json.dumps({"groups": [group]}),
             headers={"content-type": "application/json"},
         )
-    await expect_refused(server, "POST", "/art/models/nope/train", 404, "not registered", json={"groups": [good]})
+    await expect_refused(
+        server, "POST", "/art/models/nope/train", 404, "not registered", code="not_registered", json={"groups": [good]}
+    )
     await expect_refused(server, "POST", "/v1/chat/completions", 404, "not registered", json=CHAT | {"model": "x"})
     await expect_refused(
         server, "POST", "/v1/chat/completions", 400, "exceeds this server's limit", json=CHAT | {"max_tokens": 10_000}

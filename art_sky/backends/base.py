@@ -32,6 +32,7 @@ from art_sky.errors import (
     BackendUnavailableError,
     CheckpointStoreError,
     ConfigError,
+    ErrorCode,
     NotFoundError,
     ServerError,
     TrainingStalledError,
@@ -366,13 +367,13 @@ class Backend(ArtProtocol):
                     if await self._recovered(lost):  # the cluster was lost and is back: retry at once, time anew
                         deadline, wait = time.monotonic() + self.settings.train_retry_timeout, 0.0
                 except NotFoundError as exc:
-                    if lost is None or "not registered" not in exc.message:
+                    if lost is None or exc.code != ErrorCode.NOT_REGISTERED:
                         raise
                     log.warning("%s: the cluster server restarted without the model: registering it again", model.name)
                     await self.register(model)  # restored from its newest checkpoint; then the step is retried
                     wait = 0.0
                 except ServerError as exc:
-                    if exc.status_code != 503 or restarts >= RESTARTED_STEP_RETRIES:
+                    if exc.code != ErrorCode.ROLLED_BACK or restarts >= RESTARTED_STEP_RETRIES:
                         raise
                     restarts += 1  # the trainer's ranks restarted (a node lost): the step rolled back, train it again
                     lost, wait = exc, 1.0
@@ -434,7 +435,7 @@ class Backend(ArtProtocol):
                         bar.refresh()
                         stall.saw(event)
                     elif event.type == "error":
-                        raise ServerError(event.status or 500, event.message or "training failed")
+                        raise ServerError(event.status or 500, event.message or "training failed", event.code)
                     else:
                         if event.replayed:
                             log.info(
@@ -508,11 +509,12 @@ class Backend(ArtProtocol):
     @staticmethod
     def _raise_for(response: httpx.Response) -> None:
         try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
+            body = response.json()
+            detail, code = body.get("detail", response.text), body.get("code")
+        except (ValueError, AttributeError):
+            detail, code = response.text, None
         kind = {401: AuthError, 404: NotFoundError}.get(response.status_code, ServerError)
-        raise kind(response.status_code, str(detail))
+        raise kind(response.status_code, str(detail), code)
 
 
 class _StallWatch:

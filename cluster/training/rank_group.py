@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from art_sky import capacity
-from art_sky.errors import ArtSkyError, ConfigError
+from art_sky.errors import ArtSkyError, ConfigError, ErrorCode
 from art_sky.files import TEMP_PREFIX
 from art_sky.settings import Settings
 from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
@@ -62,6 +62,8 @@ _REPEATABLE = {"snapshot", "load", "drop"}  # commands that change nothing a res
 class RankError(ArtSkyError):
     """The trainer's ranks failed a command: `intact`, every rank's shards are as they were before the failure;
     otherwise the ranks restart from the last commit."""
+
+    code = ErrorCode.ROLLED_BACK
 
     def __init__(self, message: str, intact: bool = False):
         super().__init__(message)
