@@ -1,20 +1,28 @@
 """Settings from `ART_SKY_*` environment variables, then `.env` in the working directory (see .env.example).
 
 Each entry point (a backend, a CLI command, the cluster server) reads them once, with `Settings()`, and passes them
-down; nothing below reads the environment itself. Secrets are never logged.
+down; nothing below reads the environment itself. Secrets are never logged. A choice is a `Literal`, checked here
+once; a bad value is a `ConfigError` naming its variable and where it was read (the environment or which `.env`),
+and an `ART_SKY_*` name that is no setting is a warning naming the nearest one (a typo is not silently ignored).
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_args, get_origin
 
 from dotenv import dotenv_values
-from pydantic import AliasChoices, Field, PrivateAttr, SecretStr
+from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from art_sky.errors import ConfigError
+
+log = logging.getLogger("art_sky.settings")
+ENV_FILE = ".env"
 
 # The object store's credentials and settings under their usual names (not ART_SKY_*): what a remote server gets.
 STORE_VARIABLES = (
@@ -28,9 +36,37 @@ STORE_VARIABLES = (
     "GOOGLE_SERVICE_ACCOUNT_KEY",
 )
 
+# ART_SKY_* names art-sky itself uses that are not settings, so that they are not taken for mistyped ones: what
+# `art-sky tunnel` prints for other programs, the SkyPilot tasks' variables (templates/*.yaml, provisioners/
+# sky_task.py) and what the server hands its trainer ranks (cluster/training/sharded.py).
+NOT_SETTINGS = frozenset(
+    {
+        "ART_SKY_BASE_URL",
+        "ART_SKY_HEAD_PORT",
+        "ART_SKY_EXTRA",
+        "ART_SKY_WHEEL",
+        "ART_SKY_PYTHON",
+        "ART_SKY_VERSION",
+        "ART_SKY_CI_COMMAND",
+        "ART_SKY_CI_SETUP",
+        "ART_SKY_CI_TIMEOUT",
+        "ART_SKY_RANK_LEADER",
+        "ART_SKY_RANK_KEY",
+    }
+)
+_warned: set[tuple[str, str]] = set()  # (variable, where): each unknown name is warned about once per process
+
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ART_SKY_", env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ART_SKY_", env_file=ENV_FILE, extra="ignore")
+
+    def __init__(self, **values: Any) -> None:
+        """`values` override the environment and `.env` (tests, a backend's own settings)."""
+        _warn_unknown(_env_file())
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, values)) from None
 
     cache_dir: Path = Field(Path.home() / ".cache" / "art-sky", description="built models (the tiny model) live here")
     api_key: SecretStr | None = Field(None, description="the cluster server's API key; generated when unset")
@@ -72,14 +108,18 @@ class Settings(BaseSettings):
         None,
         description="a Python on the cluster that already has art-sky installed: SkyPilot clusters skip the install",
     )
-    engine: str = Field("auto", description="inference engine: auto (vllm when importable) | vllm | portable")
-    trainer: str = Field("auto", description="trainer: auto (unsloth when importable on CUDA) | unsloth | peft")
+    engine: Literal["auto", "vllm", "portable"] = Field(
+        "auto", description="inference engine: auto (vllm when importable) | vllm | portable"
+    )
+    trainer: Literal["auto", "unsloth", "peft"] = Field(
+        "auto", description="trainer: auto (unsloth when importable on CUDA) | unsloth | peft"
+    )
     allow_untested_stack: bool = Field(
         False,
         description="run vLLM's GPU build or Unsloth at versions outside "
         "the tested GPU stack (templates/gpu-constraints.txt) instead of refusing",
     )
-    gpu_sharing: str = Field(
+    gpu_sharing: Literal["auto", "sleep"] = Field(
         "auto",
         description="vLLM beside the Unsloth trainer on one GPU: auto (share the "
         "weights in one process where Unsloth supports the model, else vLLM sleeps while "
@@ -91,7 +131,7 @@ class Settings(BaseSettings):
         lt=1,
         description="share of GPU memory vLLM may take; the trainer uses the rest (vLLM sleeps while training)",
     )
-    gpu_layout: str = Field(
+    gpu_layout: Literal["auto", "shared", "dedicated"] = Field(
         "auto",
         description="how the node's GPUs are split: auto (dedicated with two or more "
         "GPUs and vLLM, else shared) | shared (one GPU for both jobs) | dedicated (vLLM on its "
@@ -231,7 +271,7 @@ class Settings(BaseSettings):
 
     def model_post_init(self, context: object) -> None:
         """The store's variables keep their usual names (AWS_*, GOOGLE_*): read them here, environment then .env."""
-        from_file = dotenv_values(".env") if Path(".env").is_file() else {}
+        from_file = _env_file()
         for name in STORE_VARIABLES:
             value = os.environ.get(name) or from_file.get(name)
             if value:
@@ -241,6 +281,78 @@ class Settings(BaseSettings):
     def store_credentials(self) -> dict[str, str]:
         """The object store's credentials and settings set here (never log them)."""
         return dict(self._store_credentials)
+
+
+def variables(name: str, field: FieldInfo) -> list[str]:
+    """The environment variables a setting is read from: ART_SKY_ and its name, or the names its aliases give."""
+    aliases = getattr(field.validation_alias, "choices", None)
+    if not aliases:
+        return [f"ART_SKY_{name.upper()}"]
+    return list(dict.fromkeys(str(alias).upper() for alias in aliases))
+
+
+def choices(field: FieldInfo) -> tuple[str, ...]:
+    """A choice setting's values (its `Literal`'s), else ()."""
+    return tuple(str(value) for value in get_args(field.annotation)) if get_origin(field.annotation) is Literal else ()
+
+
+def _env_file() -> dict[str, str | None]:
+    return dotenv_values(ENV_FILE) if Path(ENV_FILE).is_file() else {}
+
+
+def _known() -> set[str]:
+    return {v for name, field in Settings.model_fields.items() for v in variables(name, field)} | NOT_SETTINGS
+
+
+def _warn_unknown(from_file: dict[str, str | None]) -> None:
+    """A warning for each ART_SKY_* name in the environment or .env that is no setting, with the nearest one."""
+    found = [(name, "the environment") for name in os.environ] + [
+        (name, str(Path(ENV_FILE).resolve())) for name in from_file
+    ]
+    known = sorted(_known())
+    for name, where in found:
+        upper = name.upper()
+        if not upper.startswith("ART_SKY_") or upper in known or (upper, where) in _warned:
+            continue
+        _warned.add((upper, where))
+        nearest = difflib.get_close_matches(upper, known, n=1, cutoff=0.75)
+        log.warning(
+            "%s (in %s) is not an art-sky setting and is ignored%s",
+            name,
+            where,
+            f": did you mean {nearest[0]}?" if nearest else " (the settings: docs/reference/settings.md)",
+        )
+
+
+def _explain(exc: ValidationError, values: dict[str, Any]) -> str:
+    """pydantic's report as art-sky's: each bad value by its variable, where it was read, and what it may be.
+    (A secret is a plain string, which never fails: no value shown here is one.)"""
+    in_file = {name.upper() for name in _env_file()}
+    in_environment = {name.upper() for name in os.environ}
+    problems = []
+    for error in exc.errors():
+        key = str(error["loc"][0]) if error["loc"] else ""
+        name, field = next(
+            ((n, f) for n, f in Settings.model_fields.items() if key == n or key.upper() in variables(n, f)),
+            (key, None),
+        )
+        names = variables(name, field) if field else [key.upper()]
+        value = error["input"]
+        if name in values:
+            said = f"Settings({name}={value!r})"
+        elif variable := next((v for v in names if v in in_environment), None):
+            said = f"{variable}={value} (in the environment)"
+        else:
+            variable = next((v for v in names if v in in_file), names[0])
+            said = f"{variable}={value} (in {Path(ENV_FILE).resolve()})"
+        allowed = choices(field) if field else ()
+        if allowed:
+            nearest = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.6)
+            reason = f"use one of {', '.join(allowed)}" + (f" (did you mean {nearest[0]}?)" if nearest else "")
+        else:
+            reason = error["msg"][:1].lower() + error["msg"][1:]
+        problems.append(f"{said} is not a valid setting: {reason}")
+    return "; ".join(problems)
 
 
 def read_env_file(path: str | Path | None) -> dict[str, str]:

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from art_sky.errors import ConfigError
 from art_sky.files import atomic_write
 from art_sky.layout import LOCK_FILE, ServerLayout
 from art_sky.settings import Settings
@@ -66,9 +67,14 @@ def main(argv: list[str] | None = None) -> None:
         "the head refuses a second replica of a rank its fleet has",
     )
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        sys.exit(f"--port {args.port} is not a TCP port: give 1 to 65535, or 0 for a free one")
     if args.node_rank is not None and (not args.join or args.node_rank < 1):
         sys.exit("--node-rank is a worker node's (with --join): 1 and up (the head is rank 0)")
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ConfigError as exc:  # a bad ART_SKY_* value: its variable and where it was read, not a traceback
+        sys.exit(str(exc))
     if settings.api_key is None:
         sys.exit("ART_SKY_API_KEY is not set: the server refuses to start without an API key")
     if args.detach and not args.run_dir:

@@ -15,14 +15,17 @@ HOME = str(Path.home())
 
 # -- settings ---------------------------------------------------------------------------------------------------
 def setting_names(name: str, field: Any) -> list[str]:
-    """The environment variables a setting is read from: ART_SKY_ and its name, or the names its aliases give."""
-    aliases = getattr(field.validation_alias, "choices", None)
-    if not aliases:
-        return [f"ART_SKY_{name.upper()}"]
-    return list(dict.fromkeys(alias.upper() for alias in aliases))
+    """The environment variables a setting is read from (art_sky.settings.variables)."""
+    from art_sky.settings import variables
+
+    return variables(name, field)
 
 
 def _type(field: Any) -> str:
+    from art_sky.settings import choices
+
+    if allowed := choices(field):
+        return "one of " + ", ".join(f"`{value}`" for value in allowed)
     annotation = field.annotation
     text = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
     text = text or str(annotation).replace("typing.", "").replace("pathlib.", "").replace("pydantic.types.", "")

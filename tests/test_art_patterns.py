@@ -138,6 +138,9 @@ async def test_wrong_api_key_version_mismatch_and_dead_server(backend, monkeypat
 
 async def test_server_that_cannot_start_reports_its_log(tmp_path):
     backend = art.LocalBackend(path=tmp_path, env={"ART_SKY_ENGINE": "bogus"})
-    with pytest.raises(BackendUnavailableError, match="unknown engine 'bogus'"):
+    with pytest.raises(
+        BackendUnavailableError,
+        match=r"ART_SKY_ENGINE=bogus \(in the environment\) is not a valid setting: use one of auto, vllm, portable",
+    ):
         await backend.health()
     await backend.close()

@@ -17,9 +17,7 @@ from doc_blocks import MARKER, ROOT, all_blocks, documents
 sys.path.insert(0, str(ROOT / "docs"))
 import reference_pages
 
-# ART_SKY_* names the docs may use that are not settings: what `art-sky tunnel` prints for other programs, and the
-# SkyPilot template's own variable.
-NOT_SETTINGS = {"ART_SKY_BASE_URL", "ART_SKY_HEAD_PORT"}
+from art_sky.settings import NOT_SETTINGS  # ART_SKY_* names art-sky uses that are not settings
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ from art_sky.settings import Settings
 
 log = logging.getLogger("art_sky.cluster")
 
-LAYOUTS = ("auto", "shared", "dedicated")
 WEIGHTS_SHARE = 0.5  # of vLLM's memory on a GPU: the weights' slice at most, the rest for the KV cache
 
 
@@ -138,8 +137,6 @@ def choose(gpus: Gpus, settings: Settings, vllm: bool) -> Placement:
     """The layout for these GPUs: dedicated where there are two or more and the engine is vLLM (ART_SKY_GPU_LAYOUT
     overrides), shared on one, cpu on none. The tensor-parallel size waits for the model (`sized`)."""
     asked = settings.gpu_layout
-    if asked not in LAYOUTS:
-        raise ConfigError(f"unknown GPU layout {asked!r} (ART_SKY_GPU_LAYOUT): use one of {', '.join(LAYOUTS)}")
     count = len(gpus.ids)
     if asked == "dedicated" and not vllm:
         raise ConfigError(
