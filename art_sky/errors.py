@@ -118,9 +118,14 @@ class TokenizationError(ArtSkyError):
 
 
 class CheckpointStoreError(ArtSkyError):
-    """The checkpoint object store refused or failed an operation; the message names the store's URI."""
+    """The checkpoint object store refused or failed an operation; the message names the store's URI.
+    `misconfigured`: retrying cannot help (no such bucket, credentials missing or refused, no permission)."""
 
     code = ErrorCode.STORE
+
+    def __init__(self, message: str, misconfigured: bool = False):
+        super().__init__(message)
+        self.misconfigured = misconfigured
 
 
 class TrainingStalledError(ArtSkyError):

@@ -283,14 +283,22 @@ class CheckpointStore:
         text = str(exc)
         match = re.search(r"<Code>([^<]+)</Code>", text)
         code = match.group(1) if match else ""
+        misconfigured = True
         if code == "NoSuchBucket":
-            hint = "the bucket does not exist: create it, or fix the bucket name in the URI"
+            bucket = "/".join(self.uri.split("/")[:3])
+            make = "gcloud storage buckets create" if bucket.startswith("gs://") else "aws s3 mb"
+            hint = (
+                f"the bucket does not exist: create it (`{make} {bucket}`), or fix the bucket's name in the URI "
+                "(ART_SKY_CHECKPOINT_URI)"
+            )
+        elif missing := _missing_credentials(text, self.uri):
+            hint = missing
         elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken") or isinstance(
             exc, UnauthenticatedError
         ):
             hint = (
                 f"the credentials were refused ({code or type(exc).__name__}): check AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (GOOGLE_APPLICATION_CREDENTIALS for gs://)"
+                "AWS_SECRET_ACCESS_KEY (GOOGLE_SERVICE_ACCOUNT for gs://)"
             )
         elif code == "AccessDenied" or isinstance(exc, PermissionDeniedError):
             hint = (
@@ -298,8 +306,8 @@ class CheckpointStore:
                 "this prefix"
             )
         else:
-            hint = text.split("\n", 1)[0][:300]
-        return CheckpointStoreError(f"checkpoint store {self.uri}: cannot {action}: {hint}")
+            hint, misconfigured = text.split("\n", 1)[0][:300], False
+        return CheckpointStoreError(f"checkpoint store {self.uri}: cannot {action}: {hint}", misconfigured)
 
 
 def _blocks(path: Path, progress: Progress) -> Iterator[bytes]:
@@ -344,7 +352,38 @@ def _open(uri: str, endpoint: str | None, credentials: dict[str, str]):
         # its stubs' S3Config holds `bucket`, so any **S3Config reads as a second bucket
         return S3Store(parsed.netloc, prefix=prefix, client_options=client, config=config, **options)  # type: ignore[arg-type, misc]
     except (BaseError, OSError) as exc:
-        raise CheckpointStoreError(f"checkpoint store {uri}: cannot open it: {str(exc).splitlines()[0]}") from exc
+        missing = _missing_credentials(str(exc), uri)
+        raise CheckpointStoreError(
+            f"checkpoint store {uri}: cannot open it: {missing or str(exc).splitlines()[0]}", bool(missing)
+        ) from exc
+
+
+# obstore's words for a credential it lacks -> the variable that gives it and the one beside it
+_MISSING = {
+    "Missing SecretAccessKey": ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"),
+    "Missing AccessKeyId": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+}
+_METADATA = "169.254.169.254"  # the cloud's instance metadata service: obstore's last resort when no key is set
+_WHERE = "in the environment or .env where you start art-sky, which forwards them to the cluster"
+
+
+def _missing_credentials(text: str, uri: str) -> str | None:
+    """What obstore's error says is missing, by the variables that give it; None when it is something else."""
+    for words, (variable, beside) in _MISSING.items():
+        if words in text:
+            return f"{variable} is not set, though {beside} is: set both ({_WHERE})"
+    if _METADATA not in text:
+        return None
+    if uri.startswith("gs://"):
+        return (
+            "no Google Cloud credentials: GOOGLE_SERVICE_ACCOUNT (a service account key file) or "
+            f"GOOGLE_SERVICE_ACCOUNT_KEY (its JSON) is not set ({_WHERE}), and this machine has no service "
+            "account of its own (its metadata server refused)"
+        )
+    return (
+        f"no S3 credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not set ({_WHERE}), and this machine "
+        "has no instance role to fall back on (its metadata service refused)"
+    )
 
 
 def server_env(settings: Settings, uri: str | None = None) -> dict[str, str]:

@@ -58,6 +58,7 @@ from .inference.fleet import install as fleet_routes
 from .inference.gate import DeviceGate
 from .model_state import ModelState, create_model_state, device, restore_from_store
 from .node.gpu_sharing import sharing_of
+from .preflight import check_registration
 from .node.placement import Placement, place
 from .node.selection import select_engine, select_trainer, vllm_serves
 from .node.stack import installed_versions, stack_status
@@ -208,6 +209,7 @@ def create_app(
     fleet_routes(app, fleet, guarded, states, trainer.rendezvous)
 
     async def load(body: RegisterRequest) -> ModelState:
+        await check_registration(body.base_model, store, settings.checkpoint_strict)  # before anything slow
         async with registration:
             fleet.check(body)  # before loading anything (or writing a step 0 checkpoint)
             checkpoints = CheckpointDir(art_path, body.project, body.run)

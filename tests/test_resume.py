@@ -85,17 +85,24 @@ async def test_a_new_backend_resumes_from_the_store(s3_server, tmp_path, monkeyp
     assert [m.step for m in manifests] == [0, 1, 2, 3]
 
 
-async def test_a_broken_store_is_reported_and_training_goes_on(s3_server, tmp_path):
-    uri = "s3://no-such-bucket-anywhere/runs"
+async def test_a_store_that_breaks_is_reported_and_training_goes_on(s3_server, tmp_path):
+    """The bucket was there at `register` (which refuses a missing one) and is deleted while training goes on."""
+    bucket = s3_server.new_bucket()
+    uri = f"s3://{bucket}/runs"
     backend = LocalBackend(path=tmp_path / "a", env=s3_server.env(), checkpoint_uri=uri)
     try:
         model = new_model()
         await model.register(backend)
+        await backend.flush_checkpoints()  # step 0 is in the store
+        client = s3_server.client()
+        for entry in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=entry["Key"])
+        client.delete_bucket(Bucket=bucket)
         assert (await train_step(model))["step"] == 1
         with pytest.raises(CheckpointStoreError, match=f"{uri}.*bucket does not exist"):
             await backend.flush_checkpoints()
         with pytest.raises(CheckpointStoreError, match="close\\(force=True\\)"):
-            await backend.close()  # refuses: steps 0 and 1 are not in the store
+            await backend.close()  # refuses: step 1 is not in the store
         assert (await backend.health()).models == ["agent"]  # still running
     finally:
         await backend.close(force=True)

@@ -2,6 +2,8 @@
 
 import json
 import math
+import socket
+import time
 
 import pytest
 from conftest import API_KEY, train_lines
@@ -205,9 +207,52 @@ async def test_bad_inputs_get_clear_4xx(server):
         "POST",
         "/art/models",
         422,
-        "cannot load base model",
+        "base model '/no/such/model' does not exist",
         json={"name": "other", "project": "p", "base_model": "/no/such/model"},
     )
+
+
+async def test_a_base_model_that_cannot_load_is_refused_at_once_saying_the_fix(server, monkeypatch, tmp_path):
+    """Before any weight loads, in seconds: art-sky's own names with a did-you-mean, a directory that is not there
+    or holds no model, a hub id where the Hub cannot be reached (said at once, not after the Hub client's minute of
+    retries; the Hub here is a closed port, so the test behaves the same on a machine with internet)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    usage = (
+        "use 'art-sky/tiny', a local Hugging Face model directory on the cluster, or a hub id (owner/name) on a "
+        "node with internet access"
+    )
+    machine = f"the server's machine ({socket.gethostname()}), which reads it"
+    cases = {
+        "art-sky/tiney": "base model 'art-sky/tiney' is not one of art-sky's own models (art-sky/tiny): did you mean "
+        "'art-sky/tiny'?",
+        "art-sky/qwen": f"base model 'art-sky/qwen' is not one of art-sky's own models (art-sky/tiny): {usage}",
+        "/no/such/model": f"base model '/no/such/model' does not exist on {machine}: {usage}",
+        str(tmp_path): f"base model {str(tmp_path)!r} is no Hugging Face model directory on {machine}: it has no "
+        "config.json (save the model with `save_pretrained`, or give the directory that holds config.json)",
+        "not a hub id!": f"base model 'not a hub id!' is neither a directory on this server's machine nor a hub id "
+        f"(owner/name): {usage}",
+    }
+    for base_model, message in cases.items():
+        started = time.monotonic()
+        response = await server.post("/art/models", json={"name": "other", "project": "p", "base_model": base_model})
+        assert time.monotonic() - started < 10, base_model
+        assert (response.status_code, response.json()) == (422, {"detail": message, "code": "invalid"})
+    started = time.monotonic()
+    response = await server.post(
+        "/art/models", json={"name": "other", "project": "p", "base_model": "Qwen/Qwen3-0.6B"}
+    )
+    assert time.monotonic() - started < 10
+    reason, _, fix = response.json()["detail"].partition("): ")
+    assert response.status_code == 422 and reason.startswith(
+        "base model 'Qwen/Qwen3-0.6B' is a hub id, and this node cannot reach the Hugging Face Hub (http://127.0.0.1:9: "
+    ), reason
+    assert fix == (
+        "give a local model directory on the cluster, download it into the node's Hugging Face cache first (`hf "
+        "download Qwen/Qwen3-0.6B`), or run the server where there is internet access"
+    )
+    assert (await server.get("/health", headers={"authorization": f"Bearer {API_KEY}"})).json()["models"] == ["tiny"]
 
 
 async def test_trajectories_that_cannot_be_built_are_skipped_and_reported(server):

@@ -9,10 +9,12 @@ import subprocess
 import sys
 import textwrap
 
+import httpx
 import pytest
 
 from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError
 from art_sky.errors import CheckpointStoreError, ConfigError
+from art_sky.settings import Settings
 from art_sky.store import CHUNK, CheckpointStore
 
 pytest_plugins = ["fixtures_s3"]
@@ -180,3 +182,63 @@ async def test_no_write_permission_is_named(s3_uri, s3_server, monkeypatch, tmp_
     await store.check()  # reading is allowed
     with pytest.raises(CheckpointStoreError, match=f"{s3_uri}.*access denied"):
         await store.upload_step(make_step(tmp_path, 1, 100), 1)
+
+
+WHERE = "in the environment or .env where you start art-sky, which forwards them to the cluster"
+
+
+async def register(art_path, uri: str) -> httpx.Response:
+    """Register the tiny model on a server (the real app, in this process) whose store is `uri`."""
+    from art_sky.cluster.server import create_app
+
+    app = create_app(art_path, "key", Settings(checkpoint_uri=uri))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://server", headers={"authorization": "Bearer key"}
+    ) as client:
+        return await client.post("/art/models", json={"name": MODEL, "project": PROJECT, "base_model": "art-sky/tiny"})
+
+
+async def test_register_refuses_a_store_without_its_bucket_or_credentials_before_loading(
+    s3_server, monkeypatch, tmp_path
+):
+    """At `register`, before the model loads: a bucket that does not exist, and S3 credentials that are not set
+    (obstore's words were about the instance metadata service at 169.254.169.254), each said with its fix."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    uri = "s3://no-such-bucket-at-register/runs"
+    response = await register(tmp_path / "art", uri)
+    assert (response.status_code, response.json()) == (
+        502,
+        {
+            "detail": f"checkpoint store {uri}: cannot list the store: the bucket does not exist: create it (`aws "
+            "s3 mb s3://no-such-bucket-at-register`), or fix the bucket's name in the URI (ART_SKY_CHECKPOINT_URI)",
+            "code": "store",
+        },
+    )
+    assert not (tmp_path / "art" / PROJECT).exists()  # nothing loaded, no step 0 written
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    uri = f"s3://{s3_server.new_bucket()}/runs"
+    response = await register(tmp_path / "art", uri)
+    assert response.status_code == 502 and response.json()["detail"] == (
+        f"checkpoint store {uri}: cannot list the store: no S3 credentials: AWS_ACCESS_KEY_ID and "
+        f"AWS_SECRET_ACCESS_KEY are not set ({WHERE}), and this machine has no instance role to fall back on (its "
+        "metadata service refused)"
+    )
+    assert not (tmp_path / "art" / PROJECT).exists()
+
+
+def test_half_a_credential_pair_is_named_by_its_missing_variable(s3_server, monkeypatch):
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    for missing, beside in (("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"), ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")):
+        with monkeypatch.context() as patch:
+            patch.delenv(missing)
+            with pytest.raises(CheckpointStoreError) as caught:
+                CheckpointStore("s3://bucket/runs")
+        assert str(caught.value) == (
+            f"checkpoint store s3://bucket/runs: cannot open it: {missing} is not set, though {beside} is: set both "
+            f"({WHERE})"
+        )
+        assert caught.value.misconfigured
