@@ -7,6 +7,7 @@ SkyPilot records for a cluster) is handled one way, with one set of error messag
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import time
@@ -106,6 +107,13 @@ def _connect_error(target: SSHTarget, key: str | None, timeout: float, exc: Exce
         return SSHError(
             f"{target} refused the login ({exc}): check the user and that the key "
             f"{key or '(agent / ~/.ssh defaults)'} is in the host's ~/.ssh/authorized_keys"
+        )
+    if isinstance(exc, paramiko.SSHException) and "No authentication methods available" in str(exc):  # paramiko's
+        agent = "SSH_AUTH_SOCK is not set" if not os.environ.get("SSH_AUTH_SOCK") else "it holds none"
+        return SSHError(
+            f"no SSH key to log in to {target} with: no key file given, none in an ssh-agent ({agent}) and none of "
+            "~/.ssh/id_ed25519, id_ecdsa, id_rsa exists: pass the private key whose public half is in the host's "
+            "~/.ssh/authorized_keys (`--key PATH`; key_path= in Python), or `ssh-add` it"
         )
     via = f" via ProxyCommand {target.proxy_command!r}" if target.proxy_command else ""
     return SSHError(
