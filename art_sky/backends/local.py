@@ -54,6 +54,8 @@ class LocalBackend(ClusterBackend):
         super().__init__(api_key=api_key, keep_server=keep_server, settings=settings)
         self.path = Path(path).resolve()
         self.python = python
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"port={port} is not a TCP port: give 1 to 65535, or 0 for a free one")
         self.port = port
         self.env = server_env(self.settings, checkpoint_uri) | (env or {})
         self.name = name

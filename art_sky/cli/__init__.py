@@ -16,6 +16,7 @@ import typer
 import art_sky
 
 from . import checkpoints, ci, clusters, plot
+from .conventions import HELP_OPTIONS, Command
 from .errors import ErrorBoundary, console
 
 app = typer.Typer(
@@ -23,7 +24,14 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     cls=ErrorBoundary,
+    context_settings={"help_option_names": HELP_OPTIONS},  # every command inherits them
 )
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        console.print(f"art-sky {art_sky.__version__}", markup=False, highlight=False)
+        raise typer.Exit()
 
 
 @app.callback()
@@ -34,11 +42,14 @@ def main(
         "-v",
         help="show errors in full (a server log's last lines, a remote command's output) and every library's log lines",
     ),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="print art-sky's version and exit"
+    ),
 ) -> None:
     """Train LLM agents with GRPO: locally on CPU, on an SSH host, or on SkyPilot clusters."""
 
 
-@app.command()
+@app.command(cls=Command)
 def demo(
     steps: int = typer.Option(15, min=1, help="training steps"),
     groups: int = typer.Option(8, min=1, help="trajectory groups per step"),
@@ -77,15 +88,15 @@ def _plain(text: str) -> None:
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=Command)
 def version() -> None:
     """Print art-sky's version."""
     console.print(art_sky.__version__)
 
 
 for command in (clusters.up, clusters.down, clusters.status, clusters.logs, clusters.tunnel):
-    app.command()(command)
+    app.command(cls=Command)(command)
 app.command(cls=clusters.CommandAfterDashes)(clusters.ssh)
-app.command()(plot.plot)
+app.command(cls=Command)(plot.plot)
 app.add_typer(checkpoints.app, name="checkpoints", help="List, pull, push and delete checkpoints in the object store.")
 app.add_typer(ci.app, name="ci")

@@ -16,6 +16,7 @@ from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 
 from . import table
+from .conventions import Command
 from .errors import ErrorBoundary, console
 
 app = typer.Typer(
@@ -39,7 +40,7 @@ def _bar(description: str, total: int) -> tqdm:
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024)
 
 
-@app.command("ls")
+@app.command("ls", cls=Command)
 def ls(
     project: str | None = typer.Argument(None, help="only this project"),
     model: str | None = typer.Argument(None, help="only this model of the project"),
@@ -93,7 +94,7 @@ def ls(
         console.print(f"no checkpoints in {where}" + (f" for {project}" if project else ""))
 
 
-@app.command("pull")
+@app.command("pull", cls=Command)
 def pull(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),
@@ -119,7 +120,7 @@ def pull(
     asyncio.run(work())
 
 
-@app.command("push")
+@app.command("push", cls=Command)
 def push(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),
@@ -147,7 +148,7 @@ def push(
     asyncio.run(work())
 
 
-@app.command("rm")
+@app.command("rm", cls=Command)
 def rm(
     project: str = typer.Argument(..., help="the model's project"),
     model: str = typer.Argument(..., help="the model's name"),

@@ -16,6 +16,7 @@ from art_sky.provisioners.sky_task import CIJobSpec, parse_gpus
 from art_sky.remote.ssh import SSHTarget
 from art_sky.settings import Settings, read_env_file
 
+from .conventions import Command
 from .errors import ErrorBoundary
 
 
@@ -35,7 +36,7 @@ app = typer.Typer(
 AUTODOWN_MARGIN_MINUTES = 5  # idle minutes after the job ends (the node's own timeout ends it) before autodown
 
 
-@app.command(context_settings={"allow_interspersed_args": False})
+@app.command(cls=Command, context_settings={"allow_interspersed_args": False})
 def run(
     command: list[str] = typer.Argument(
         ..., help='the command, after `--`; one argument runs as a shell line ("pip install . && pytest")'

@@ -1,6 +1,7 @@
 """The CLI's one error boundary and its terminal: every command group is an `ErrorBoundary`, so an error ends any
 command with one or two lines (what happened, what to do) and an exit code, never a traceback or a library's log.
 
+- Errors go to stderr (what a command prints for scripts stays on stdout) and end in a non-zero exit.
 - An art-sky error (or invalid input) prints its first line; the lines after it (a server log's last lines, a
   remote command's output) are detail, printed only with `art-sky --verbose`.
 - Anything else is a bug: one line naming it, the traceback with `--verbose`.
@@ -24,10 +25,13 @@ from typer.core import TyperGroup
 
 from art_sky.errors import ArtSkyError
 
+from .conventions import Conventional
+
 console = Console(soft_wrap=True)  # long lines (commands to copy) are never broken: the terminal wraps them
+errors = Console(soft_wrap=True, stderr=True)
 
 
-class ErrorBoundary(TyperGroup):
+class ErrorBoundary(Conventional, TyperGroup):
     """A command group whose commands (and sub-groups') end in `exit_code` with a short message on error. The
     outermost one also sets up logging for the command (`--verbose`: everything at INFO)."""
 
@@ -65,11 +69,11 @@ def _message(exc: Exception) -> str:
 def report(prefix: str, message: str, verbose: bool) -> None:
     """Print an error: its first line; the rest (detail) with `verbose`, else a pointer to it."""
     first, _, detail = message.strip().partition("\n")
-    console.print(f"{escape(prefix)}[red]error:[/red]", escape(first), highlight=False, soft_wrap=True)
+    errors.print(f"{escape(prefix)}[red]error:[/red]", escape(first), highlight=False, soft_wrap=True)
     if detail.strip() and verbose:
-        console.print(detail, markup=False, highlight=False, soft_wrap=True)
+        errors.print(detail, markup=False, highlight=False, soft_wrap=True)
     elif detail.strip():
-        console.print(
+        errors.print(
             f"  ({len(detail.strip().splitlines())} more lines of detail: `art-sky --verbose ...` shows them)",
             markup=False,
             highlight=False,

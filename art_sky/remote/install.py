@@ -48,7 +48,7 @@ class BootstrapOptions(BaseModel):
         "(e.g. torch==2.13.0: a CPU build), added to "
         "the tested GPU stack's with extras=gpu",
     )
-    port: int = Field(0, description="the server's port on the remote machine; 0 picks a free one")
+    port: int = Field(0, ge=0, le=65535, description="the server's port on the remote machine; 0 picks a free one")
     art_path: str = Field("art", description="checkpoint root, relative to remote_dir unless absolute")
     env: dict[str, str] = Field(
         default_factory=dict,
