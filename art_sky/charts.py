@@ -10,7 +10,8 @@ from pathlib import Path
 from art_sky.errors import ConfigError
 
 KL_NOT_MEASURED = (
-    "KL to the base model is measured when a step uses it\n(TrainConfig beta > 0, or ART's kl_penalty_coef > 0)"
+    "KL to the base model is not shown: it is measured when a step uses it (TrainConfig beta > 0, or ART's "
+    "kl_penalty_coef > 0)"
 )
 
 
@@ -24,9 +25,23 @@ def training_steps(history: list[dict]) -> list[dict]:
     return [steps[step] for step in sorted(steps)]
 
 
+def _series(key: str, entries: list[dict]) -> tuple[list[int], list[float]]:
+    points = [
+        (e["step"], float(e[key])) for e in entries if isinstance(e.get(key), int | float) and math.isfinite(e[key])
+    ]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def panels(history: list[dict]) -> list[str]:
+    """The panels a chart of `history` has: one per curve it holds (reward, loss, KL), never an empty one."""
+    rows = training_steps(history)
+    return [key for key in ("reward", "loss", "kl") if _series(f"train/{key}", rows)[0]]
+
+
 def draw(history: list[dict], path: Path, title: str) -> Path:
     """Draw reward (with its within-group spread, and validation rewards where logged), loss and KL against the
-    step to `path` (PNG). ConfigError when the history has no training step or matplotlib is missing."""
+    step to `path` (PNG), a panel for each that the history holds (KL's absence said below the chart). ConfigError
+    when the history has no training step or matplotlib is missing."""
     rows = training_steps(history)
     if not rows:
         raise ConfigError(
@@ -41,44 +56,41 @@ def draw(history: list[dict], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    def series(key: str, entries: list[dict] = rows) -> tuple[list[int], list[float]]:
-        points = [
-            (e["step"], float(e[key])) for e in entries if isinstance(e.get(key), int | float) and math.isfinite(e[key])
-        ]
-        return [s for s, _ in points], [v for _, v in points]
-
-    fig, (reward_ax, loss_ax, kl_ax) = plt.subplots(3, 1, figsize=(7, 7.5), sharex=True)
-    steps, reward = series("train/reward")
-    reward_ax.plot(steps, reward, marker="o", markersize=3, label="train reward (mean)")
-    spread_steps, spread = series("train/reward_std_dev")
-    if spread_steps == steps:
-        reward_ax.fill_between(
-            steps,
-            [r - s for r, s in zip(reward, spread, strict=False)],
-            [r + s for r, s in zip(reward, spread, strict=False)],
-            alpha=0.2,
-            label="± within-group std",
-        )
-    val_steps, val = series("val/reward", [e for e in history if isinstance(e.get("step"), int)])
-    if val_steps:
-        reward_ax.plot(val_steps, val, marker="s", markersize=4, linestyle="--", label="val reward")
-    reward_ax.set(ylabel="reward", title=title)
-    reward_ax.legend(loc="best", fontsize=8)
-    steps, loss = series("train/loss")
-    loss_ax.plot(steps, loss, marker="o", markersize=3, color="tab:red")
-    loss_ax.set(ylabel="loss")
-    steps, kl = series("train/kl")
-    if steps:
-        kl_ax.plot(steps, kl, marker="o", markersize=3, color="tab:green")
-    else:
-        kl_ax.text(
-            0.5, 0.5, KL_NOT_MEASURED, ha="center", va="center", transform=kl_ax.transAxes, fontsize=9, color="gray"
-        )
-    kl_ax.set(ylabel="KL (policy vs base)", xlabel="training step")
-    kl_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
-    for ax in (reward_ax, loss_ax, kl_ax):
-        ax.grid(alpha=0.3)
+    shown = panels(history) or ["reward"]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(7, 2.5 * len(shown) + 0.5), sharex=True, squeeze=False)
+    ax = dict(zip(shown, axes[:, 0], strict=True))
+    if "reward" in ax:
+        steps, reward = _series("train/reward", rows)
+        ax["reward"].plot(steps, reward, marker="o", markersize=3, label="train reward (mean)")
+        spread_steps, spread = _series("train/reward_std_dev", rows)
+        if spread_steps == steps:
+            ax["reward"].fill_between(
+                steps,
+                [r - s for r, s in zip(reward, spread, strict=False)],
+                [r + s for r, s in zip(reward, spread, strict=False)],
+                alpha=0.2,
+                label="± within-group std",
+            )
+        val_steps, val = _series("val/reward", [e for e in history if isinstance(e.get("step"), int)])
+        if val_steps:
+            ax["reward"].plot(val_steps, val, marker="s", markersize=4, linestyle="--", label="val reward")
+        ax["reward"].set(ylabel="reward")
+        ax["reward"].legend(loc="best", fontsize=8)
+    if "loss" in ax:
+        ax["loss"].plot(*_series("train/loss", rows), marker="o", markersize=3, color="tab:red")
+        ax["loss"].set(ylabel="loss")
+    if "kl" in ax:
+        ax["kl"].plot(*_series("train/kl", rows), marker="o", markersize=3, color="tab:green")
+        ax["kl"].set(ylabel="KL (policy vs base)")
+    axes[0, 0].set(title=title)
+    axes[-1, 0].set(xlabel="training step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+    for each in axes[:, 0]:
+        each.grid(alpha=0.3)
     fig.tight_layout()
+    if "kl" not in ax:
+        fig.subplots_adjust(bottom=fig.subplotpars.bottom + 0.25 / fig.get_figheight())
+        fig.text(0.5, 0.01, KL_NOT_MEASURED, ha="center", va="bottom", fontsize=8, color="gray")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

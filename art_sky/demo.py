@@ -4,6 +4,11 @@ The task: answer with digits. A randomly initialised model writes mostly noise b
 of its characters that are digits, and GRPO turns that into a model that answers in numbers. The mean reward per
 step is printed, and the run's reward, loss and KL are drawn to a PNG (art_sky/charts.py, as `art-sky plot`).
 
+Each step prints `step i/N`, its mean reward, the groups skipped, its time and one reply; the first skipped group
+and the first unprintable byte get a line that says what they are. Replies are shown as printable ASCII only: the
+random tiny model writes bytes, often partial UTF-8 (which the server can only decode to U+FFFD) and terminal
+control characters, which would garble the terminal.
+
 Each run trains a fresh model (the previous run's checkpoints of the demo model are removed, and said so), so the
 climb from ~0.06 shows every time; `resume=True` continues the previous run's model and says from which step. The
 demo keeps its checkpoints on this machine only: a configured object store (ART_SKY_CHECKPOINT_URI) is not used.
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import time
 from pathlib import Path
 
 import art_sky as art
@@ -85,7 +91,9 @@ async def run_demo(
             echo(f"resuming model {model.name} from step {start} (its checkpoints in {files}) on {device}")
         else:
             echo(f"model {model.name} on {device}, step 0")
+        report = StepReport(total=start + steps, groups=groups, group_size=group_size)
         for step in range(start, start + steps):
+            began = time.monotonic()
             batch = await art.gather_trajectory_groups(
                 (
                     art.TrajectoryGroup(
@@ -99,17 +107,53 @@ async def run_demo(
             rewards.append(mean)
             metrics = await model.train(batch, config=art.TrainConfig(learning_rate=learning_rate))
             sample = batch[0].trajectories[0].messages_and_choices[-1].message.content
-            echo(
-                f"step {step + 1:3d}  reward {mean:.3f} {_bar(mean)}  skipped {int(metrics['num_groups_skipped'])}"
-                f"/{groups}  e.g. {sample!r}"
-            )
+            for line in report.lines(
+                step + 1, mean, int(metrics["num_groups_skipped"]), time.monotonic() - began, sample
+            ):
+                echo(line)
         history = await backend.history(model.name)
     finally:
         await backend.close()
     if plot is not None and history:
         charts.draw(history, plot, f"art-sky demo: {model.name} learns to answer with digits")
-        echo(f"reward, loss and KL per step: {plot}")
+        curves = charts.panels(history)
+        echo(f"{' and '.join([', '.join(curves[:-1]), curves[-1]] if len(curves) > 1 else curves)} per step: {plot}")
     return rewards
+
+
+UNPRINTABLE = "·"  # shown for each character of a reply that is not printable ASCII
+
+
+def shown(text: str | None, limit: int = 32) -> str:
+    """A reply as a terminal can show it whatever it holds: printable ASCII kept, anything else one `·`."""
+    return "".join(c if " " <= c <= "~" else UNPRINTABLE for c in (text or "")[:limit])
+
+
+class StepReport:
+    """The demo's line per step, and the one-time lines that explain what a reader could not guess."""
+
+    def __init__(self, total: int, groups: int, group_size: int):
+        self.total, self.groups, self.group_size = total, groups, group_size
+        self.explained: set[str] = set()
+
+    def lines(self, step: int, mean: float, skipped: int, seconds: float, sample: str | None) -> list[str]:
+        reply = shown(sample)
+        lines = [
+            f"step {step:>{len(str(self.total))}}/{self.total}  reward {mean:.3f} {_bar(mean)}  "
+            f'skipped {skipped}/{self.groups}  {seconds:.1f}s  e.g. "{reply}"'
+        ]
+        if skipped and "skipped" not in self.explained:
+            self.explained.add("skipped")
+            lines.append(
+                f"  (skipped: a group whose {self.group_size} replies all earned the same reward; with no better or "
+                "worse reply in it, GRPO has nothing to learn from it, so it is left out of the step)"
+            )
+        if UNPRINTABLE in reply and "bytes" not in self.explained:
+            self.explained.add("bytes")
+            lines.append(
+                f"  ({UNPRINTABLE}: a byte that is no printable text; the untrained tiny model writes random bytes)"
+            )
+        return lines
 
 
 def _bar(value: float, width: int = 20) -> str:
