@@ -309,13 +309,16 @@ def _warn_unknown(from_file: dict[str, str | None]) -> None:
     found = [(name, "the environment") for name in os.environ] + [
         (name, str(Path(ENV_FILE).resolve())) for name in from_file
     ]
-    known = sorted(_known())
+    known = _known()
+    settings = {v.removeprefix("ART_SKY_"): v for v in known - NOT_SETTINGS if v.startswith("ART_SKY_")}
     for name, where in found:
         upper = name.upper()
         if not upper.startswith("ART_SKY_") or upper in known or (upper, where) in _warned:
             continue
         _warned.add((upper, where))
-        nearest = difflib.get_close_matches(upper, known, n=1, cutoff=0.75)
+        nearest = [
+            settings[n] for n in difflib.get_close_matches(upper.removeprefix("ART_SKY_"), list(settings), 1, 0.7)
+        ]
         log.warning(
             "%s (in %s) is not an art-sky setting and is ignored%s",
             name,

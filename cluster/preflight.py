@@ -109,7 +109,11 @@ def _check_hub_id(name: str) -> None:
         nearest = _own_like(name)
         raise ConfigError(
             f"base model {name!r} is not on the Hugging Face Hub: "
-            + (f"did you mean {nearest!r}?" if nearest else "check its id, or give the server HF_TOKEN if it is private")
+            + (
+                f"did you mean {nearest!r}?"
+                if nearest
+                else "check its id, or give the server HF_TOKEN if it is private"
+            )
         ) from None
     except Exception as exc:  # no route, no DNS, a proxy, a timeout: the Hub is not reachable from here
         if _is_http_answer(exc):

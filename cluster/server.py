@@ -58,10 +58,10 @@ from .inference.fleet import install as fleet_routes
 from .inference.gate import DeviceGate
 from .model_state import ModelState, create_model_state, device, restore_from_store
 from .node.gpu_sharing import sharing_of
-from .preflight import check_registration
 from .node.placement import Placement, place
 from .node.selection import select_engine, select_trainer, vllm_serves
 from .node.stack import installed_versions, stack_status
+from .preflight import check_registration
 from .steps import StepPlan, Steps
 from .sync import CheckpointSync
 from .training.grpo import group_advantages

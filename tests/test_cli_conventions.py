@@ -133,6 +133,125 @@ def test_a_down_that_cannot_reach_its_host_says_what_to_do_and_force_forgets(hom
     assert clusters.all_names(home) == []
 
 
+def test_no_key_and_no_agent_is_said_as_such(sshd, home, tmp_path, monkeypatch):
+    """Not "cannot reach ... within 20s": the host answered, and there was nothing to log in with."""
+    monkeypatch.setenv("HOME", str(tmp_path / "no-keys"))  # no ~/.ssh/id_* for paramiko to find
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    target = f"{sshd.target().user}@127.0.0.1:{sshd.port}"
+    result = cli("up", "box", "--host", target, "--python", BASE_PYTHON, "--remote-dir", str(tmp_path / "remote"))
+    assert result.exit_code == 1 and "error" not in result.stdout, result.output
+    assert result.stderr == (
+        f"error: no SSH key to log in to {target} with: no key file given, none in an ssh-agent (SSH_AUTH_SOCK is "
+        "not set) and none of ~/.ssh/id_ed25519, id_ecdsa, id_rsa exists: pass the private key whose public half "
+        "is in the host's ~/.ssh/authorized_keys (`--key PATH`; key_path= in Python), or `ssh-add` it\n"
+    )
+
+
+# -- conventions (issue 37) ------------------------------------------------------------------------------------
+
+
+def command_paths() -> list[list[str]]:
+    """Every command and group, as the words after `art-sky` ([] for art-sky itself)."""
+    import typer
+
+    paths: list[list[str]] = []
+
+    def walk(command, path: list[str]) -> None:
+        paths.append(path)
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return paths
+
+
+def helps(command) -> list[str]:
+    """The help paragraphs a command's page shows, as one line each: its own, each option's and argument's, and
+    the first paragraph of each command a group lists."""
+    from art_sky.cli.conventions import unwrapped
+
+    texts = [command.help or ""] + [p.help or "" for p in command.params if getattr(p, "help", None)]
+    texts += [(sub.help or "").split("\n\n")[0] for sub in getattr(command, "commands", {}).values()]
+    return [" ".join(p.split()) for text in texts for p in (unwrapped(text) or "").split("\n\n") if p.strip()]
+
+
+def test_help_is_h_and_help_everywhere_wraps_to_the_terminal_and_shows_no_bool_type():
+    """`-h` and `--help` on every command; lines fit 40, 80 and 200 columns; on a page wide enough for every text
+    each is one line (no break from a docstring's layout); a flag shows no `<bool>` metavar."""
+    import typer
+
+    root = typer.main.get_command(app)
+    for path in command_paths():
+        command = root
+        for name in path:
+            command = command.commands[name]
+        for width in (40, 80, 200, 1000):
+            result = CliRunner().invoke(app, [*path, "-h"], env={"COLUMNS": str(width)}, prog_name="art-sky")
+            assert result.exit_code == 0 and "Usage: art-sky" in result.stdout, (path, result.output)
+            lines = result.stdout.splitlines()
+            assert all(len(line) <= width for line in lines), (path, width, result.stdout)
+            assert "<bool>" not in result.stdout, (path, result.stdout)
+            if width == 1000:
+                flat = [" ".join(line.split()) for line in lines]
+                for text in helps(command):
+                    assert any(text in line for line in flat), (path, text, result.stdout)
+        assert CliRunner().invoke(app, [*path, "--help"]).stdout == CliRunner().invoke(app, [*path, "-h"]).stdout
+
+
+def test_version_and_errors_on_stderr(home):
+    from art_sky import __version__
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert (result.exit_code, result.stdout, result.stderr) == (0, f"art-sky {__version__}\n", "")
+    result = CliRunner().invoke(app, ["down", "nothere"])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr == "error: no cluster named 'nothere' (known: none): start one with `art-sky up nothere`\n"
+    result = CliRunner().invoke(app, ["up", "--local", "--port", "70000"])  # a usage error: typer's, on stderr
+    assert result.exit_code == 2 and result.stdout == "" and "Invalid value for '--port'" in result.stderr
+    assert "70000" in result.stderr or "65535" in result.stderr
+
+
+def test_the_launch_plan_says_what_would_be_rented_from_skypilots_own_table():
+    """What `art-sky up` shows before it asks (tests/test_skypilot.py asks it of the local Slurm): the ask, and
+    SkyPilot's choice and price read from its optimizer table as SkyPilot printed it."""
+    from art_sky.provisioners.sky_plan import LaunchPlan, chosen_row
+
+    table = (
+        "Considered resources (2 nodes):\n" + "-" * 80 + "\n"
+        " INFRA              INSTANCE         vCPUs   Mem(GB)   GPUS     COST ($)   CHOSEN   \n" + "-" * 80 + "\n"
+        " AWS (us-east-1)    p5.48xlarge      192     2048      H100:8   196.64        \x1b[32m   ✔\x1b[0m     \n"
+        " GCP (us-central1)  a3-highgpu-8g    208     1872      H100:8   176.40                 \n"
+    )
+    chosen = chosen_row(table)
+    assert chosen == {
+        "INFRA": "AWS (us-east-1)",
+        "INSTANCE": "p5.48xlarge",
+        "vCPUs": "192",
+        "Mem(GB)": "2048",
+        "GPUS": "H100:8",
+        "COST ($)": "196.64",
+    }
+    plan = LaunchPlan(
+        cluster="rl", gpus=["H100:8", "A100-80GB:8"], nodes=2, spot=True, infra=None, autostop_minutes=60, chosen=chosen
+    )
+    assert plan.lines() == [
+        "SkyPilot cluster 'rl' is not up: launching it rents",
+        "  GPUs:     H100:8, then A100-80GB:8 per node",
+        "  nodes:    2",
+        "  spot:     yes (cheaper; can be preempted)",
+        "  where:    AWS (us-east-1), instance p5.48xlarge",
+        "  price:    $196.64/hour (SkyPilot's price)",
+        "  autostop: torn down after 60 idle minutes",
+    ]
+    unknown = LaunchPlan(cluster="x", gpus=None, nodes=1, spot=False, infra="k8s", autostop_minutes=None)
+    assert unknown.lines()[4:] == [
+        "  where:    k8s",
+        "  price:    unknown (SkyPilot shows none)",
+        "  autostop: off: it runs, and bills, until `art-sky down x`",
+    ]
+    assert chosen_row("no table here") == {}
+
+
 # -- tables ----------------------------------------------------------------------------------------------------
 
 
@@ -373,5 +492,5 @@ def test_the_demo_climbs_again_in_the_same_folder(tmp_path):
     for rewards in (first, second):
         assert rewards[0] < 0.3 and max(rewards[-2:]) >= rewards[0] + 0.3, (first, second)
     output, resumed = demo(tmp_path, "--steps", "1", "--resume", "--plot", str(tmp_path / "resumed.png"))
-    assert "resuming model digits-0 from step 8" in output and "step   9" in output
+    assert "resuming model digits-0 from step 8" in output and "step 9/9" in output
     assert resumed[0] >= second[0] + 0.3

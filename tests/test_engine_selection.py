@@ -39,7 +39,9 @@ def test_forced_engine_that_cannot_run_is_a_config_error(installed, tmp_path):
     installed()
     with pytest.raises(ConfigError, match="vllm is not installed"):
         selection.select_engine(Settings(engine="vllm"), tmp_path, "key")
-    with pytest.raises(ConfigError, match=r"Settings\(engine='sglang'\) is not a valid setting: use one of auto, vllm, portable$"):
+    with pytest.raises(
+        ConfigError, match=r"Settings\(engine='sglang'\) is not a valid setting: use one of auto, vllm, portable$"
+    ):
         Settings(engine="sglang")  # a choice is checked once, where it is read
     installed("vllm")
     assert isinstance(selection.select_engine(Settings(engine="portable"), tmp_path, "key"), PortableEngine)
@@ -50,7 +52,9 @@ def test_unsloth_only_with_cuda(installed):
     assert type(selection.select_trainer(Settings(trainer="auto"))) is PeftTrainer
     with pytest.raises(ConfigError, match="needs CUDA"):
         selection.select_trainer(Settings(trainer="unsloth"))
-    with pytest.raises(ConfigError, match=r"Settings\(trainer='trl'\) is not a valid setting: use one of auto, unsloth, peft"):
+    with pytest.raises(
+        ConfigError, match=r"Settings\(trainer='trl'\) is not a valid setting: use one of auto, unsloth, peft"
+    ):
         Settings(trainer="trl")
 
 

@@ -94,7 +94,9 @@ def test_settings_override_the_layout():
         choose(node(1), Settings(gpu_layout="dedicated"), vllm=True)
     with pytest.raises(ConfigError, match="ART_SKY_GPU_LAYOUT=dedicated .* portable"):
         choose(node(8), Settings(gpu_layout="dedicated"), vllm=False)
-    with pytest.raises(ConfigError, match=r"Settings\(gpu_layout='split'\) is not a valid setting: use one of auto, shared, dedicated"):
+    with pytest.raises(
+        ConfigError, match=r"Settings\(gpu_layout='split'\) is not a valid setting: use one of auto, shared, dedicated"
+    ):
         Settings(gpu_layout="split")
     with pytest.raises(ConfigError, match="ART_SKY_TRAINER_GPUS=8 leaves none of a node's 8 GPUs for vLLM.*at most 7"):
         choose(node(8), Settings(trainer_gpus=8), vllm=True)

@@ -240,13 +240,12 @@ async def test_a_base_model_that_cannot_load_is_refused_at_once_saying_the_fix(s
         assert time.monotonic() - started < 10, base_model
         assert (response.status_code, response.json()) == (422, {"detail": message, "code": "invalid"})
     started = time.monotonic()
-    response = await server.post(
-        "/art/models", json={"name": "other", "project": "p", "base_model": "Qwen/Qwen3-0.6B"}
-    )
+    response = await server.post("/art/models", json={"name": "other", "project": "p", "base_model": "Qwen/Qwen3-0.6B"})
     assert time.monotonic() - started < 10
     reason, _, fix = response.json()["detail"].partition("): ")
     assert response.status_code == 422 and reason.startswith(
-        "base model 'Qwen/Qwen3-0.6B' is a hub id, and this node cannot reach the Hugging Face Hub (http://127.0.0.1:9: "
+        "base model 'Qwen/Qwen3-0.6B' is a hub id, and this node cannot reach the Hugging Face Hub "
+        "(http://127.0.0.1:9: "
     ), reason
     assert fix == (
         "give a local model directory on the cluster, download it into the node's Hugging Face cache first (`hf "

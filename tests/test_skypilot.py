@@ -5,9 +5,12 @@ the Python API (launch, reuse, restart, down), one for the CLI."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import pty
 import re
 import secrets
+import select
 import subprocess
 import sys
 import time
@@ -188,6 +191,44 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
     assert CLUSTER not in clusters.all_names(restarted.settings.home)
 
 
+@dataclasses.dataclass
+class Answered:
+    returncode: int
+    output: str
+
+
+def answered_in_terminal(argv: list[str], question: str, answer: str, timeout: float = LIMIT) -> Answered:
+    """Run `argv` on a pseudo-terminal (a user at a prompt), type `answer` once `question` shows, read the rest."""
+    leader, follower = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")} | {"TERM": "dumb", "COLUMNS": "200"}
+    process = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    output, deadline, typed = b"", time.monotonic() + timeout, False
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closed: the process is done
+                break
+            if not chunk:
+                break
+            output += chunk
+            if not typed and question.encode() in output:
+                os.write(leader, f"{answer}\n".encode())
+                typed = True
+        else:
+            pytest.fail(f"{argv} did not end within {timeout:.0f}s (typed: {typed}):\n{output.decode()}")
+        return Answered(process.wait(60), output.decode(errors="replace").replace("\r\n", "\n"))
+    finally:
+        os.close(leader)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.slow
 def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
     monkeypatch.setattr(console, "width", 200)
@@ -206,6 +247,31 @@ def test_cli_up_train_through_the_tunnel_status_logs_down(cluster, monkeypatch):
         "--autostop",
         "0",
     ]
+    # Before renting, `up` says what it would launch, with SkyPilot's choice and price, and asks: in a terminal
+    # "no" launches nothing; where there is no terminal to ask on (here: CliRunner's stdin) it refuses at once.
+    plan = [
+        f"SkyPilot cluster '{CLI_CLUSTER}' is not up: launching it rents",
+        "  GPUs:     none (CPUs only)",
+        "  nodes:    1",
+        "  spot:     no (on-demand)",
+        "  where:    Slurm (localcluster)",
+        "  price:    $0.00/hour (SkyPilot's price)",
+        f"  autostop: off: it runs, and bills, until `art-sky down {CLI_CLUSTER}`",
+    ]
+    asked = answered_in_terminal([sys.executable, "-m", "art_sky.cli", *up], "Launch it? [y/N]:", "n")
+    assert all(line in asked.output.splitlines() for line in plan), asked.output
+    assert asked.returncode == 1 and "not launched: nothing was rented" in asked.output, asked.output
+    refused = runner.invoke(app, up)
+    assert refused.exit_code == 1, refused.output
+    assert all(line in refused.stdout.splitlines() for line in plan), refused.output
+    assert refused.stderr == (
+        f"error: not launching '{CLI_CLUSTER}': art-sky asks before it rents a cluster, and there is no terminal to "
+        "ask on (stdin is not one): pass --yes to launch without asking\n"
+    )
+    assert not slurm_harness.slurm_jobs(CLI_CLUSTER)
+    assert asyncio.run(provisioner.cluster_status(CLI_CLUSTER)) is None
+
+    up.append("--yes")
     for _ in range(6):  # the one local node may be full of other test runs' clusters for a while
         result = runner.invoke(app, up)
         if "found no resources" not in result.output:

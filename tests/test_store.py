@@ -232,7 +232,10 @@ async def test_register_refuses_a_store_without_its_bucket_or_credentials_before
 def test_half_a_credential_pair_is_named_by_its_missing_variable(s3_server, monkeypatch):
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
-    for missing, beside in (("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"), ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")):
+    for missing, beside in (
+        ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"),
+        ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+    ):
         with monkeypatch.context() as patch:
             patch.delenv(missing)
             with pytest.raises(CheckpointStoreError) as caught:

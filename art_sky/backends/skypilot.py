@@ -24,6 +24,7 @@ from art_sky.errors import BackendUnavailableError, ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.provisioners import sky as provisioner
 from art_sky.provisioners.sky_env import sky_cli
+from art_sky.provisioners.sky_plan import LaunchPlan, chosen_row
 from art_sky.provisioners.sky_task import SERVER_DIR, ClusterSpec, render_task, validate_task
 from art_sky.remote.runner import first_line
 from art_sky.remote.wheel import build_wheel
@@ -255,6 +256,27 @@ class SkyPilotBackend(SSHBackend):
 
         home = await asyncio.to_thread(self.machine_runner().run, f'echo "$HOME/{SERVER_DIR}"', timeout=30)
         return ServerLayout.under(home.stdout.strip())
+
+    async def launch_plan(self) -> LaunchPlan | None:
+        """What starting this backend would rent (the ask, SkyPilot's choice and its price), or None where nothing
+        new is rented: the cluster is up (its server is reused or restarted)."""
+        if self.spec is None or await provisioner.cluster_status(self.cluster_name) == "UP":
+            return None
+        # The optimizer reads the resources only: no wheel built, no secret sent, a placeholder install.
+        spec = self.spec.model_copy(update={"secrets": {}, "python": self.spec.python or "python3"})
+        task = await asyncio.to_thread(validate_task, render_task(spec, SecretStr("unused")))
+        table = await provisioner.plan(self.cluster_name, task)
+        gpus = [spec.gpu] if isinstance(spec.gpu, str) else spec.gpu
+        return LaunchPlan(
+            cluster=self.cluster_name,
+            gpus=gpus,
+            nodes=spec.num_nodes,
+            spot=spec.spot,
+            infra=spec.infra,
+            autostop_minutes=spec.autostop_minutes,
+            chosen=chosen_row(table),
+            table=table,
+        )
 
     async def _end(self, layout: ServerLayout, state: str | None) -> str:
         await provisioner.down(self.cluster_name)

@@ -16,7 +16,6 @@ from typing import NoReturn
 
 import typer
 from typer._click import Context  # typer's vendored click: what a command's methods get (typer.Context subclasses it)
-from typer.core import TyperCommand
 
 from art_sky import clusters
 from art_sky.backends import ClusterBackend, LocalBackend, SkyPilotBackend, SSHBackend, attach
@@ -25,7 +24,9 @@ from art_sky.provisioners.sky_task import parse_gpus
 from art_sky.remote.install import BootstrapOptions
 from art_sky.settings import Settings
 
+from .conventions import Command
 from .errors import console
+from .launch import confirm_launch
 from .status import status_command
 
 SKY, HOST = "SkyPilot cluster (default)", "SSH host (--host) and this machine (--local)"
@@ -54,7 +55,7 @@ def cluster_name(argument: str | None, option: str | None) -> str:
     return clusters.check_name(argument or option or DEFAULT_NAME)
 
 
-class CommandAfterDashes(TyperCommand):
+class CommandAfterDashes(Command):
     """`art-sky ssh NAME -- COMMAND...`: everything after `--` is the command, so `art-sky ssh -- ls` runs `ls` on
     the default cluster rather than taking `ls` for a cluster's name."""
 
@@ -162,9 +163,20 @@ def up(
         Path(".art"), help="--local: the checkpoint root (ART's .art, as LocalBackend's)", rich_help_panel=HOST
     ),
     port: int = typer.Option(
-        0, help="the server's port on the host (it binds 127.0.0.1 only); 0 picks a free one", rich_help_panel=HOST
+        0,
+        min=0,
+        max=65535,
+        help="the server's port on the host (it binds 127.0.0.1 only); 0 picks a free one",
+        rich_help_panel=HOST,
     ),
     force_restart: bool = typer.Option(False, help="restart the server even if one is up with this version"),
+    yes: bool = typer.Option(
+        False,
+        "--yes",
+        "-y",
+        help="launch without asking first (needed where stdin is no terminal: CI, scripts)",
+        rich_help_panel=SKY,
+    ),
 ) -> None:
     """Start a cluster server: on a SkyPilot cluster (launched or reused), an SSH host, or this machine."""
     name = cluster_name(name, name_option)
@@ -210,6 +222,8 @@ def up(
         if not force_restart and asyncio.run(_answers(attach(name, settings=settings, recover=False))):
             console.print(f"cluster {name!r} is already up (same version); --force-restart restarts it")
             return
+    if isinstance(backend, SkyPilotBackend):
+        confirm_launch(backend, yes)  # what it would rent, asked before renting
     console.print(f"starting the cluster server on {backend.where} ...")  # (SkyPilot streams its own progress)
     record = asyncio.run(_start(backend, name))
     console.print(
@@ -295,7 +309,7 @@ async def _logs(backend: ClusterBackend, lines: int) -> str:
 def tunnel(
     name: str | None = NAME,
     name_option: str | None = NAME_OPTION,
-    local_port: int = typer.Option(0, help="local port on 127.0.0.1; 0 picks one"),
+    local_port: int = typer.Option(0, min=0, max=65535, help="local port on 127.0.0.1; 0 picks one"),
 ) -> None:
     """Hold a tunnel to the cluster's server in the foreground (Ctrl-C ends it); prints base URL and API key."""
     backend = attach(cluster_name(name, name_option), local_port=local_port, recover=False)

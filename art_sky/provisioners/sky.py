@@ -298,6 +298,29 @@ async def launch_job(
     )
 
 
+async def plan(cluster_name: str, task: dict[str, Any]) -> str:
+    """SkyPilot's optimizer table for launching `task` (what `sky launch` shows before it asks): its candidates,
+    their prices and its choice (sky_plan.py reads it). Nothing is launched."""
+    await check_infra(task)
+    table = _Text()
+    await _call(f"plan a launch of {cluster_name}", "plan", output=table, config=task)
+    return "".join(table.parts)
+
+
+class _Text:
+    """An Output that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str, /) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
 async def cancel_request(request_id: str) -> None:
     """Abort a request still running on the API server (a launch being torn down)."""
     await _call("cancel a request", "api_cancel", request_id=request_id)

@@ -114,6 +114,11 @@ def run(op: str, args: dict):
             }
             for r in request(sdk.status, args["names"], refresh=refresh_mode(args.get("refresh", False)))
         ]
+    if op == "plan":  # what `sky launch` shows before it asks: SkyPilot's optimizer table, its prices
+        from sky.utils import dag_utils
+
+        request(sdk.optimize, dag_utils.convert_entrypoint_to_dag(task(args["config"])), stream=True)
+        return None
     if op == "launch":
         job_id, handle = request(sdk.launch, task(args["config"]), cluster_name=args["cluster"], stream=True)
         resources = handle.launched_resources
