@@ -100,7 +100,9 @@ def test_settings_override_the_layout():
         Settings(gpu_layout="split")
     with pytest.raises(ConfigError, match="ART_SKY_TRAINER_GPUS=8 leaves none of a node's 8 GPUs for vLLM.*at most 7"):
         choose(node(8), Settings(trainer_gpus=8), vllm=True)
-    with pytest.raises(ValueError, match="trainer_gpus"):
+    with pytest.raises(
+        ConfigError, match=r"Settings\(trainer_gpus=0\) is not a valid setting: input should be greater"
+    ):
         Settings(trainer_gpus=0)
 
 
