@@ -211,10 +211,13 @@ def test_no_table_shows_an_escaped_pipe(site):
 
 @pytest.mark.slow
 def test_code_wraps_instead_of_being_clipped(site):
-    """Every page loads docs/stylesheets/extra.css, whose rule wraps the lines of every code block."""
+    """Every page loads docs/stylesheets/extra.css, whose rules wrap the lines of every code block and scroll
+    captured output (```text) with a scrollbar always drawn."""
     css = (site / "stylesheets" / "extra.css").read_text()
     rule = re.search(r"\.md-typeset pre > code \{([^}]*)\}", css)
     assert rule and "white-space: pre-wrap" in rule[1] and "overflow-wrap: anywhere" in rule[1], css
+    output = re.search(r"\.md-typeset \.language-text pre > code \{([^}]*)\}", css)  # captured output scrolls
+    assert output and "white-space: pre;" in output[1] and "overflow-x: auto" in output[1], css
     for page in site.rglob("*.html"):
         assert re.search(r'<link rel="stylesheet" href="(/|(\.\./)*)stylesheets/extra\.css', page.read_text()), page
 
