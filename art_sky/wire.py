@@ -23,6 +23,7 @@ TOKEN_ID_LIMIT = 2**31  # no vocabulary is larger; each model's own size is chec
 TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 Logprob = Annotated[float, Field(le=0, allow_inf_nan=False)]
 Metric = Annotated[float, Field(allow_inf_nan=False)]
+ModuleName = Annotated[str, Field(min_length=1, max_length=256)]  # a module of the model a LoRA targets (q_proj)
 RequestId = Annotated[
     str,
     Field(
@@ -41,7 +42,7 @@ class TrainConfig(_Strict):
     """Hyper-parameters of one `train()` call, with ART's names (`learning_rate`, `beta`, and ART 0.5's
     `loss_fn`, `epsilon`, `epsilon_high`, `kl_penalty_coef`, `scale_rewards`)."""
 
-    learning_rate: float = Field(5e-6, gt=0, le=1)
+    learning_rate: float = Field(5e-6, gt=0, le=1, description="the optimizer's (AdamW) step size for this step")
     loss_fn: Literal["ppo", "cispo"] = Field(
         "ppo",
         description="ppo: clipped ratio times advantage; cispo: clipped, detached ratio times advantage "
@@ -62,7 +63,7 @@ class TrainConfig(_Strict):
         None, gt=0, le=1e3, description="upper clip: ratio <= 1 + epsilon_high (default epsilon)"
     )
     scale_rewards: bool = Field(True, description="divide each group's advantages by its reward std")
-    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="gradients are clipped to this global norm")
     allow_training_without_logprobs: bool = Field(
         False,
         description="ART's: assistant turns written as dicts train too, rendered by the chat template "
@@ -115,21 +116,28 @@ class TrainSFTConfig(BaseModel):
     """ART's `TrainSFTConfig`: one learning rate or one per batch, trajectories per batch ("auto": 2, as ART's
     LocalBackend), and which assistant turns train (every one, or each conversation's last)."""
 
-    learning_rate: float | list[float] = 5e-5
-    batch_size: int | Literal["auto"] = "auto"
-    assistant_turns: Literal["all", "last"] = "all"
+    learning_rate: float | list[float] = Field(5e-5, description="one learning rate, or one per batch")
+    batch_size: int | Literal["auto"] = Field("auto", description='trajectories per optimizer step ("auto": 2)')
+    assistant_turns: Literal["all", "last"] = Field(
+        "all", description="which assistant turns train: every one, or each conversation's last"
+    )
 
 
 class ModelConfig(_Strict):
     """LoRA settings of a trainable model, fixed at registration."""
 
-    lora_rank: int = Field(8, ge=1, le=512)
-    lora_alpha: int = Field(16, ge=1, le=4096)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+    lora_rank: int = Field(8, ge=1, le=512, description="the LoRA's rank r: its matrices are d x r and r x d")
+    lora_alpha: int = Field(16, ge=1, le=4096, description="the LoRA's scale: its update is multiplied by alpha / r")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA's input while training")
+    target_modules: list[ModuleName] | None = Field(
         None, min_length=1, max_length=256, description="default: every attention and MLP projection"
     )
-    max_seq_length: int = Field(8192, ge=16, le=1 << 20)
+    max_seq_length: int = Field(
+        8192,
+        ge=16,
+        le=1 << 20,
+        description="the longest sequence (prompt and completion, in tokens) it serves and trains",
+    )
 
 
 class TrainerRendezvous(_Strict):
@@ -540,7 +548,7 @@ class SFTRequest(_Strict):
     trajectories: list[WireTrajectory] = Field(min_length=1)
     batch_size: int = Field(2, ge=1)
     learning_rates: list[float] = Field(min_length=1, description="one per batch, or one for all")
-    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="gradients are clipped to this global norm")
     assistant_turns: Literal["all", "last"] = Field(
         "all", description="ART's: train every assistant turn, or only each conversation's last one"
     )

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import httpx
 from openai import AsyncOpenAI
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from art_sky.dev import InternalModelConfig, LoRAConfig
 from art_sky.dev import TrainSFTConfig as DevTrainSFTConfig
@@ -86,13 +86,15 @@ class Model(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a misspelt option is an error
 
-    name: str
-    project: str
-    inference_model_name: str | None = None
-    inference_api_key: str | None = None
-    inference_base_url: str | None = None
-    trainable: bool = False
-    report_metrics: list[str] | None = None
+    name: str = Field(description="the model's name: what completions ask for, and its checkpoints' folder")
+    project: str = Field(description="groups models: checkpoints and history under `<project>/models/<name>`")
+    inference_model_name: str | None = Field(None, description="the name the endpoint serves it as (set by register)")
+    inference_api_key: str | None = Field(None, description="the endpoint's key (set by register)")
+    inference_base_url: str | None = Field(None, description="the OpenAI-compatible endpoint (set by register)")
+    trainable: bool = Field(False, description="whether this model trains (a TrainableModel)")
+    report_metrics: list[str] | None = Field(
+        None, description='where metrics go besides the server: None (by the keys set), ["wandb"], ["langfuse"], []'
+    )
     _backend: Backend | None = PrivateAttr(None)
     _openai: AsyncOpenAI | None = PrivateAttr(None)
     _sampling: InFlight = PrivateAttr(default_factory=lambda: InFlight())
@@ -204,20 +206,37 @@ class Model(BaseModel):
 
 
 class TrainableModel(Model):
-    """A LoRA on `base_model`, served and trained by the backend it is registered with."""
+    """A LoRA on `base_model`, served and trained by the backend it is registered with.
 
-    base_model: str
-    config: ModelConfig | None = None
-    run_name: str | None = None  # ART's lineage: checkpoints and history under this name (a new one starts at step 0)
-    lora_config: LoRAConfig | None = None  # ART 0.5.20's LoRA settings, where `config` gives none
-    trainable: bool = True
+    ART's `_internal_config=` (art_sky.dev.InternalModelConfig) is taken too, as ART takes it: a private setting
+    whose LoRA settings apply where `config` gives none."""
+
+    base_model: str = Field(
+        description="the Hugging Face model the LoRA trains on: a hub id (Qwen/Qwen2.5-1.5B-Instruct), a directory "
+        "on the server's machine, or art-sky/tiny (built from code, for CPUs)"
+    )
+    config: ModelConfig | None = Field(None, description="the LoRA's rank, alpha, targets and sequence length")
+    run_name: str | None = Field(
+        None,
+        description="ART's lineage: checkpoints and history under this name (a new one starts at step 0)",
+    )
+    lora_config: LoRAConfig | None = Field(None, description="ART 0.5.20's LoRA settings, where `config` gives none")
+    trainable: bool = Field(True, description="always True: this model trains")
     _internal_config: InternalModelConfig | None = PrivateAttr(None)
 
-    def __init__(self, *, _internal_config: InternalModelConfig | None = None, **fields: Any):
-        """ART's `_internal_config` (art_sky.dev.InternalModelConfig) is taken as ART takes it: its LoRA settings
-        apply where `config` gives none."""
-        super().__init__(**fields)
-        self._internal_config = _internal_config
+    @model_validator(mode="wrap")
+    @classmethod
+    def _art_internal_config(cls, data: Any, handler: ModelWrapValidatorHandler[TrainableModel]) -> TrainableModel:
+        """`_internal_config=` is no field (pydantic keeps names with `_` private), so it is taken out of the
+        arguments here: the fields alone make the signature that IDEs and the docs show."""
+        internal = None
+        if isinstance(data, dict) and "_internal_config" in data:
+            data = dict(data)
+            internal = data.pop("_internal_config")
+        model = handler(data)
+        if internal is not None:
+            model._internal_config = internal
+        return model
 
     async def register(self, backend: Backend) -> None:
         await super().register(backend)

@@ -27,9 +27,9 @@ class History(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    messages_and_choices: list[MessageOrChoice]
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # as the Trajectory's
+    messages_and_choices: list[MessageOrChoice] = Field(description="as the Trajectory's")
+    tools: list[dict[str, Any]] | None = Field(None, description="as the Trajectory's")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="as the Trajectory's")
 
     def messages(self) -> list[dict[str, Any]]:
         return _messages(self.messages_and_choices)
@@ -41,20 +41,37 @@ class Trajectory(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    messages_and_choices: list[MessageOrChoice] = []
-    tools: list[dict[str, Any]] | None = None
-    # The chat template's arguments the completions were requested with (`extra_body={"chat_template_kwargs": ...}`):
-    # a turn that came back without its token ids is rendered for training with them, as it was sampled.
-    chat_template_kwargs: dict[str, Any] | None = None
-    additional_histories: list[History] = []
-    reward: float = 0.0
-    initial_policy_version: int | None = None
-    final_policy_version: int | None = None
-    metrics: dict[str, float | int | bool] = {}
-    metadata: dict[str, float | int | str | bool | None] = {}
-    logs: list[str] = []
-    start_time: datetime = Field(default_factory=datetime.now)
-    end_time: datetime | None = None
+    messages_and_choices: list[MessageOrChoice] = Field(
+        [],
+        description="the conversation in order: message dicts (context) and what the client returned for each "
+        "sampled turn (an openai Choice or ChatCompletion, litellm's, a LangChain AIMessage), which trains",
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="the tools the completions were requested with (OpenAI's format)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="the chat template's arguments the completions were requested with (`extra_body={\"chat_template_"
+        'kwargs": ...}`): a turn that came back without its token ids is rendered for training with them, as it '
+        "was sampled",
+    )
+    additional_histories: list[History] = Field(
+        [], description="further conversations of this rollout, each trained as a sequence of its own with its reward"
+    )
+    reward: float = Field(0.0, description="the rollout's score: GRPO's advantage is it against its group's mean")
+    initial_policy_version: int | None = Field(
+        None, description="ART's: the step that sampled it, where its choices do not say (client/pipeline.py)"
+    )
+    final_policy_version: int | None = Field(None, description="ART's; kept, not read")
+    metrics: dict[str, float | int | bool] = Field(
+        {}, description="numbers of this rollout: each step's history has their mean (and Langfuse each as a score)"
+    )
+    metadata: dict[str, float | int | str | bool | None] = Field(
+        {}, description="ART's: the rollout's Langfuse trace carries it (where the model traces to Langfuse)"
+    )
+    logs: list[str] = Field([], description="lines `log()` added (ART's); kept, not read")
+    start_time: datetime = Field(default_factory=datetime.now, description="when it was made")
+    end_time: datetime | None = Field(None, description="when `finish()` was called")
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as plain message dicts, choices turned into assistant messages."""
@@ -80,11 +97,11 @@ class TrajectoryGroup(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    trajectories: list[Trajectory] = []
-    exceptions: list[BaseException] = []
-    metadata: dict[str, float | int | str | bool | None] = {}
-    metrics: dict[str, float | int | bool] = {}
-    logs: list[str] = []
+    trajectories: list[Trajectory] = Field([], description="the rollouts GRPO compares (at least 2 to train)")
+    exceptions: list[BaseException] = Field([], description="the rollouts that raised, kept apart (exception_rate)")
+    metadata: dict[str, float | int | str | bool | None] = Field({}, description="ART's; kept, not read")
+    metrics: dict[str, float | int | bool] = Field({}, description="ART's group-level metrics; kept, not read")
+    logs: list[str] = Field([], description="lines `log()` added (ART's); kept, not read")
     _pending: list[Awaitable[Trajectory]] = PrivateAttr(default_factory=list)
 
     def __init__(

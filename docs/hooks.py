@@ -1,6 +1,7 @@
-"""MkDocs hooks (mkdocs.yml `hooks`): what the site generates from the code when it is built. The reference pages'
-generated parts (docs/reference_pages.py) are appended to their hand-written introductions; the repository files
-the pages link to are published under files/; the package is laid out as it installs, for mkdocstrings."""
+"""MkDocs hooks (mkdocs.yml `hooks`): what the site generates from the code when it is built. The settings, CLI and
+HTTP reference pages' generated parts (docs/reference_pages.py) are appended to their hand-written introductions;
+the repository files the pages link to are published under files/; the package is laid out as it installs, for
+mkdocstrings (which renders the Python API page's `:::` entries itself)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ API_TREE = ROOT / "build" / "docs-api" / "art_sky"
 GENERATED = {
     "reference/settings.md": reference_pages.settings_markdown,
     "reference/cli.md": reference_pages.cli_markdown,
-    "reference/python-api.md": reference_pages.python_api_markdown,
 }
 openapi: dict = {}
 

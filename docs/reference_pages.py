@@ -1,7 +1,7 @@
 """The reference pages' generated parts, as Markdown, read from the code itself: every setting from `Settings`, every
-command from the typer app, every route from the server's OpenAPI document, every public name from
-`art_sky.__all__`. docs/hooks.py puts them into the site at build time, so none can be missing or stale;
-tests/test_docs.py checks each reaches the site."""
+command from the typer app, every route from the server's OpenAPI document. docs/hooks.py puts them into the site at
+build time, so none can be missing or stale; tests/test_docs.py checks each reaches the site. The Python API page is
+mkdocstrings' (reference/python-api.md); `public_names` is what it must hold."""
 
 from __future__ import annotations
 
@@ -207,12 +207,8 @@ def _anchor(method: str, path: str) -> str:
 
 # -- Python API -------------------------------------------------------------------------------------------------
 def public_names() -> list[str]:
-    """art_sky's public names: classes first, then functions and modules."""
+    """art_sky's public names, which reference/python-api.md renders with mkdocstrings (tests/test_docs.py checks
+    each is there)."""
     import art_sky
 
-    return sorted((n for n in art_sky.__all__ if not n.startswith("_")), key=lambda n: (n[0].islower(), n))
-
-
-def python_api_markdown() -> str:
-    """Each public name, for mkdocstrings to render from its docstrings."""
-    return "".join(f"\n::: art_sky.{name}\n" for name in public_names())
+    return sorted(n for n in art_sky.__all__ if not n.startswith("_"))

@@ -1,6 +1,7 @@
 """The Python code blocks of the README and the docs pages, with what the line above each says of it (the convention
-in docs/development.md): `<!-- docs: run -->`, executed by tests/test_docs_examples.py, or
-`<!-- docs: illustration: REASON -->`, not run, for the reason given."""
+in docs/development.md): `<!-- docs: run -->` (or `<!-- docs: run with cluster NAME -->`, a program for a cluster
+`art-sky up NAME` started), executed by tests/test_docs_examples.py, or `<!-- docs: illustration: REASON -->`, not
+run, for the reason given."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKER = re.compile(r"<!-- docs: (?:(?P<run>run)|illustration: (?P<reason>\S.*?)) -->")
+MARKER = re.compile(
+    r"<!-- docs: (?:(?P<run>run)(?: with cluster (?P<cluster>[A-Za-z0-9][A-Za-z0-9-]*))?"
+    r"|illustration: (?P<reason>\S.*?)) -->"
+)
 FENCE = re.compile(r"(?P<indent> *)```python\s*$")
 
 
@@ -24,6 +28,12 @@ class Block:
     def runs(self) -> bool:
         match = MARKER.fullmatch(self.marker.strip())
         return bool(match and match["run"])
+
+    @property
+    def cluster(self) -> str | None:
+        """The cluster a `run with cluster NAME` program uses (`python program.py NAME`), or None."""
+        match = MARKER.fullmatch(self.marker.strip())
+        return match["cluster"] if match else None
 
     @property
     def where(self) -> str:

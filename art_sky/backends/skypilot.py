@@ -141,29 +141,79 @@ class SkyPilotBackend(SSHBackend):
         )
 
     @classmethod
-    async def initialize_cluster(cls, *, cluster_name: str, **arguments: Any) -> SkyPilotBackend:
+    async def initialize_cluster(
+        cls,
+        *,
+        cluster_name: str,
+        gpu: str | list[str] | None = "H100:1",
+        infra: str | None = None,
+        resources: dict[str, Any] | None = None,
+        spot: bool = False,
+        autostop_minutes: int | None = 60,
+        env_path: str | Path | None = None,
+        art_sky_version: str | Path | None = None,
+        force_restart: bool = False,
+        api_key: str | None = None,
+        template: str | Path | None = None,
+        overrides: dict[str, Any] | None = None,
+        checkpoint_uri: str | None = None,
+        settings: Settings | None = None,
+        num_nodes: int = 1,
+        base_model: str | None = None,
+        recover: bool | Literal["from-scratch"] | None = None,
+    ) -> SkyPilotBackend:
         """Reuse the UP cluster `cluster_name` or launch it, make sure its server job runs (a new one on
-        `force_restart`), tunnel to it and wait until it is healthy; record it.
+        `force_restart`), tunnel to it and wait until it is healthy; record it (`art.attach(cluster_name)` and the
+        CLI reach it by name).
 
-        `gpu`: an accelerator with its count ("H100:1"; "H100:8": vLLM on 7 GPUs, the trainer on the 8th, see
-        cluster/node/placement.py) or a list tried in order; None with `resources={"cpus": ...}` runs the portable
-        engine. `num_nodes`: nodes of that many GPUs each (SkyPilot's multi-node launch): the server on the head,
-        an engine replica on every node, the trainer's ranks over every node's trainer GPUs (ART_SKY_TRAINER_GPUS
-        per node; nodes without GPUs: ART_SKY_TRAINER_CPU_RANKS gloo ranks each). `base_model`: the model you will
-        train, checked against the GPUs before anything is rented.
-        `infra`: SkyPilot's selector (aws, gcp/us-central1, k8s/<context>, slurm/<cluster>).
-        `spot`, `autostop_minutes` (None keeps it up), `resources` (more SkyPilot resource fields).
-        `env_path`: a .env file whose variables reach the server as SkyPilot secrets. `art_sky_version`: install
-        that release from PyPI, or build the wheel from that source checkout; default: this client's own build.
-        `checkpoint_uri`: the object store the server mirrors checkpoints to (default ART_SKY_CHECKPOINT_URI); it
-        and the store credentials set here travel as SkyPilot secrets, and a new cluster resumes from the store.
-        `api_key`: the server's key (default ART_SKY_API_KEY, then the cluster's record); a reused server whose
-        key this process does not know is restarted with a fresh one. `template`, `overrides`: the task YAML.
-        `recover`: relaunch the cluster when it is lost and go on (recovery.py); default on with `spot=True` where
-        there is an object store. It needs one (the new cluster resumes from it): True without one is refused,
-        "from-scratch" relaunches anyway, from step 0.
+        Args:
+            cluster_name: the SkyPilot cluster's name, and its record's (`~/.art-sky/clusters/<name>.json`).
+            gpu: an accelerator with its count ("H100:1"; "H100:8": vLLM on 7 GPUs, the trainer on the 8th, see
+                cluster/node/placement.py) or a list tried in order; None with `resources={"cpus": ...}` runs the
+                portable engine on CPUs.
+            infra: SkyPilot's selector (`aws`, `gcp/us-central1`, `k8s/<context>`, `slurm/<cluster>`); None: any
+                enabled.
+            resources: more SkyPilot resource fields (`{"disk_size": 512, "cpus": "8+"}`).
+            spot: spot instances.
+            autostop_minutes: torn down after this many idle minutes; None keeps it up.
+            env_path: a .env file whose variables reach the server as SkyPilot secrets.
+            art_sky_version: install that release from PyPI, or build the wheel from that source checkout;
+                default: this client's own build.
+            force_restart: replace the server job (a new job on the same cluster).
+            api_key: the server's key (default ART_SKY_API_KEY, then the cluster's record); a reused server whose
+                key this process does not know is restarted with a fresh one.
+            template: the task YAML to start from (default templates/cluster.yaml).
+            overrides: deep-merged into the task last (None deletes a key).
+            checkpoint_uri: the object store the server mirrors checkpoints to (default ART_SKY_CHECKPOINT_URI);
+                it and the store credentials set here travel as SkyPilot secrets, and a new cluster resumes from it.
+            settings: this process's settings (default: read from the environment and .env).
+            num_nodes: nodes of `gpu` each (SkyPilot's multi-node launch): the server on the head, an engine
+                replica on every node, the trainer's ranks over every node's trainer GPUs (ART_SKY_TRAINER_GPUS per
+                node; nodes without GPUs: ART_SKY_TRAINER_CPU_RANKS gloo ranks each).
+            base_model: the model you will train, checked against the GPUs before anything is rented.
+            recover: relaunch the cluster when it is lost and go on (recovery.py); default on with `spot=True`
+                where there is an object store. It needs one (the new cluster resumes from it): True without one is
+                refused, "from-scratch" relaunches anyway, from step 0.
         """
-        backend = cls.for_cluster(cluster_name=cluster_name, **arguments)
+        backend = cls.for_cluster(
+            cluster_name=cluster_name,
+            gpu=gpu,
+            infra=infra,
+            resources=resources,
+            spot=spot,
+            autostop_minutes=autostop_minutes,
+            env_path=env_path,
+            art_sky_version=art_sky_version,
+            force_restart=force_restart,
+            api_key=api_key,
+            template=template,
+            overrides=overrides,
+            checkpoint_uri=checkpoint_uri,
+            settings=settings,
+            num_nodes=num_nodes,
+            base_model=base_model,
+            recover=recover,
+        )
         await backend._ensure_started()
         clusters.save(backend.settings.home, backend.record(cluster_name))
         return backend
