@@ -291,7 +291,8 @@ def test_activation_checkpointing_recomputes_each_layer_and_changes_no_gradient(
     sequences, config = batch(4), CONFIGS["ppo-beta"]
     policy = Policy(model, make_optimizer(model), pad)
     trainer = PeftTrainer(4096)
-    assert trainer.fuses_head(model)  # its check ran
+    # the trainer's one-time checks of the model (packed rows, fused head) run here, not inside the count below
+    assert trainer.packs(model) and trainer.fuses_head(model)
     mlp = model.get_base_model().model.layers[0].mlp  # inside the layer: run again when the layer is recomputed
     calls, forward = [], mlp.forward
 
