@@ -564,8 +564,12 @@ class SFTRequest(_Strict):
                 f"batches, but {len(self.learning_rates)} learning rates were given: give one per "
                 "batch or a single one"
             )
-        if not all(0 < lr <= 1 for lr in self.learning_rates):
-            raise ValueError(f"learning rates must be in (0, 1], got {self.learning_rates}")
+        for batch, lr in enumerate(self.learning_rates, start=1):
+            if not 0 <= lr <= 1:  # NaN fails both comparisons
+                raise ValueError(
+                    f"batch {batch}'s learning rate is {lr}: give a rate from 0 to 1 (0 trains nothing but counts "
+                    "the batch, as ART's schedules end)"
+                )
         return self
 
 

@@ -263,6 +263,34 @@ def test_art_latest_program_on_ssh_backend(art_latest, sshd, tmp_path, art_sky_h
     check_latest(seen, remote / "art", tmp_path / ".art")
 
 
+@pytest.mark.slow
+def test_art_sft_helpers_train_every_schedule_into_the_backends_path(art_latest, tmp_path):
+    """ART's train_sft_from_file (linear), create_sft_dataset_iterator (cosine, constant): their last rate is 0.0,
+    a batch that counts and changes nothing, as in ART; a negative rate is refused by batch and value, nothing
+    trained. ART's own files land under LocalBackend(path=...), as ART's LocalBackend puts them."""
+    from safetensors.torch import load_file
+
+    seen = run_program(
+        "sft_helpers", tmp_path, f"art_sky.LocalBackend(path='elsewhere', python={sys.executable!r})", python=art_latest
+    )
+    root = tmp_path / "elsewhere"
+    assert seen["base_path"] == str(root)
+    assert seen["after_file"] == 1 and seen["after_iterator"] == 5
+    assert seen["chunk_rates"] == [[1e-3], [0.0], [1e-3], [1e-3]]
+    assert seen["negative"] == (
+        "ConfigError: train_sft: batch 2's learning rate is -0.0001: give a rate from 0 to 1 (0 trains nothing but "
+        "counts the batch, as ART's schedules end)"
+    )
+    assert seen["after_negative"] == 5
+    [model_dir] = (root / "art-sft" / "models").iterdir()
+    weights = [load_file(model_dir / "checkpoints" / f"{step:04d}" / "adapter_model.safetensors") for step in (1, 2, 3)]
+    assert any(not weights[0][k].equal(weights[1][k]) for k in weights[0])  # 1e-3 trained
+    assert weights[1].keys() == weights[2].keys() and all(weights[1][k].equal(weights[2][k]) for k in weights[1])
+    rates = [e["loss/learning_rate"] for e in history(model_dir) if "loss/learning_rate" in e]
+    assert rates == [5e-4, 1e-3, 0.0, 1e-3, 1e-3]  # ART's metrics (a call's mean), in its history by the checkpoints
+    assert not (tmp_path / ".art").exists()
+
+
 # -- ART's keywords, internal config and trajectories, translated ----------------------------------------------
 def train_config(config, kwargs):
     return train_options(config, kwargs)[0]

@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from art_sky.client.trajectories import wire_trajectory
 from art_sky.errors import ConfigError
 from art_sky.wire import DeleteCheckpointsRequest, Lease, LeaseRequest, ModelInfo, SFTRequest, TrainProgress
@@ -135,8 +137,8 @@ class ArtProtocol:
             raise ConfigError("_train_sft() got no trajectories")
         try:
             request = SFTRequest(trajectories=wired, batch_size=batch_size, learning_rates=rates, assistant_turns=turns)
-        except ValueError as exc:
-            raise ConfigError(f"train_sft: {exc}") from exc
+        except ValidationError as exc:
+            raise ConfigError(f"train_sft: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from exc
         result = await self._stream_step(model, "sft", request, verbose)
         for batch in result.batches:
             yield {

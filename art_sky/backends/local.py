@@ -8,6 +8,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from art_sky import clusters
 from art_sky.art_compat.training import Ready
@@ -16,8 +17,12 @@ from art_sky.layout import ServerLayout
 from art_sky.remote.runner import LocalRunner
 from art_sky.settings import Settings
 from art_sky.store import server_env
+from art_sky.wire import ModelInfo
 
 from .cluster import ClusterBackend
+
+if TYPE_CHECKING:
+    from art_sky.client import TrainableModel
 
 _INSTANCES = itertools.count()
 
@@ -68,6 +73,13 @@ class LocalBackend(ClusterBackend):
     @property
     def where(self) -> str:
         return "this machine"
+
+    async def register(self, model: TrainableModel) -> ModelInfo | None:
+        """As ART's LocalBackend does: an ART model's own files (its history, trajectories, state) go under `path`,
+        beside the checkpoints, not into `./.art`."""
+        if hasattr(model, "base_path"):
+            model.base_path = str(self.path)
+        return await super().register(model)
 
     @property
     def log_path(self) -> Path:
