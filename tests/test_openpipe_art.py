@@ -291,6 +291,46 @@ def test_art_sft_helpers_train_every_schedule_into_the_backends_path(art_latest,
     assert not (tmp_path / ".art").exists()
 
 
+def test_local_backend_in_a_venv_with_only_the_art_extra_says_what_to_install(art_latest, tmp_path):
+    """The documented ART install (`[art]` alone, as .venv-art is made) has no server packages: the guide's
+    LocalBackend() says in one line what to install for this Python, before starting a server that would fail."""
+    program = (
+        "import asyncio, json, sys, art, art_sky\n"
+        "from art_sky.errors import ConfigError\n"
+        "async def main():\n"
+        "    said = {}\n"
+        "    for python in sys.argv[1:]:\n"
+        "        model = art.TrainableModel(name='m', run_name='r', project='p', base_model='art-sky/tiny')\n"
+        "        try:\n"
+        "            await model.register(art_sky.LocalBackend(python=python))\n"
+        "        except ConfigError as exc:\n"
+        "            said[python] = str(exc)\n"
+        "    print(json.dumps(said))\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run(
+        [str(art_latest), "-c", program, str(art_latest), str(tmp_path / "no-python")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    checkout = Path(art_sky.__file__).resolve().parent.parent
+    assert said[str(art_latest)].startswith(
+        f"LocalBackend runs the cluster server with {art_latest}, which lacks its packages (fastapi, uvicorn, torch"
+    )
+    assert said[str(art_latest)].endswith(
+        f'install them with `{art_latest} -m pip install -e "{checkout}[cluster]"`, or pass '
+        "LocalBackend(python=...) a Python that has them"
+    )
+    assert said[str(tmp_path / "no-python")] == (
+        f"LocalBackend(python={str(tmp_path / 'no-python')!r}): no such Python: give the path of one"
+    )
+    assert not (tmp_path / ".art" / "run").exists() or not list((tmp_path / ".art" / "run").iterdir())  # no server
+
+
 # -- ART's keywords, internal config and trajectories, translated ----------------------------------------------
 def train_config(config, kwargs):
     return train_options(config, kwargs)[0]

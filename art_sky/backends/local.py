@@ -6,7 +6,9 @@ import itertools
 import os
 import re
 import shutil
+import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,7 @@ from art_sky.art_compat.training import Ready
 from art_sky.errors import ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.remote.runner import LocalRunner
+from art_sky.remote.wheel import DIST_NAME, source_checkout
 from art_sky.settings import Settings
 from art_sky.store import server_env
 from art_sky.wire import ModelInfo
@@ -92,6 +95,7 @@ class LocalBackend(ClusterBackend):
         return f"http://127.0.0.1:{port}"
 
     async def _launch(self, api_key: str) -> ServerLayout:
+        _check_server_packages(self.python)
         _remove_dead_run_dirs(Path(self.layout.run_dir).parent)
         self._launch_server(
             LocalRunner(),
@@ -126,6 +130,37 @@ class LocalBackend(ClusterBackend):
 
 
 _UNNAMED = re.compile(r"^backend-(\d+)-\d+$")
+_NAME = re.compile(r"[A-Za-z0-9._-]+")  # a requirement's distribution name (packaging is not a laptop dependency)
+
+
+def _check_server_packages(python: str) -> None:
+    """The server runs on `python`: one without the `[cluster]` extra's packages (a venv with only `[art]`, as for
+    a remote backend) is told, in one line, what to install, before a server is started to fail on its imports."""
+    try:
+        wanted = [_NAME.match(r)[0] for r in metadata.requires(DIST_NAME) or [] if 'extra == "cluster"' in r]
+    except metadata.PackageNotFoundError:  # art-sky run from a folder, not installed: nothing to compare with
+        return
+    probe = (
+        "import importlib.metadata as m, sys\n"
+        "for n in sys.argv[1:]:\n"
+        "    try: m.distribution(n)\n"
+        "    except m.PackageNotFoundError: print(n)"
+    )
+    try:
+        found = subprocess.run([python, "-c", probe, *wanted], capture_output=True, text=True, timeout=60, check=True)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"LocalBackend(python={python!r}): no such Python: give the path of one") from exc
+    except (subprocess.SubprocessError, OSError):
+        return  # the server's own start says what is wrong with this Python
+    missing = found.stdout.split()
+    if missing:
+        checkout = source_checkout()
+        package = f'-e "{checkout}[cluster]"' if checkout else '"art-sky[cluster]"'
+        raise ConfigError(
+            f"LocalBackend runs the cluster server with {python}, which lacks its packages ({', '.join(missing)}): "
+            f"install them with `{python} -m pip install {package}`, or pass LocalBackend(python=...) a Python "
+            "that has them"
+        )
 
 
 def _remove_dead_run_dirs(run_root: Path) -> None:

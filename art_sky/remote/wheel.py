@@ -27,11 +27,11 @@ def build_wheel(dest: Path, source: Path | None = None) -> Path:
     """Write a wheel into `dest` and return its path: of the art-sky checkout at `source`, by default of the
     art-sky this process runs."""
     dest.mkdir(parents=True, exist_ok=True)
-    source = source or _source_checkout()
+    source = source or source_checkout()
     return _build_from_source(source, dest) if source else _repack(metadata.distribution(DIST_NAME), dest)
 
 
-def _source_checkout() -> Path | None:
+def source_checkout() -> Path | None:
     """The checkout this art_sky is imported from (editable install or run from the repo), if any."""
     root = Path(art_sky.__file__).resolve().parent.parent
     pyproject = root / "pyproject.toml"
