@@ -26,7 +26,7 @@ from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 
 import art_sky
 from art_sky.art_compat import releases
-from art_sky.art_compat.models import model_config
+from art_sky.art_compat.models import model_config, openai_server_config
 from art_sky.art_compat.training import KEYWORDS, train_options
 from art_sky.client.trajectories import History, wire_groups
 from art_sky.errors import ConfigError
@@ -381,6 +381,20 @@ class _ArtLikeModel:
 
     def __init__(self, config=None, internal=None):
         self.config, self._internal_config = config, internal
+
+
+def test_art_openai_client_config_is_accepted_and_named_never_silently(caplog):
+    """ART's own tests register with `_openai_client_config={"engine_args": {...}}` (its vLLM server's settings):
+    accepted, each setting named as ignored; a key ART's OpenAIServerConfig lacks is refused by name."""
+    with caplog.at_level("WARNING", logger="art_sky"):
+        openai_server_config({"engine_args": {"enforce_eager": True}, "log_file": "x.log"})
+        openai_server_config(None)
+    assert caplog.messages == [
+        "art-sky ignores these settings of ART's own vLLM server (the cluster server's engine has its own, "
+        "ART_SKY_* variables): _openai_client_config engine_args.enforce_eager, log_file"
+    ]
+    with pytest.raises(ConfigError, match=r"has \['engine_arg'\], which ART's OpenAIServerConfig does not define"):
+        openai_server_config({"engine_arg": {}})
 
 
 def test_lora_settings_come_from_art_internal_config_never_the_user_config():

@@ -146,6 +146,37 @@ def model_config(model: Any) -> ModelConfig:
         raise ConfigError(f"the model's LoRA settings: {first['loc'][0]}: {first['msg']}") from exc
 
 
+_OPENAI_SERVER_CONFIG = ("log_file", "server_args", "engine_args")  # ART's dev.OpenAIServerConfig
+
+
+def openai_server_config(config: Any) -> None:
+    """ART's `register(_openai_client_config=...)`: settings of ART's own vLLM server process, which art-sky's
+    cluster server replaces (its engine has its own, ART_SKY_* variables): named in a warning, as
+    `_internal_config.engine_args` is. A key ART does not define is refused, as ART's TypedDict would flag it."""
+    if not config:
+        return
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"register(_openai_client_config={config!r}): ART takes a dict ({', '.join(_OPENAI_SERVER_CONFIG)})"
+        )
+    unknown = sorted(set(config) - set(_OPENAI_SERVER_CONFIG))
+    if unknown:
+        raise ConfigError(
+            f"register(_openai_client_config=...) has {unknown}, which ART's OpenAIServerConfig does not define "
+            f"(it has {', '.join(_OPENAI_SERVER_CONFIG)}): remove them"
+        )
+    ignored = [
+        f"{key}.{name}" if name else key
+        for key, value in config.items()
+        for name in (list(value) if isinstance(value, dict) and value else [""])
+    ]
+    log.warning(
+        "art-sky ignores these settings of ART's own vLLM server (the cluster server's engine has its own, "
+        "ART_SKY_* variables): _openai_client_config %s",
+        ", ".join(ignored),
+    )
+
+
 def _other(key: str, value: Any, where: str, ignored: list[str]) -> None:
     """A setting art-sky does not map: tuning (ignored, named), ART's default (accepted), else refused."""
     if key in _TUNING:

@@ -19,7 +19,7 @@ from art_sky.errors import ConfigError
 from art_sky.wire import DeleteCheckpointsRequest, Lease, LeaseRequest, ModelInfo, SFTRequest, TrainProgress
 
 from .capture import legacy
-from .models import chat_template_kwargs, sft_settings
+from .models import chat_template_kwargs, openai_server_config, sft_settings
 
 if TYPE_CHECKING:
     from art_sky.settings import Settings
@@ -61,12 +61,10 @@ class ArtProtocol:
         async def _stream_step(self, model: Any, route: str, request: Any, verbose: bool) -> TrainProgress: ...
 
     async def _prepare_backend_for_training(self, model: Any, config: Any = None) -> tuple[str, str]:
-        """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses."""
-        if config:
-            raise ConfigError(
-                "register(_openai_client_config=...) is not supported by art-sky: the engine runs on "
-                "the cluster server, set with ART_SKY_* variables there"
-            )
+        """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses.
+        `register(_openai_client_config=...)` tunes ART's own vLLM server; art-sky's engine runs on the cluster
+        server with its own settings, so, as `_internal_config`'s engine settings, it is accepted and named."""
+        openai_server_config(config)
         await self.register(model)  # idempotent: ART registered it a moment ago
         assert self.api_key is not None
         return self.inference_base_url, self.api_key
