@@ -28,7 +28,9 @@ def groups(step: int) -> list[TrajectoryGroup]:
         Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content=f"{step} {i}"))
         for i in range(4)
     ]
-    return [TrajectoryGroup(Trajectory(messages_and_choices=[*PROMPT, a], reward=float(i)) for i, a in enumerate(answers))]
+    return [
+        TrajectoryGroup(Trajectory(messages_and_choices=[*PROMPT, a], reward=float(i)) for i, a in enumerate(answers))
+    ]
 
 
 def model() -> TrainableModel:
