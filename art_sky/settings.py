@@ -210,9 +210,9 @@ class Settings(BaseSettings):
     )
     checkpoint_background: bool = Field(
         True,
-        description="write each step's checkpoint to disk in the background: train() returns once the step is "
-        "copied to host memory and served, and the next step waits until it is on disk; false: before train() "
-        "returns",
+        description="write each step's checkpoint to disk in a thread while the engine swaps to the new adapter "
+        "and the next step may start training (its commit waits for the write); train() returns once the step is on "
+        "disk either way; false: written before the step commits",
     )
     checkpoint_strict: bool = Field(
         False, description="a failed checkpoint upload fails training and flush_checkpoints() instead of warning"

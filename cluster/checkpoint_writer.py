@@ -1,9 +1,10 @@
 """A model's step checkpoints, written off the step's critical path.
 
-A step commits once its LoRA and AdamW state are staged (copied to host memory: `TrainedWeights.stage`); the engine
-then serves the new adapter and `train()` returns while a thread writes the step's directory: the adapter, the
-optimizer's state, the step's record and the manifest, into a temp directory that one syncfs puts on disk before it
-is renamed into place (art_sky/files.py's `atomic_dir`). What a synchronous write promised still holds:
+A step commits once its LoRA and AdamW state are staged (copied to host memory: `TrainedWeights.stage`); a thread
+then writes the step's directory (the adapter, the optimizer's state, the step's record and the manifest, into a
+temp directory that one syncfs puts on disk before it is renamed into place: art_sky/files.py's `atomic_dir`) while
+the engine swaps to the new adapter. The step's answer waits for the write (`durable`): a step `train()` returned is
+on disk, whatever kills the server after. What a synchronous write promised still holds:
 
 - a step `train()` reported is on disk before the next step commits: the next step waits for its write (and writes
   it again if it failed; if that fails too, the next step rolls back with the reason, and the step it waited for
@@ -160,8 +161,8 @@ class CheckpointWriter:
                 except Exception as exc:
                     raise CheckpointWriteError(
                         f"step {write.step} of {self.checkpoints.name} (trained and served) is not on disk yet: its "
-                        f"checkpoint could not be written to {self.checkpoints.path} ({exc}). Fix that; the next "
-                        "step writes it first"
+                        f"checkpoint could not be written to {self.checkpoints.path} ({exc}). Fix that, then retry: "
+                        "the step's request again, or the next step, writes it first"
                     ) from exc
             with self._lock:
                 if write is not None and self._pending is write:
@@ -174,6 +175,15 @@ class CheckpointWriter:
             self.flush()
         except Exception as exc:  # nothing else can be done now
             log.error("the newest step of %s was not written before the server stopped: %s", self.checkpoints.name, exc)
+
+    def durable(self, step: int) -> None:
+        """Return once `step` is on disk, which a step's answer waits for (a step `train()` returned survives a kill
+        of the server): its write awaited, and tried again once if it failed; raises CheckpointWriteError if that
+        fails too (the step stays served and pending: a retry of its request tries the write again)."""
+        with self._lock:
+            write = self._pending
+        if write is not None and write.step == step:
+            self.flush()
 
     def written(self, step: int) -> bool:
         """Wait for `step`'s write: is it on disk? (False: its write failed; the next flush tries again.)"""

@@ -4,7 +4,9 @@
 generators seeded from the step number), stages the step's checkpoint (the LoRA, the optimizer's state and the
 step's record: its request id, its result, its history line, copied to host memory, once the previous step is on
 disk) and only then commits: the model's step advances and the engine serves the new adapter, while the checkpoint
-is written in the background (cluster/checkpoint_writer.py; history.jsonl gets the line once it is on disk). Any
+is written in the background (cluster/checkpoint_writer.py; history.jsonl gets the line once it is on disk). The
+step's answer waits for that write: a step the client was answered is on disk, so a server killed at any time after
+never brings back less than it (the next step may train meanwhile: its commit waits for the write). Any
 failure before the commit (the trainer, the previous step's write failing again, a disk without room for this one)
 puts the LoRA and the optimizer back as they were, and the error says why. A server killed mid-step, or before a
 step's write ended, never renamed that step into place: its next start resumes at the last step on disk and removes
@@ -276,6 +278,8 @@ class Steps:
         request_id = request_id or uuid.uuid4().hex
         replayed = self.replay(state, request_id)
         if replayed is not None:
+            assert replayed.step is not None
+            await asyncio.to_thread(state.writer.durable, replayed.step)  # a retry during the write waits for it
             log.info(
                 "%s: request %s trained step %d already: answered with its result",
                 state.name,
@@ -345,6 +349,13 @@ class Steps:
                     return
             log.info("committed step %d of %s", result.step, state.name)
             self.on_commit(state)
+            try:
+                await asyncio.to_thread(state.writer.durable, result.step)  # answered once on disk
+            except Exception as exc:  # trained and served, not on disk: the answer says why; a retry writes again
+                log.exception("the checkpoint of step %d of %s was not written", result.step, state.name)
+                status, code = classify(exc)
+                job.report(TrainProgress(type="error", message=str(exc), status=status, code=code))
+                return
             job.report(result)
         finally:
             timer.end()

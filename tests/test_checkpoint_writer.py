@@ -153,3 +153,27 @@ def test_a_staged_step_is_what_peft_and_the_optimizer_save(tmp_path):
     weights.load_optimizer(model, ensure_optimizer(state), saved)  # and it loads back
     written = sum(path.stat().st_size for path in (tmp_path / "staged").rglob("*") if path.is_file())
     assert staged.nbytes < written < staged.nbytes * 1.05 + (64 << 10)  # the room a step is checked for
+
+
+def test_a_tensor_file_is_byte_for_byte_what_safetensors_writes(tmp_path):
+    """The one-pass writer (cluster/training/tensor_file.py) against safetensors' own `save_file`: every dtype a
+    checkpoint holds, a scalar (AdamW's step), an empty and a transposed tensor; the same bytes, and they load back."""
+    from safetensors.torch import save_file
+
+    from art_sky.cluster.training.tensor_file import save_tensors
+
+    tensors = {
+        "lora_B.weight": torch.randn(3, 5),
+        "step": torch.tensor(3.0),
+        "half": torch.randn(7, dtype=torch.bfloat16),
+        "f16": torch.randn(2, dtype=torch.float16),
+        "index": torch.arange(5),
+        "mask": torch.ones(3, dtype=torch.bool),
+        "empty": torch.zeros(0, 4),
+        "transposed": torch.randn(4, 6).t(),
+    }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "theirs", metadata={"format": "pt"})
+    save_tensors(tensors, tmp_path / "ours", metadata={"format": "pt"})
+    assert (tmp_path / "ours").read_bytes() == (tmp_path / "theirs").read_bytes()
+    loaded = load_file(tmp_path / "ours")
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())

@@ -129,25 +129,31 @@ async def test_a_full_disk_rolls_the_step_back_and_its_retry_trains_it_once(smal
     assert weights(small_disk / "art", 1) == weights(tmp_path / "clean", 1)  # weights and AdamW were restored
 
 
-async def test_a_step_whose_background_write_fails_is_written_before_the_next_step_commits(tmp_path):
-    """Step 2 commits (reported and served) and its checkpoint cannot be written (the checkpoints directory was moved
-    away, a file put in its place). Step 3 writes step 2 again first, fails the same way and is rolled back: the model
-    stays at step 2, in memory and served. The directory back, step 3 trains once step 2 is on disk, and the run
-    ends with the weights, checkpoints and history of a server that never failed."""
+async def test_a_step_whose_write_fails_is_not_answered_until_it_is_on_disk(tmp_path):
+    """Step 2 commits (served) and its checkpoint cannot be written (the checkpoints directory was moved away, a file
+    put in its place): its answer is an error saying so, not a result the client would take as kept. Step 3 writes
+    step 2 again first, fails the same way and is rolled back: the model stays at step 2, in memory and served. The
+    directory back, step 2's retried request is answered once it is written, step 3 trains, and the run ends with the
+    weights, checkpoints and history of a server that never failed."""
     art = tmp_path / "art"
     checkpoints = CheckpointDir(art, "faults", "tiny")
     async with app_client(art) as client:
         assert (await train(client, group("s1")))["step"] == 1
-        await client.post("/art/checkpoints/flush")
         os.rename(checkpoints.path, tmp_path / "aside")
         checkpoints.path.write_text("not a directory")
-        assert (await train(client, group("s2")))["step"] == 2
+        unwritten = await train(client, group("s2"))
+        assert unwritten["type"] == "error", unwritten
+        assert "step 2 of tiny (trained and served) is not on disk yet" in unwritten["message"], unwritten
+        assert (await client.get("/art/models/tiny")).json()["step"] == 2
         failed = await train(client, group("s3"))
         assert failed["type"] == "error" and "rolled back" in failed["message"], failed
         assert "step 2 of tiny (trained and served) is not on disk yet" in failed["message"], failed["message"]
         assert (await client.get("/art/models/tiny")).json()["step"] == 2
         checkpoints.path.unlink()
         os.rename(tmp_path / "aside", checkpoints.path)
+        retried = await train(client, group("s2"))
+        assert retried["step"] == 2 and retried["replayed"], retried
+        assert checkpoints.steps() == [0, 1, 2]  # answered once on disk
         assert (await train(client, group("s3")))["step"] == 3
     assert checkpoints.steps() == [0, 1, 2, 3]
     assert [entry["step"] for entry in checkpoints.history()] == [1, 2, 3]

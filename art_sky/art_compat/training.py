@@ -165,8 +165,8 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)
     checkpoint_path: str | None = None
     totals: dict[str, float] = field(default_factory=dict)
-    # ART 0.5.20's: awaited, the checkpoint is on disk (written in the background, after train() returns); None
-    # where `checkpoint_path` is not on this machine
+    # ART 0.5.20's: awaited, the checkpoint is on disk (ART writes it after train() returns; art-sky's server
+    # answers once it is on disk, so this is at once); None where `checkpoint_path` is not on this machine
     checkpoint_ready: Awaitable[None] | None = field(default=None, repr=False, compare=False)
 
 

@@ -330,8 +330,8 @@ class Backend(ArtProtocol):
         return train_result(result.step, result.metrics | staleness, result.checkpoint_path, result.totals, ready)
 
     def _checkpoint_ready(self, model: TrainableModel) -> Ready | None:
-        """What tells when a step's checkpoint is on disk at its `checkpoint_path` (the server writes it after the
-        step returns); None where that path is on another machine."""
+        """ART's signal that a step's checkpoint is on disk at its `checkpoint_path` (already: the server answers a
+        step once it is); None where that path is on another machine."""
         return None
 
     async def _stream_step(

@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from art_sky.layout import OPTIMIZER_STATE, OPTIMIZER_STATE_PICKLED
 
+from .tensor_file import save_tensors
+
 ADAPTER = "default"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's names, what vLLM loads
 ADAPTER_CONFIG = "adapter_config.json"
@@ -105,10 +107,8 @@ class Staged:
 
     def write_adapter(self, directory: Path) -> None:
         """The adapter, in PEFT's layout (what vLLM and PEFT load)."""
-        from safetensors.torch import save_file
-
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(self.adapter, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        save_tensors(self.adapter, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         self.config.save_pretrained(str(directory))
 
     def write(self, directory: Path) -> None:
@@ -154,8 +154,6 @@ def _named_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]
 def save_optimizer(state: dict[str, Any], directory: Path) -> None:
     """safetensors: each parameter's state tensors as `<name>/<key>` (a scalar step count included), the rest (its
     param groups, any value that is not a tensor) as JSON in the metadata."""
-    from safetensors.torch import save_file
-
     tensors, values = {}, {}
     for name, entries in state["state"].items():
         for key, value in entries.items():
@@ -164,7 +162,7 @@ def save_optimizer(state: dict[str, Any], directory: Path) -> None:
             else:
                 values[f"{name}/{key}"] = value
     (directory / OPTIMIZER_STATE).parent.mkdir(exist_ok=True)
-    save_file(
+    save_tensors(
         tensors,
         directory / OPTIMIZER_STATE,
         metadata={"param_groups": json.dumps(state["param_groups"]), "values": json.dumps(values)},
