@@ -17,7 +17,7 @@ from conftest import app_client
 
 from art_sky import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_sky.errors import ServerError
-from art_sky.ownership import held_by_another
+from art_sky.ownership import alive, held_by_another
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 
@@ -41,6 +41,15 @@ async def train_step(model: TrainableModel) -> int:
     )
     await model.train([group], TrainConfig(learning_rate=1e-3))
     return await model.get_step()
+
+
+def kill9(pid: int) -> None:
+    """kill -9, and wait until the process has ended (its files closed: its locks let go)."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while alive(pid):
+        assert time.monotonic() < deadline, f"pid {pid} outlived kill -9 by 30 s"
+        time.sleep(0.05)
 
 
 def history_steps(path) -> list[int]:
@@ -94,7 +103,7 @@ async def test_two_servers_on_one_folder_the_second_is_refused_until_the_first_d
         assert "is written by another art-sky server" in message and "kill its pid" in message, message
         assert await train_step(owner) == 2  # the first is unharmed
         await first.flush_checkpoints()
-        os.kill(first.server.pid, signal.SIGKILL)  # its lock dies with it: the next writer takes over at once
+        kill9(first.server.pid)  # its lock dies with it: the next writer takes over at once
         taker = model()
         await taker.register(second)
         assert await taker.get_step() == 2
@@ -128,7 +137,7 @@ async def test_two_clusters_on_one_store_prefix(s3_server, tmp_path, monkeypatch
         assert not (tmp_path / "b" / "lineage" / "models" / "agent" / "checkpoints").exists()  # nothing written
         assert await train_step(owner) == 2
         assert (await first.flush_checkpoints()).synced["agent"] == 2
-        os.kill(first.server.pid, signal.SIGKILL)
+        kill9(first.server.pid)
         taker = model()
         await taker.register(second)  # restored from the store, then trains on
         assert await taker.get_step() == 2
