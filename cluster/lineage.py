@@ -180,6 +180,14 @@ class Lineages:
                 str(exc).splitlines()[0],
             )
             return
+        except CheckpointStoreError as exc:  # as for uploads: the store's trouble is said, training goes on
+            log.warning(
+                "not keeping the owner record %s (only this machine's folder lock guards run %r): %s",
+                where,
+                lineage[1],
+                exc,
+            )
+            return
         raise ConflictError(f"{where} kept changing while this server tried to take it: another server is taking it")
 
     def _holder(self, data: bytes, where: str, lineage: Lineage) -> str:
