@@ -24,7 +24,9 @@ from pathlib import Path
 import art_sky as art
 from art_sky import charts
 from art_sky.client.model import TrainableModel
-from art_sky.layout import model_key
+from art_sky.errors import ConflictError
+from art_sky.layout import LINEAGE_LOCK, OWNER_FILE, model_key
+from art_sky.ownership import held_by_another, read_owner
 
 PROMPTS = [
     "How many legs does a spider have?",
@@ -73,6 +75,12 @@ async def run_demo(
     rng = random.Random(seed)
     model = art.TrainableModel(name=f"digits-{seed}", project="art-sky-demo", base_model="art-sky/tiny")
     files = Path(path) / model_key(model.project, model.name)
+    if held_by_another(files / LINEAGE_LOCK):  # before anything there is removed: the lock the server takes
+        raise ConflictError(
+            f"another art-sky demo is running in this folder, training {model.name} in {files}: "
+            f"{read_owner(files / OWNER_FILE)}. Wait for it to finish (or stop it: kill its pid), or run this "
+            "demo in another folder"
+        )
     if files.exists() and not resume:
         shutil.rmtree(files)
         echo(

@@ -2,7 +2,8 @@
 
 - A model's checkpoints under a checkpoint root (ART's `.art`): `<root>/<project>/models/<name>/checkpoints/
   <step:04d>/` (a PEFT LoRA, `training_state/` beside it: the optimizer's state and the step's record, and
-  `manifest.json` over all of them), `history.jsonl` beside `checkpoints/`. The object store uses the same relative
+  `manifest.json` over all of them), `history.jsonl` beside `checkpoints/`, and `lineage.lock` with `owner.json`:
+  the one server writing the lineage, and who it is (art_sky.ownership). The object store uses the same relative
   keys under its prefix.
 - A cluster server's run files in its run directory: `server.pid`, `port.json` (`{"port": N, "pid": P}` once it
   listens), `server.log` (the previous start's is `server.log.1`), and `server.lock`, which the server holds while it
@@ -25,6 +26,8 @@ PID_FILE = "server.pid"
 PORT_FILE = "port.json"
 LOG_FILE = "server.log"
 LOCK_FILE = "server.lock"
+LINEAGE_LOCK = "lineage.lock"  # in a model's directory: held by the one server that writes the lineage
+OWNER_FILE = "owner.json"  # beside it (and under the lineage's store prefix): who that server is
 
 
 def step_name(step: int) -> str:

@@ -217,6 +217,17 @@ class Settings(BaseSettings):
     checkpoint_strict: bool = Field(
         False, description="a failed checkpoint upload fails training and flush_checkpoints() instead of warning"
     )
+    cluster_name: str | None = Field(
+        None,
+        description="the cluster a server belongs to (art-sky sets it when it starts one; SkyPilot's name otherwise): "
+        "its lineages' owner records name it, and a relaunch of the same cluster takes them over",
+    )
+    owner_stale_after: float = Field(
+        60.0,
+        gt=0,
+        description="seconds after its last refresh (every quarter of this) that a lineage's owner record in the "
+        "object store is stale: another cluster may then take the lineage over",
+    )
     hourly_cost: float | None = Field(
         None,
         ge=0,

@@ -20,16 +20,24 @@ from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlparse
 
 import obstore
-from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
+from obstore.exceptions import (
+    AlreadyExistsError,
+    BaseError,
+    NotSupportedError,
+    PermissionDeniedError,
+    PreconditionError,
+    UnauthenticatedError,
+)
 from obstore.store import GCSStore, LocalStore, S3Store
 
 from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, Manifest
 from art_sky.errors import CheckpointStoreError, ConfigError
 from art_sky.files import atomic_dir
-from art_sky.layout import HISTORY, MANIFEST, model_key, step_key, step_name
+from art_sky.layout import HISTORY, MANIFEST, OWNER_FILE, model_key, step_key, step_name
 from art_sky.settings import Settings
 
 if TYPE_CHECKING:  # obstore's typed dicts exist only in its stubs
+    from obstore._put import PutMode
     from obstore.store import ClientConfig, S3Config
 
 log = logging.getLogger("art_sky.store")
@@ -192,6 +200,35 @@ class CheckpointStore:
             paths = [entry["path"] for entry in listing]
             if paths:
                 await self._call("delete a step", obstore.delete_async(self._store, paths))
+
+    async def owner(self, project: str, run: str) -> tuple[bytes, str | None] | None:
+        """A lineage's owner record (cluster/lineage.py) and its version tag; None when there is none."""
+        key = f"{model_key(project, run)}/{OWNER_FILE}"
+        try:
+            result = await obstore.get_async(self._store, key)
+            return bytes(await result.bytes_async()), result.meta["e_tag"]
+        except FileNotFoundError as exc:
+            if _absent(exc):
+                return None
+            raise self._error("read an owner record", exc) from exc
+        except BaseError as exc:
+            raise self._error("read an owner record", exc) from exc
+
+    async def put_owner(self, project: str, run: str, data: bytes, e_tag: str | None) -> str | None:
+        """Write a lineage's owner record only over what was read: nothing (`e_tag` None: If-None-Match: *) or that
+        version (If-Match). obstore's AlreadyExistsError / PreconditionError: another writer came first;
+        NotImplementedError / NotSupportedError: the store has no conditional writes."""
+        mode: PutMode = "create" if e_tag is None else {"e_tag": e_tag}
+        try:
+            put = await obstore.put_async(self._store, f"{model_key(project, run)}/{OWNER_FILE}", data, mode=mode)
+        except (AlreadyExistsError, PreconditionError, NotSupportedError):
+            raise
+        except BaseError as exc:
+            raise self._error("write an owner record", exc) from exc
+        return put["e_tag"]
+
+    async def delete_owner(self, project: str, run: str) -> None:
+        await self._delete_optional(f"{model_key(project, run)}/{OWNER_FILE}")
 
     async def _put_file(self, key: str, path: Path, progress: Progress) -> None:
         await self._call(

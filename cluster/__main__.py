@@ -12,7 +12,6 @@ that refuses it ends it, saying why.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import io
 import json
 import logging
@@ -26,6 +25,7 @@ from pathlib import Path
 from art_sky.errors import ConfigError
 from art_sky.files import atomic_write
 from art_sky.layout import LOCK_FILE, ServerLayout
+from art_sky.ownership import Unlockable, alive, hold
 from art_sky.settings import Settings
 
 
@@ -128,15 +128,14 @@ def _take_run_dir(layout: ServerLayout, detach: bool) -> None:
 
 
 def _hold(layout: ServerLayout) -> None:
-    """Lock the run directory for this server's life (the lock file stays open; the kernel lets go when the server
-    ends, however it ends, kill -9 included). Held by another server: exit, naming it (its pid and port)."""
-    fd = os.open(Path(layout.run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    """Lock the run directory for this server's life (art_sky.ownership: the kernel lets go when the server ends,
+    however it ends, kill -9 included). Held by another server: exit, naming it (its pid and port)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        hold(Path(layout.run_dir) / LOCK_FILE)
         return
     except BlockingIOError:
         held = True
-    except OSError:  # a filesystem without locks (some NFS mounts): a live server's pid file says it is held
+    except Unlockable:  # a filesystem without locks (some NFS mounts): a live server's pid file says it is held
         held = _running_server(layout)
     if held:
         sys.exit(
@@ -159,7 +158,7 @@ def _describe(layout: ServerLayout) -> str:
 def _running_server(layout: ServerLayout) -> bool:
     try:
         pid = int(Path(layout.pid_file).read_text())
-        return _alive(pid) and b"art_sky.cluster" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return alive(pid) and b"art_sky.cluster" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except (OSError, ValueError):
         return False
 
@@ -197,7 +196,7 @@ def _serve(
 
             app = create_replica_app(art_path, api_key, settings, placement, join)
         else:
-            app = create_app(art_path, api_key, settings, placement)
+            app = create_app(art_path, api_key, settings, placement, layout.run_dir if layout else None)
     except ConfigError as exc:  # a setting or the installed stack: the message says what to change
         sys.exit(f"the cluster server cannot start: {exc}")
     sockets = []
@@ -269,26 +268,12 @@ def _serve(
 def _exit_with(pid: int, server) -> None:
     """Stop the server (gracefully: its engine's children too) once process `pid` has ended, however it ended
     (a crash, kill -9); a server that has not stopped a minute later exits anyway."""
-    while _alive(pid):
+    while alive(pid):
         time.sleep(1.0)
     logging.getLogger("art_sky.cluster").warning("process %d, which started this server, has ended: stopping", pid)
     server.should_exit = True
     time.sleep(60.0)
     os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    """Is `pid` running (a zombie, dead but not yet reaped, is not)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ from .inference import openai_api
 from .inference.fleet import Fleet
 from .inference.fleet import install as fleet_routes
 from .inference.gate import DeviceGate
+from .lineage import Lineages
 from .model_state import ModelState, create_model_state, device, restore_from_store
 from .node.gpu_sharing import sharing_of
 from .node.placement import Placement, place
@@ -86,15 +87,21 @@ class Arrival:
 
 
 def create_app(
-    art_path: Path, api_key: str, settings: Settings | None = None, placement: Placement | None = None
+    art_path: Path,
+    api_key: str,
+    settings: Settings | None = None,
+    placement: Placement | None = None,
+    server_files: str | None = None,
 ) -> FastAPI:
+    """The server's app; `server_files`: its run directory, which the owner records of its lineages name."""
     settings = settings or Settings()
     placement = placement or place(settings, vllm_serves(settings))  # python -m art_sky.cluster chose it earlier
     engine = select_engine(settings, art_path, api_key, placement)
     trainer = select_trainer(settings, placement, engine)
     versions, stack = installed_versions(), stack_status(engine.name, trainer.name)
     store = CheckpointStore.from_settings(settings)
-    sync = CheckpointSync(store, settings.checkpoint_strict) if store else None
+    lineages = Lineages(art_path, settings, store, server_files or str(art_path))  # one writer per lineage
+    sync = CheckpointSync(store, settings.checkpoint_strict, lineages.refused) if store else None
     states: dict[str, ModelState] = {}
     gate = DeviceGate()
     activities: dict[str, ModelActivity] = {}  # what the server is doing with each model (cluster/activity.py)
@@ -128,6 +135,7 @@ def create_app(
             await fleet.aclose()  # connections made on this event loop
             await asyncio.to_thread(fleet.close)  # a child engine (vLLM) stops with the server
             await asyncio.to_thread(trainer.close)  # so do the trainer's ranks
+            await lineages.close()  # the next cluster on the store need not wait for this one's records to go stale
 
     app = FastAPI(
         title="art-sky cluster server",
@@ -212,6 +220,7 @@ def create_app(
         await check_registration(body.base_model, store, settings.checkpoint_strict)  # before anything slow
         async with registration:
             fleet.check(body)  # before loading anything (or writing a step 0 checkpoint)
+            await lineages.take(body)  # refused when another server writes this lineage
             checkpoints = CheckpointDir(art_path, body.project, body.run)
             downloaded = await restore_from_store(store, checkpoints, settings.checkpoint_strict) if store else None
             state = await asyncio.to_thread(
@@ -226,13 +235,19 @@ def create_app(
         log.info("registered %s (%s) at step %d", body.name, body.base_model, state.step)
         return state
 
+    def registered(body: RegisterRequest, task: asyncio.Task[ModelState]) -> None:
+        registering.pop(body.name, None)
+        if task.cancelled() or task.exception() is not None:
+            lineages.release_name(body)
+
     @app.post("/art/models", dependencies=guarded)
     async def register(body: RegisterRequest) -> ModelInfo:
         """Load a model (its newest checkpoint, from the store on a fresh cluster), without stopping inference of
         the others. Idempotent: a repeated registration (a retry) waits for the one loading and answers the same."""
         if body.name not in states and body.name not in registering:
+            lineages.claim_name(body)  # 409 when another name holds this lineage here
             task = registering[body.name] = asyncio.create_task(load(body))  # runs on if the client goes away
-            task.add_done_callback(lambda _: registering.pop(body.name, None))
+            task.add_done_callback(lambda done: registered(body, done))
         if body.name in registering:
             await asyncio.shield(registering[body.name])
         existing = states[body.name].request

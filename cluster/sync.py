@@ -19,8 +19,10 @@ log = logging.getLogger("art_sky.cluster")
 
 
 class CheckpointSync:
-    def __init__(self, store: CheckpointStore, strict: bool):
+    def __init__(self, store: CheckpointStore, strict: bool, refused: Callable[[str, str], str | None] | None = None):
+        """`refused(project, run)`: why a lineage must not be uploaded (another server owns it now), or None."""
         self.store, self.strict = store, strict
+        self.refused = refused or (lambda project, run: None)
         self._queue: asyncio.Queue[tuple[str, Callable[[], Awaitable[None]]]] | None = None
         self._worker: asyncio.Task | None = None
         self._pending: list[str] = []
@@ -43,6 +45,9 @@ class CheckpointSync:
                     f"step {step} of {checkpoints.name} is not on disk yet (its "
                     "checkpoint could not be written: see the server log)",
                 )
+                return
+            if reason := self.refused(checkpoints.project, checkpoints.name):
+                self._failed[key] = (checkpoints, reason)
                 return
             if checkpoints.manifest(step) is None:  # deleted locally since (retention): nothing to keep
                 self._failed.pop(key, None)

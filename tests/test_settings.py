@@ -112,6 +112,8 @@ SURFACE = {
     "ART_SKY_CHECKPOINT_ENDPOINT": "str | None",
     "ART_SKY_CHECKPOINT_BACKGROUND": "bool",
     "ART_SKY_CHECKPOINT_STRICT": "bool",
+    "ART_SKY_CLUSTER_NAME": "str | None",
+    "ART_SKY_OWNER_STALE_AFTER": "float",
     "ART_SKY_HOURLY_COST": "float | None",
     "ART_SKY_TRAIN_STALL_TIMEOUT": "float",
     "ART_SKY_RECOVER_AFTER": "float",

@@ -123,6 +123,8 @@ class ClusterBackend(Backend):
         """Start the server detached with this backend's key and the store's settings in its environment."""
         assert self.api_key is not None
         env = env | {"ART_SKY_API_KEY": self.api_key}
+        if self.name:  # the owner records of its lineages name it; a relaunch under this name takes them over
+            env = {"ART_SKY_CLUSTER_NAME": self.name} | env
         lifecycle.start(runner, layout, python=python, env=env, port=port, pythonpath=pythonpath, exit_with=exit_with)
 
     async def _start(self) -> None:
