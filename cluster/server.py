@@ -17,6 +17,7 @@ import logging
 import secrets
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
 from art_sky.disk_full import disk_full
-from art_sky.errors import ArtSkyError, ErrorCode, NotRegisteredError, TokenizationError
+from art_sky.errors import ArtSkyError, ErrorCode, LimitError, NotRegisteredError, TokenizationError
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
@@ -307,6 +308,12 @@ def create_app(
     @app.post("/art/models/{name}/log", dependencies=guarded)
     async def log_metrics(name: str, body: LogRequest) -> dict:
         state = model(name)
+        if body.step is not None and body.step > state.step + 1:
+            raise HTTPException(
+                400,
+                f"step {body.step} of {name} is past its bound: {name} is at step {state.step}, so metrics "
+                f"belong to a step up to {state.step + 1} (the one being trained); leave `step` out for the current one",
+            )
         entry = history_entry(state.step if body.step is None else body.step, body.split, body.metrics)
         try:
             state.checkpoints.append_history(entry)
@@ -361,6 +368,14 @@ def create_app(
                 404,
                 f"step {body.step} of {name} has no checkpoint (steps: "
                 f"{state.checkpoints.steps()}): lease a step that exists",
+            )
+        if len(state.leases) >= settings.max_leases_per_model:
+            held = Counter(state.leases.values())
+            raise LimitError(
+                f"{name} holds {len(state.leases)} adapter leases, the most ART_SKY_MAX_LEASES_PER_MODEL allows ("
+                + ", ".join(f"{count} on step {step}" for step, count in sorted(held.items()))
+                + "): release leases (leave `backend.adapter_lease(...)`'s block) before taking more, or raise the "
+                "setting on the server"
             )
         lease_id = secrets.token_hex(8)
         state.leases[lease_id] = body.step
