@@ -102,7 +102,9 @@ def create_app(
     registering: dict[str, asyncio.Task[ModelState]] = {}
     registration = asyncio.Lock()  # one model loads at a time; inference goes on meanwhile
     bearer, has_key, authorized = api_key_auth(api_key)
-    fleet = Fleet(engine, api_key)  # what /v1 and the steps see: this node's engine and the joined replicas
+    fleet = Fleet(
+        engine, api_key, settings.nodes
+    )  # what /v1 and the steps see: this node's engine and the joined replicas
     if isinstance(trainer, ShardedTrainer):  # a rank lost with a node: the fleet says which node
         trainer.group.lost_nodes = fleet.lost
 
@@ -312,7 +314,8 @@ def create_app(
             raise HTTPException(
                 400,
                 f"step {body.step} of {name} is past its bound: {name} is at step {state.step}, so metrics "
-                f"belong to a step up to {state.step + 1} (the one being trained); leave `step` out for the current one",
+                f"belong to a step up to {state.step + 1} (the one being trained); leave `step` out for the "
+                "current one",
             )
         entry = history_entry(state.step if body.step is None else body.step, body.split, body.metrics)
         try:
