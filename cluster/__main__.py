@@ -26,6 +26,7 @@ from pathlib import Path
 from art_sky.errors import ConfigError
 from art_sky.files import atomic_write
 from art_sky.layout import LOCK_FILE, ServerLayout
+from art_sky.redact import add_secrets, redact_logging
 from art_sky.settings import Settings
 from art_sky.wire import node_url
 
@@ -198,6 +199,8 @@ def _serve(
     assert settings.api_key is not None  # `main` refuses to start without one
     api_key = settings.api_key.get_secret_value()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    add_secrets([api_key])  # and the store's secrets, once it opens (art_sky.store)
+    redact_logging()  # every logger's lines, uvicorn's included (log_config=None: they reach the root's handler)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request forwarded to vLLM is too many
     import torch
 
@@ -236,6 +239,7 @@ def _serve(
         uvicorn.Config(
             app,
             log_level="info",
+            log_config=None,
             timeout_graceful_shutdown=5,
             access_log=False,
             proxy_headers=False,

@@ -32,6 +32,7 @@ import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
 from art_sky.disk_full import disk_full
 from art_sky.errors import ArtSkyError, ErrorCode, LimitError, NotRegisteredError, TokenizationError
+from art_sky.redact import redact
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
@@ -157,7 +158,7 @@ def create_app(
             f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()[:10]
         )
         more = f" (and {len(exc.errors()) - 10} more)" if len(exc.errors()) > 10 else ""
-        body = ErrorResponse(detail=f"invalid request: {problems}{more}", code=ErrorCode.INVALID)
+        body = ErrorResponse(detail=redact(f"invalid request: {problems}{more}"), code=ErrorCode.INVALID)
         return JSONResponse(body.model_dump(), status_code=422)
 
     @app.exception_handler(Exception)
@@ -169,8 +170,10 @@ def create_app(
             return JSONResponse(body.model_dump(), status_code=status)
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         body = ErrorResponse(
-            detail=f"the server failed on {request.method} {request.url.path} ({type(exc).__name__}: {exc}); the "
-            "traceback is in its log (`art-sky logs`): please report it",
+            detail=redact(
+                f"the server failed on {request.method} {request.url.path} ({type(exc).__name__}: {exc}); the "
+                "traceback is in its log (`art-sky logs`): please report it"
+            ),
             code=ErrorCode.INTERNAL,
         )
         return JSONResponse(body.model_dump(), status_code=500)

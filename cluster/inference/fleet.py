@@ -34,6 +34,7 @@ import aiohttp
 from fastapi import APIRouter, FastAPI, HTTPException
 from fastapi.responses import FileResponse
 
+from art_sky.redact import redact
 from art_sky.wire import FleetReplica, JoinReply, JoinRequest, RegisterRequest, ReplicaModel, TrainerRendezvous
 
 from ..model_state import ModelState
@@ -518,7 +519,11 @@ async def _until_gone(replica: Replica, awaitable: Awaitable[T]) -> T:
 
 
 def _said(exc: BaseException) -> str:
-    """A transport failure in words (aiohttp's own text names sockets and SSL contexts)."""
+    """A transport failure in words (aiohttp's own text names sockets and SSL contexts), redacted."""
+    return redact(_in_words(exc))
+
+
+def _in_words(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError):  # refused, no route, a name that does not resolve
         error = exc.os_error
         return os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror or str(error)
