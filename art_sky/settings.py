@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     max_leases_per_model: int = Field(
         1024,
         ge=1,
-        description="adapter leases (ART's `exact_adapter_lease`) one model may hold at once: past it a lease is "
+        description="adapter leases (ART's exact_adapter_lease) one model may hold at once: past it a lease is "
         "refused (429) until some are released",
     )
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
