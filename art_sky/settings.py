@@ -90,6 +90,12 @@ class Settings(BaseSettings):
         description="seconds train(), SFT and register keep retrying "
         "(same request id) across dropped connections and server restarts",
     )
+    max_leases_per_model: int = Field(
+        1024,
+        ge=1,
+        description="adapter leases (ART's exact_adapter_lease) one model may hold at once: past it a lease is "
+        "refused (429) until some are released",
+    )
     max_new_tokens_limit: int = Field(4096, description="the largest max_tokens the portable engine accepts")
     max_batch_rows: int = Field(64, description="completions the portable engine samples together in one batch")
     train_microbatch_tokens: int = Field(

@@ -34,6 +34,7 @@ from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError, Manifest
 from art_sky.errors import CheckpointStoreError, ConfigError
 from art_sky.files import atomic_dir
 from art_sky.layout import HISTORY, MANIFEST, OWNER_FILE, model_key, step_key, step_name
+from art_sky.redact import SECRET_VARIABLES, add_secrets, redact
 from art_sky.settings import Settings
 
 if TYPE_CHECKING:  # obstore's typed dicts exist only in its stubs
@@ -54,6 +55,7 @@ class CheckpointStore:
     def __init__(self, uri: str, *, endpoint: str | None = None, credentials: dict[str, str] | None = None):
         """`credentials`: the store's variables (AWS_*, GOOGLE_*; Settings.store_credentials) over the environment's."""
         self.uri = uri.rstrip("/")
+        add_secrets((credentials or {}).get(name) or os.environ.get(name) for name in SECRET_VARIABLES)
         self._store = _open(self.uri, endpoint, credentials or {})
 
     @classmethod
@@ -317,7 +319,7 @@ class CheckpointStore:
 
     def _error(self, action: str, exc: Exception) -> CheckpointStoreError:
         """Say what the store refused and what to do, naming the URI (never the credentials)."""
-        text = str(exc)
+        text = str(_scrubbed(exc))
         match = re.search(r"<Code>([^<]+)</Code>", text)
         code = match.group(1) if match else ""
         misconfigured = True
@@ -344,7 +346,14 @@ class CheckpointStore:
             )
         else:
             hint, misconfigured = text.split("\n", 1)[0][:300], False
-        return CheckpointStoreError(f"checkpoint store {self.uri}: cannot {action}: {hint}", misconfigured)
+        return CheckpointStoreError(redact(f"checkpoint store {self.uri}: cannot {action}: {hint}"), misconfigured)
+
+
+def _scrubbed(exc: Exception) -> Exception:
+    """`exc` with its text redacted in place: obstore's errors quote the endpoint URL, password and all, and the
+    error stays the cause of art-sky's (a traceback prints it)."""
+    exc.args = tuple(redact(a) if isinstance(a, str) else a for a in exc.args)
+    return exc
 
 
 def _blocks(path: Path, progress: Progress) -> Iterator[bytes]:
@@ -389,10 +398,10 @@ def _open(uri: str, endpoint: str | None, credentials: dict[str, str]):
         # its stubs' S3Config holds `bucket`, so any **S3Config reads as a second bucket
         return S3Store(parsed.netloc, prefix=prefix, client_options=client, config=config, **options)  # type: ignore[arg-type, misc]
     except (BaseError, OSError) as exc:
-        missing = _missing_credentials(str(exc), uri)
+        missing = _missing_credentials(redact(str(exc)), uri)
         raise CheckpointStoreError(
-            f"checkpoint store {uri}: cannot open it: {missing or str(exc).splitlines()[0]}", bool(missing)
-        ) from exc
+            redact(f"checkpoint store {uri}: cannot open it: {missing or str(exc).splitlines()[0]}"), bool(missing)
+        ) from _scrubbed(exc)
 
 
 # obstore's words for a credential it lacks -> the variable that gives it and the one beside it

@@ -151,6 +151,39 @@ class TrainerRendezvous(_Strict):
     max_restarts: int = Field(ge=0, description="torchrun's --max-restarts, the same on every node")
 
 
+def node_url(url: str) -> str:
+    """`url` if it is http(s)://HOST:PORT a node can connect to, nothing more (no user, path, query or fragment):
+    a host name (with a letter: `0` or `10.1` are numbers a resolver reads as addresses) or an IP address that is
+    not 0.0.0.0 or ::, and a port. A replica's address in a join, and a worker's --join."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not port or "@" in parts.netloc:
+        raise ValueError(
+            f"{url!r} is not http://HOST:PORT: a node's address on the cluster's private network and its port"
+        )
+    if parts.path or parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ValueError(
+            f"{url!r} has more than http://HOST:PORT (a path, ?query or #fragment): give the node's address and port "
+            "alone"
+        )
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if not re.fullmatch(_HOSTNAME, host) or not re.search(r"[A-Za-z]", host):
+            raise ValueError(f"{host!r} in {url!r} is neither a host name nor an IP address") from None
+    else:
+        if address.is_unspecified or address.is_multicast:
+            raise ValueError(
+                f"{host} in {url!r} is not an address the head can connect to: name the "
+                "replica's address on the cluster's private network (--advertise)"
+            )
+    return url
+
+
 class JoinRequest(_Strict):
     """A worker node's replica server asking the head to take it into the inference fleet (POST /fleet/join)."""
 
@@ -161,11 +194,10 @@ class JoinRequest(_Strict):
     )
     node: str = Field(min_length=1, max_length=256, description="the node's name, shown by /health and status")
     engine: str = Field(min_length=1, max_length=64, description="the replica's engine: the head's, or refused")
-    rank: int | None = Field(
-        None,
+    rank: int = Field(
         ge=1,
         le=65535,
-        description="the worker node's rank in the cluster (--node-rank): "
+        description="the worker node's rank in the cluster (--node-rank, below ART_SKY_NODES): "
         "one replica per rank, a second one is refused",
     )
     pid: int | None = Field(None, ge=1, le=2**31, description="the replica server's pid on its node, to name it")
@@ -173,30 +205,7 @@ class JoinRequest(_Strict):
     @field_validator("url")
     @classmethod
     def _an_address_with_a_port(cls, url: str) -> str:
-        """HOST:PORT the head can connect to: a name (with a letter: `0` or `10.1` are numbers a resolver reads
-        as addresses) or an IP address that is not 0.0.0.0 or ::, and a port."""
-        parts = urllib.parse.urlsplit(url)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        host = parts.hostname or ""
-        if not port or parts.username is not None or parts.password is not None:
-            raise ValueError(
-                f"{url!r} is not http://HOST:PORT: the replica's address on the cluster's private network and its port"
-            )
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            if not re.fullmatch(_HOSTNAME, host) or not re.search(r"[A-Za-z]", host):
-                raise ValueError(f"{host!r} in {url!r} is neither a host name nor an IP address") from None
-        else:
-            if address.is_unspecified or address.is_multicast:
-                raise ValueError(
-                    f"{host} in {url!r} is not an address the head can connect to: name the "
-                    "replica's address on the cluster's private network (--advertise)"
-                )
-        return url
+        return node_url(url)
 
 
 class JoinReply(_Strict):

@@ -26,7 +26,9 @@ from art_sky.errors import ConfigError
 from art_sky.files import atomic_write
 from art_sky.layout import LOCK_FILE, ServerLayout
 from art_sky.ownership import Unlockable, alive, hold
+from art_sky.redact import add_secrets, redact_logging
 from art_sky.settings import Settings
+from art_sky.wire import node_url
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,10 +73,27 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"--port {args.port} is not a TCP port: give 1 to 65535, or 0 for a free one")
     if args.node_rank is not None and (not args.join or args.node_rank < 1):
         sys.exit("--node-rank is a worker node's (with --join): 1 and up (the head is rank 0)")
+    if args.join:
+        try:
+            node_url(args.join)
+        except ValueError as exc:
+            sys.exit(f"--join {args.join!r}: {exc}")
+        if args.node_rank is None:
+            sys.exit(
+                "--join needs --node-rank: this worker node's rank in the cluster, 1 to ART_SKY_NODES - 1 "
+                "(SkyPilot's SKYPILOT_NODE_RANK); the head keeps one replica per rank"
+            )
     try:
         settings = Settings()
     except ConfigError as exc:  # a bad ART_SKY_* value: its variable and where it was read, not a traceback
         sys.exit(str(exc))
+    if args.join and args.node_rank >= settings.nodes:
+        workers = f"ranks 1 to {settings.nodes - 1}" if settings.nodes > 1 else "none (a one-node cluster)"
+        sys.exit(
+            f"--node-rank {args.node_rank} is not a worker of this cluster: ART_SKY_NODES is {settings.nodes}, so "
+            f"its workers are {workers}. Set ART_SKY_NODES to the cluster's nodes (the head included), or give "
+            "this node's own rank"
+        )
     if settings.api_key is None:
         sys.exit("ART_SKY_API_KEY is not set: the server refuses to start without an API key")
     if args.detach and not args.run_dir:
@@ -179,6 +198,8 @@ def _serve(
     assert settings.api_key is not None  # `main` refuses to start without one
     api_key = settings.api_key.get_secret_value()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    add_secrets([api_key])  # and the store's secrets, once it opens (art_sky.store)
+    redact_logging()  # every logger's lines, uvicorn's included (log_config=None: they reach the root's handler)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request forwarded to vLLM is too many
     import torch
 
@@ -217,6 +238,7 @@ def _serve(
         uvicorn.Config(
             app,
             log_level="info",
+            log_config=None,
             timeout_graceful_shutdown=5,
             access_log=False,
             proxy_headers=False,

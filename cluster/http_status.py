@@ -18,6 +18,7 @@ from art_sky.errors import (
     NotRegisteredError,
     TokenizationError,
 )
+from art_sky.redact import redact
 from art_sky.wire import ErrorResponse
 
 from .training.rank_group import RankError
@@ -59,4 +60,4 @@ def http_status(exc: BaseException) -> int:
 def error_response(exc: BaseException, detail: str | None = None) -> tuple[int, ErrorResponse]:
     """The status and body the server answers for `exc` (its message, or `detail`)."""
     status, code = classify(exc)
-    return status, ErrorResponse(detail=str(exc) if detail is None else detail, code=code)
+    return status, ErrorResponse(detail=redact(str(exc) if detail is None else detail), code=code)

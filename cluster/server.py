@@ -17,6 +17,7 @@ import logging
 import secrets
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
 from art_sky.disk_full import disk_full
-from art_sky.errors import ArtSkyError, ErrorCode, NotRegisteredError, TokenizationError
+from art_sky.errors import ArtSkyError, ErrorCode, LimitError, NotRegisteredError, TokenizationError
+from art_sky.redact import redact
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
 from art_sky.wire import (
@@ -108,7 +110,9 @@ def create_app(
     registering: dict[str, asyncio.Task[ModelState]] = {}
     registration = asyncio.Lock()  # one model loads at a time; inference goes on meanwhile
     bearer, has_key, authorized = api_key_auth(api_key)
-    fleet = Fleet(engine, api_key)  # what /v1 and the steps see: this node's engine and the joined replicas
+    fleet = Fleet(
+        engine, api_key, settings.nodes
+    )  # what /v1 and the steps see: this node's engine and the joined replicas
     if isinstance(trainer, ShardedTrainer):  # a rank lost with a node: the fleet says which node
         trainer.group.lost_nodes = fleet.lost
 
@@ -162,7 +166,7 @@ def create_app(
             f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()[:10]
         )
         more = f" (and {len(exc.errors()) - 10} more)" if len(exc.errors()) > 10 else ""
-        body = ErrorResponse(detail=f"invalid request: {problems}{more}", code=ErrorCode.INVALID)
+        body = ErrorResponse(detail=redact(f"invalid request: {problems}{more}"), code=ErrorCode.INVALID)
         return JSONResponse(body.model_dump(), status_code=422)
 
     @app.exception_handler(Exception)
@@ -174,8 +178,10 @@ def create_app(
             return JSONResponse(body.model_dump(), status_code=status)
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         body = ErrorResponse(
-            detail=f"the server failed on {request.method} {request.url.path} ({type(exc).__name__}: {exc}); the "
-            "traceback is in its log (`art-sky logs`): please report it",
+            detail=redact(
+                f"the server failed on {request.method} {request.url.path} ({type(exc).__name__}: {exc}); the "
+                "traceback is in its log (`art-sky logs`): please report it"
+            ),
             code=ErrorCode.INTERNAL,
         )
         return JSONResponse(body.model_dump(), status_code=500)
@@ -322,6 +328,13 @@ def create_app(
     @app.post("/art/models/{name}/log", dependencies=guarded)
     async def log_metrics(name: str, body: LogRequest) -> dict:
         state = model(name)
+        if body.step is not None and body.step > state.step + 1:
+            raise HTTPException(
+                400,
+                f"step {body.step} of {name} is past its bound: {name} is at step {state.step}, so metrics "
+                f"belong to a step up to {state.step + 1} (the one being trained); leave `step` out for the "
+                "current one",
+            )
         entry = history_entry(state.step if body.step is None else body.step, body.split, body.metrics)
         try:
             state.checkpoints.append_history(entry)
@@ -376,6 +389,14 @@ def create_app(
                 404,
                 f"step {body.step} of {name} has no checkpoint (steps: "
                 f"{state.checkpoints.steps()}): lease a step that exists",
+            )
+        if len(state.leases) >= settings.max_leases_per_model:
+            held = Counter(state.leases.values())
+            raise LimitError(
+                f"{name} holds {len(state.leases)} adapter leases, the most ART_SKY_MAX_LEASES_PER_MODEL allows ("
+                + ", ".join(f"{count} on step {step}" for step, count in sorted(held.items()))
+                + "): release leases (leave `backend.adapter_lease(...)`'s block) before taking more, or raise the "
+                "setting on the server"
             )
         lease_id = secrets.token_hex(8)
         state.leases[lease_id] = body.step

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from art_sky.checkpoints import CheckpointDir, steps_to_keep
 from art_sky.errors import CheckpointStoreError
+from art_sky.redact import redact
 from art_sky.store import CheckpointStore
 from art_sky.wire import ModelSync, SyncStatus
 
@@ -59,7 +60,9 @@ class CheckpointSync:
                 await self.store.upload_history(checkpoints)
             except Exception as exc:  # reported through status(); the server keeps training
                 message = str(exc) if isinstance(exc, CheckpointStoreError) else f"{type(exc).__name__}: {exc}"
-                message = f"step {step} of {checkpoints.name} was not uploaded to {self.store.where(*key)}: {message}"
+                message = redact(
+                    f"step {step} of {checkpoints.name} was not uploaded to {self.store.where(*key)}: {message}"
+                )
                 log.warning("%s", message)
                 self._failed[key] = (checkpoints, message)
                 return

@@ -53,8 +53,8 @@ def start_node(
     port: int | None = None,
     rank: int | None = None,
 ) -> Node:
-    """A head (or, with `join`, a replica of the head at that URL, of node rank `rank`) under `root/name` (on
-    `port`), ready to answer /health."""
+    """A head (or, with `join`, a replica of the head at that URL, of node rank `rank`: 1 unless given, in a cluster
+    of rank + 1 nodes unless `env` says) under `root/name` (on `port`), ready to answer /health."""
     layout = ServerLayout(run_dir=str(root / name / "run"), art_path=str(root / name / "art"))
     python = sys.executable
     if core is not None:
@@ -62,11 +62,13 @@ def start_node(
         Path(python).write_text(f'#!/bin/sh\nexec taskset -c {core} {sys.executable} "$@"\n')
         os.chmod(python, 0o755)
     runner = LocalRunner()
+    rank = rank or 1 if join else None  # a worker always has its rank, within the cluster's nodes
+    env = ({"ART_SKY_NODES": str(rank + 1)} if rank else {}) | (env or {})
     lifecycle.start(
         runner,
         layout,
         python=python,
-        env={"ART_SKY_API_KEY": key} | (env or {}),
+        env={"ART_SKY_API_KEY": key} | env,
         exit_with=os.getpid(),
         args=(("--join", join) if join else ())
         + (("--port", str(port)) if port else ())

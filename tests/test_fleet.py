@@ -142,7 +142,7 @@ def test_status_shows_each_replica_its_load_and_step(nodes, tmp_path, monkeypatc
 
 async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
     head, _ = nodes
-    join = {"url": "http://127.0.0.1:1", "node": "elsewhere", "engine": "portable"}
+    join = {"url": "http://127.0.0.1:1", "node": "elsewhere", "engine": "portable", "rank": 5}
     async with httpx.AsyncClient(base_url=head.url, timeout=60) as http:
         wrong_key = await http.post("/fleet/join", json=join, headers={"authorization": "Bearer wrong"})
         assert wrong_key.status_code == 401
@@ -157,6 +157,15 @@ async def test_joins_that_cannot_work_are_refused_saying_why(nodes, tmp_path):
         for url in ("127.0.0.1:80/x", "http://0", "http://0.0.0.0:80", "http://node-b", "http://[::1:80"):
             not_a_url = await http.post("/fleet/join", json=join | {"url": url}, headers=auth)
             assert not_a_url.status_code == 422 and "url" in not_a_url.json()["detail"], (url, not_a_url.text)
+        for url in ("http://127.0.0.1:80?x=1", "http://127.0.0.1:80#top", "http://node-b:80?"):
+            extra = await http.post("/fleet/join", json=join | {"url": url}, headers=auth)
+            assert extra.status_code == 422, (url, extra.text)
+            assert f"{url!r} has more than http://HOST:PORT (a path, ?query or #fragment)" in extra.json()["detail"]
+        for rank in ({"rank": None}, {"rank": 0}, {}):  # a worker's join always names its rank, 1 and up
+            rankless = await http.post(
+                "/fleet/join", json={k: v for k, v in join.items() if k != "rank"} | rank, headers=auth
+            )
+            assert rankless.status_code == 422 and "rank" in rankless.json()["detail"], rankless.text
     try:  # it listens, then the head refuses it and it exits: which of the two the readiness wait sees varies
         stranger = start_node(tmp_path, "stranger", join=head.url, key="not-the-head-key").layout
     except BackendUnavailableError:
@@ -205,7 +214,7 @@ async def test_a_node_has_one_replica_and_its_run_files_one_server(nodes):
             "--node-rank",
             "1",
         ],
-        env=os.environ | {"ART_SKY_API_KEY": API_KEY},
+        env=os.environ | {"ART_SKY_API_KEY": API_KEY, "ART_SKY_NODES": "2"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -218,6 +227,47 @@ async def test_a_node_has_one_replica_and_its_run_files_one_server(nodes):
     assert {path.name: path.read_bytes() for path in run.iterdir() if path.name != "server.log"} == files
     assert Path(replica.layout.log_file).read_bytes().startswith(log)  # not rotated: the first one's, still growing
     assert lifecycle.status(LocalRunner(), replica.layout).state == "listening" and len(fleet(head)) == 2
+
+
+def test_a_worker_names_its_rank_within_the_clusters_nodes(tmp_path):
+    """A worker without --node-rank, with one past ART_SKY_NODES, or with a --join URL that is more than HOST:PORT
+    does not start, saying what to give; a multi-node head refuses a join of a rank past its nodes (409)."""
+    head = start_node(tmp_path, "head", env={"ART_SKY_NODES": "2"})
+    try:
+
+        def worker(*args: str, nodes: str = "2") -> str:
+            run = tmp_path / "worker"
+            command = [sys.executable, "-m", "art_sky.cluster", "--run-dir", str(run), *args]
+            env = os.environ | {"ART_SKY_API_KEY": API_KEY, "ART_SKY_NODES": nodes}
+            started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+            assert started.returncode != 0 and not run.exists(), started  # refused before it took any file
+            return started.stderr.strip()
+
+        assert worker("--join", head.url) == (
+            "--join needs --node-rank: this worker node's rank in the cluster, 1 to ART_SKY_NODES - 1 "
+            "(SkyPilot's SKYPILOT_NODE_RANK); the head keeps one replica per rank"
+        )
+        assert worker("--join", head.url, "--node-rank", "2").startswith(
+            "--node-rank 2 is not a worker of this cluster: ART_SKY_NODES is 2, so its workers are ranks 1 to 1."
+        )
+        assert "its workers are none (a one-node cluster)" in worker("--join", head.url, "--node-rank", "1", nodes="1")
+        for url in (f"{head.url}?token=1", f"{head.url}#x", f"{head.url}/v1"):
+            assert worker("--join", url, "--node-rank", "1").startswith(
+                f"--join {url!r}: {url!r} has more than http://HOST:PORT (a path, ?query or #fragment)"
+            )
+        join = {"url": "http://127.0.0.1:1", "node": "far", "engine": "portable", "pid": 7}
+        with head.client(timeout=30) as http:
+            for rank in (2, 3, 65535):
+                refused = http.post("/fleet/join", json=join | {"rank": rank})
+                assert refused.status_code == 409, refused.text
+                assert refused.json()["detail"].startswith(
+                    f"node rank {rank} of the replica on far is not a worker of this cluster: it has 2 nodes "
+                    "(ART_SKY_NODES), so the workers are ranks 1 to 1"
+                )
+            assert http.post("/fleet/join", json=join | {"rank": 1}).status_code == 502  # in range: tried
+        assert len(fleet(head)) == 1
+    finally:
+        head.stop()
 
 
 def test_a_replica_started_before_its_head_joins_once_the_head_answers(tmp_path):

@@ -38,6 +38,7 @@ SHARED = (
     "art_sky.store",
     "art_sky.capacity",
     "art_sky.ownership",
+    "art_sky.redact",
 )
 # (importer prefix, what it must not import): the data path's layers, one way
 RULES = [

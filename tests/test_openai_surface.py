@@ -361,7 +361,7 @@ async def test_portable_serves_older_steps_by_name(portable):
     assert (await client.models.retrieve(model.name)).model_extra["step"] == step + 1
     listed = [m.id async for m in client.models.list()]
     assert {model.name, f"{model.name}@{step}", f"{model.name}@{step + 1}"} <= set(listed)
-    with pytest.raises(openai.NotFoundError, match="no checkpoint for step '99'"):
+    with pytest.raises(openai.NotFoundError, match="no step 99 of model 'surf'"):
         await client.models.retrieve(f"{model.name}@99")
     with pytest.raises(openai.NotFoundError, match="not registered"):
         await client.chat.completions.create(model="nobody", messages=PROMPT, max_tokens=1)

@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import httpx
 import pytest
+from fleet_nodes import API_KEY
 
 from art_sky.checkpoints import CheckpointDir, CorruptCheckpointError
 from art_sky.errors import CheckpointStoreError, ConfigError
@@ -245,3 +247,58 @@ def test_half_a_credential_pair_is_named_by_its_missing_variable(s3_server, monk
             f"({WHERE})"
         )
         assert caught.value.misconfigured
+
+
+def test_a_url_with_credentials_or_a_known_secret_is_redacted():
+    from art_sky.redact import add_secrets, redact
+
+    add_secrets(["short", "a-secret-value-0123"])
+    assert redact("GET http://user:pw@host:9/x?a=b, s3://k:v@bucket/p and https://tok@h") == (
+        "GET http://***@host:9/x?a=b, s3://***@bucket/p and https://***@h"
+    )
+    assert redact("key a-secret-value-0123 and short, user@host:22, mailto:x@y") == (
+        "key *** and short, user@host:22, mailto:x@y"  # short values and SSH targets are no secrets
+    )
+
+
+@pytest.mark.slow
+def test_a_store_endpoints_password_is_in_no_log_line_or_error(s3_server, tmp_path):
+    """An S3 endpoint written `http://user:pass@host:port` (obstore quotes its request URLs in its errors): the
+    server's log and its answers show the URL as `http://***@...`, never the password nor the store's secret key."""
+    from fleet_nodes import start_node
+
+    def server(name: str, endpoint: str, bucket: str):
+        env = s3_server.env() | {
+            "ART_SKY_CHECKPOINT_URI": f"s3://{bucket}/runs",
+            "ART_SKY_CHECKPOINT_ENDPOINT": endpoint,
+        }
+        return start_node(tmp_path, name, env=env)
+
+    password, secret = "pass-in-the-url-0123", s3_server.env()["AWS_SECRET_ACCESS_KEY"]
+    with_user = s3_server.endpoint.replace("http://", f"http://user:{password}@")
+    closed = f"http://user:{password}@127.0.0.1:9"
+    for name, endpoint, bucket, status in (
+        ("seaweedfs", with_user, s3_server.new_bucket(), 200),  # obstore sends the request: the store works
+        ("missing", with_user, "no-such-bucket-redacted", 502),
+        ("refused", closed, s3_server.new_bucket(), 200),  # unreachable: a warning, and the upload fails
+    ):
+        node = server(name, endpoint, bucket)
+        try:
+            with node.client() as http:
+                response = http.post(
+                    "/art/models", json={"name": MODEL, "project": PROJECT, "base_model": "art-sky/tiny"}
+                )
+                assert response.status_code == status, response.text
+                synced = http.post("/art/checkpoints/flush").text + http.get("/art/checkpoints/sync").text
+        finally:
+            node.stop()
+        log = Path(node.layout.log_file).read_text()
+        for text in (response.text, synced, log):
+            assert password not in text and secret not in text and API_KEY not in text
+        if name == "refused":
+            # obstore's words, its request's URL in them: in the flush's errors and the log, redacted
+            assert f"http://***@127.0.0.1:9/{bucket}/runs/{PROJECT}/models/{MODEL}/checkpoints/0000/" in synced
+            assert f"cannot be checked now (checkpoint store s3://{bucket}/runs: cannot list the store: " in log
+            assert f"Error performing GET http://***@127.0.0.1:9/{bucket}?delimiter" in log
+        if name == "missing":
+            assert response.json()["detail"].startswith(f"checkpoint store s3://{bucket}/runs: cannot list the store: ")

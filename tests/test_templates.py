@@ -172,7 +172,8 @@ def test_several_nodes_are_one_skypilot_task_whose_head_serves_and_the_others_jo
     task = validate(validate_task(config))
     assert task["num_nodes"] == 2
     assert '--host 127.0.0.1 --host "$head" --port "$ART_SKY_HEAD_PORT"' in config["run"]
-    assert '--join "http://$head:$ART_SKY_HEAD_PORT"' in config["run"]
+    assert '--join "http://$head:$ART_SKY_HEAD_PORT" --node-rank "$SKYPILOT_NODE_RANK"' in config["run"]
+    assert 'export ART_SKY_NODES="$nodes"' in config["run"]  # its bound
     assert "num_nodes" not in render_task(ClusterSpec(gpu="H100:8", wheel=WHEEL), KEY)
 
 

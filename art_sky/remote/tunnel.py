@@ -19,6 +19,7 @@ import time
 import paramiko
 
 from art_sky.errors import ConfigError, SSHError
+from art_sky.redact import redact
 from art_sky.settings import Settings
 
 from .ssh import SSHTarget, connect
@@ -183,7 +184,7 @@ class Tunnel:
                         self.reconnects += 1
                         log.info("SSH connection to %s re-established", self.target)
                 except SSHError as exc:
-                    log.warning("reconnect to %s failed (%s); next try in %.1fs", self.target, exc, delay)
+                    log.warning("reconnect to %s failed (%s); next try in %.1fs", self.target, redact(str(exc)), delay)
                     self._closed.wait(delay)
                     delay = min(delay * 2, self.max_backoff)
                     continue
@@ -245,7 +246,9 @@ class Tunnel:
                 if transport is not None and transport.is_active():  # nothing listens at the remote port
                     refused_since = refused_since or time.monotonic()
                     if time.monotonic() - refused_since >= self.refused_wait:
-                        log.warning("cannot open a channel to %s:%d on %s: %r", *self.remote, self.target, exc)
+                        log.warning(
+                            "cannot open a channel to %s:%d on %s: %s", *self.remote, self.target, redact(repr(exc))
+                        )
                         return None
             if time.monotonic() > deadline:
                 return None

@@ -34,6 +34,7 @@ import aiohttp
 from fastapi import APIRouter, FastAPI, HTTPException
 from fastapi.responses import FileResponse
 
+from art_sky.redact import redact
 from art_sky.wire import FleetReplica, JoinReply, JoinRequest, RegisterRequest, ReplicaModel, TrainerRendezvous
 
 from ..model_state import ModelState
@@ -94,8 +95,9 @@ class Replica:
 class Fleet:
     """An Engine over the head's engine and the joined replicas."""
 
-    def __init__(self, local: Engine, api_key: str):
+    def __init__(self, local: Engine, api_key: str, nodes: int = 1):
         self.local = local
+        self.nodes = nodes  # ART_SKY_NODES: more than one, and a worker's rank must be one of the cluster's
         self.headers = {"authorization": f"Bearer {api_key}"}
         self.head = Replica("local", socket.gethostname())
         self.replicas: list[Replica] = [self.head]
@@ -267,6 +269,13 @@ class Fleet:
     async def join(self, request: JoinRequest) -> None:
         """Take a replica server into the fleet: it must answer /health with this head's key and run this head's
         engine. It gets completions once it serves each model's step (loaded in the background)."""
+        if self.nodes > 1 and not 1 <= request.rank < self.nodes:
+            raise HTTPException(
+                409,
+                f"node rank {request.rank} of the replica on {request.node} is not a worker of this cluster: it has "
+                f"{self.nodes} nodes (ART_SKY_NODES), so the workers are ranks 1 to {self.nodes - 1}. Start it with "
+                "--node-rank within them (SkyPilot's SKYPILOT_NODE_RANK)",
+            )
         if request.engine != self.local.name:
             raise HTTPException(
                 409,
@@ -315,9 +324,7 @@ class Fleet:
     async def _one_per_rank(self, request: JoinRequest) -> None:
         """A node has one replica: one of the same rank elsewhere that still answers refuses the join (409, naming
         it); one that does not answer is gone, and the newcomer replaces it."""
-        for other in [
-            r for r in self.remotes if request.rank is not None and r.rank == request.rank and r.url != request.url
-        ]:
+        for other in [r for r in self.remotes if r.rank == request.rank and r.url != request.url]:
             try:
                 async with other.http.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as r:
                     alive = r.status == 200
@@ -512,7 +519,11 @@ async def _until_gone(replica: Replica, awaitable: Awaitable[T]) -> T:
 
 
 def _said(exc: BaseException) -> str:
-    """A transport failure in words (aiohttp's own text names sockets and SSL contexts)."""
+    """A transport failure in words (aiohttp's own text names sockets and SSL contexts), redacted."""
+    return redact(_in_words(exc))
+
+
+def _in_words(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError):  # refused, no route, a name that does not resolve
         error = exc.os_error
         return os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror or str(error)

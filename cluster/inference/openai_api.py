@@ -58,6 +58,8 @@ class OpenAIError(ArtSkyError):
 
 
 _MESSAGES = TypeAdapter(list[ChatMessage])
+STEP = re.compile(r"[0-9]+")  # the step of `name@step`
+MAX_STEP_DIGITS = 18  # a step number fits an int64 (no model trains 10^18 steps)
 
 
 def invalid_request(exc: ValidationError, *within: str) -> OpenAIError:
@@ -134,24 +136,36 @@ def resolve(states: dict[str, ModelState], model_id: Any) -> Served:
     if state is None:
         raise OpenAIError(
             404,
-            f"model {model_id!r} is not registered on this server (registered: "
+            f"model {_shown(model_id)!r} is not registered on this server (registered: "
             f"{sorted(states) or 'none'}): call `await model.register(backend)` first",
             param="model",
             type="not_found_error",
         )
     if not at:
         return Served(state, state.step)
+    if not STEP.fullmatch(step):  # ASCII digits only: `str.isdigit` takes "²", which `int` refuses
+        raise OpenAIError(
+            400,
+            f"model {_shown(model_id)!r}: the step after '@' must be a step number (digits 0-9), as in "
+            f"'{name}@3'; or name {name!r} for the newest step",
+            param="model",
+        )
     steps = state.checkpoints.steps()
-    if not step.isdigit() or int(step) not in steps and int(step) != state.step:  # the newest: maybe still written
+    number = int(step) if len(step) <= MAX_STEP_DIGITS else None  # longer: no step has it (nor can int read it)
+    if number is None or number not in steps and number != state.step:  # the newest: maybe still written
         raise OpenAIError(
             404,
-            f"model {model_id!r}: {name!r} has no checkpoint for step {step!r} (steps on this "
-            f"server: {', '.join(map(str, steps)) or 'none'}); name one of them, or {name!r} for "
-            "the newest",
+            f"no step {_shown(step)} of model {name!r}: it has checkpoints for steps "
+            f"{', '.join(map(str, steps)) or 'none'} on this server; name one of them, or {name!r} for the newest",
             param="model",
             type="not_found_error",
         )
-    return Served(state, int(step))
+    return Served(state, number)
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` as an error message quotes it: a long one cut (a 5000-digit step is not worth echoing)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _model_card(state: ModelState, step: int | None) -> dict:
