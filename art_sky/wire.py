@@ -311,12 +311,6 @@ class ReplicaModel(_Strict):
     step: int = Field(ge=0)
 
 
-class ReplicaStep(_Strict):
-    """The head telling a replica to serve a model's new step (POST /fleet/models/{name}/steps on the replica)."""
-
-    step: int = Field(ge=0)
-
-
 Phase = Literal["idle", "serving", "preparing", "waiting", "training", "saving", "swapping"]
 
 

@@ -93,7 +93,6 @@ class ModelState:
     optimizer: torch.optim.Optimizer | None = None
     requests: dict[str, int] = field(default_factory=dict)  # recent request ids -> the step each trained
     leases: dict[str, int] = field(default_factory=dict)  # held adapter leases (ART's) -> the step each pins
-    extra: dict = field(default_factory=dict)
     # the trainer's; this process's LoRA by default (None only until __post_init__ makes it)
     weights: TrainedWeights = None  # type: ignore[assignment]
     # writes before returning unless told otherwise (None only until __post_init__ makes it)

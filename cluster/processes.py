@@ -1,4 +1,6 @@
-"""Stopping a child the server started (vLLM's server, torchrun and its ranks, on the head and on a worker node): each
+"""The children the server starts (vLLM's server, torchrun and its ranks): a free port for one, and stopping one.
+
+Stopping a child the server started (vLLM's server, torchrun and its ranks, on the head and on a worker node): each
 leads a process group of its own (`start_new_session=True`), and one sequence stops every one of them, with the same
 grace, whatever of the group is left: SIGTERM to the group, SIGKILL to what remains of it after the grace, the child
 reaped. A group already gone, or a child that ended while the rest of its group lives on, is no error.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -59,3 +62,10 @@ def _signal(process: subprocess.Popen, sig: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now at `host`, for a child to bind a moment later (a race only with strangers)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

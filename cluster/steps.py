@@ -356,10 +356,31 @@ class Steps:
                 status, code = classify(exc)
                 job.report(TrainProgress(type="error", message=str(exc), status=status, code=code))
                 return
+            if plan.kind == "train" and plan.saved and not result.metrics.get("trained_tokens"):
+                await self._fold_unchanged(state, result.step)
             job.report(result)
         finally:
             timer.end()
             del self._jobs[key]
+
+    async def _fold_unchanged(self, state: ModelState, step: int) -> None:
+        """A step that trained nothing (every group's rewards were equal) holds its predecessor's weights. As ART's
+        layout has it (its test_step_skipping: 0001 becomes 0002), the predecessor's checkpoint is dropped once the
+        new one is on disk, so the folder keeps those weights once, under the newer step. Step 0 (the lineage's
+        start) and a leased step stay; the object store keeps its copy (its retention is `delete_checkpoints`')."""
+        previous = step - 1
+        if previous < 1 or previous in state.leases.values() or state.checkpoints.manifest(previous) is None:
+            return
+        if not await asyncio.to_thread(state.writer.written, step):
+            return  # the new one is not on disk yet: the old one is the resume point meanwhile
+        async with self.gate.exclusive():  # no completion is loading the old adapter from its folder meanwhile
+            await asyncio.to_thread(state.checkpoints.delete, [previous])
+        log.info(
+            "%s: step %d trained nothing: its checkpoint holds step %d's weights, whose own is dropped",
+            state.name,
+            step,
+            previous,
+        )
 
     async def _step(
         self, state: ModelState, plan: StepPlan, request_id: str, progress: Progress, timer: StepTimer, clock: StepClock

@@ -137,9 +137,10 @@ def _check_server_packages(python: str) -> None:
     """The server runs on `python`: one without the `[cluster]` extra's packages (a venv with only `[art]`, as for
     a remote backend) is told, in one line, what to install, before a server is started to fail on its imports."""
     try:
-        wanted = [_NAME.match(r)[0] for r in metadata.requires(DIST_NAME) or [] if 'extra == "cluster"' in r]
+        required = metadata.requires(DIST_NAME) or []
     except metadata.PackageNotFoundError:  # art-sky run from a folder, not installed: nothing to compare with
         return
+    wanted = [m[0] for r in required if 'extra == "cluster"' in r and (m := _NAME.match(r))]
     probe = (
         "import importlib.metadata as m, sys\n"
         "for n in sys.argv[1:]:\n"

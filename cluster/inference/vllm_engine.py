@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from art_sky.wire import RegisterRequest
 
 from ..model_state import ModelState, device, resolve_base_model
 from ..node.placement import Placement, base_parameters
-from ..processes import stop_group
+from ..processes import free_port, stop_group
 from .gate import Hold
 from .openai_api import SSE, OpenAIError, Served
 from .tool_parsers import parser_name
@@ -255,7 +254,7 @@ class VllmEngine:
 
     def _start(self, state: ModelState) -> None:
         rank = vllm_lora_rank(state.request.config.lora_rank)
-        port = _free_port()
+        port = free_port()
         placement = self.placement.sized(state.model.config, base_parameters(state.model), self.settings)
         args, env = vllm_command(
             self.settings,
@@ -436,12 +435,6 @@ def vllm_lora_rank(rank: int) -> int:
     if allowed is None:
         raise ConfigError(f"LoRA rank {rank} is above vLLM's limit {_MAX_LORA_RANKS[-1]}")
     return allowed
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _error(text: str) -> dict:

@@ -37,7 +37,7 @@ from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 from ..checkpoint_writer import StagedFiles
 from ..model_state import ADAPTER, ModelState, load_peft, load_shape
 from ..node.placement import base_parameters
-from ..processes import stop_group
+from ..processes import free_port, stop_group
 from .activations import refuse_unfit
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
@@ -80,7 +80,7 @@ class RankGroup:
         self.key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=self.key)
         self.rendezvous = TrainerRendezvous(
-            endpoint=f"{settings.rendezvous_host}:{_free_port(settings.rendezvous_host)}",
+            endpoint=f"{settings.rendezvous_host}:{free_port(settings.rendezvous_host)}",
             run_id=secrets.token_hex(8),
             nodes=settings.nodes,
             ranks_per_node=ranks_per_node,
@@ -494,11 +494,3 @@ def _ends_with_parent() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
