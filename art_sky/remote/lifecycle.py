@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from art_sky.errors import BackendUnavailableError
 from art_sky.layout import ServerLayout
 
-from .reasons import reason
+from .reasons import fix, reason
 from .runner import READ_ENV, CommandRunner, env_stdin
 
 STOP_GRACE = 15.0  # seconds between SIGTERM and SIGKILL
@@ -69,10 +69,9 @@ def start(
     started = runner.run(script, timeout=120, stdin=env_stdin(env), check=False)
     if started.exit_code != 0:  # refused before it detached (a bad setting, --port, no such python): on stderr
         output = (started.stderr.strip() or started.stdout.strip())[-2000:]
-        raise BackendUnavailableError(
-            f"the cluster server on {runner.where} did not start: {reason(output) or 'it wrote no error'}"
-            f" (exit code {started.exit_code})\n{output}".rstrip()
-        )
+        why = reason(output) or f"it wrote no error (exit code {started.exit_code})"
+        todo = f": {fix(why)}" if fix(why) else ""
+        raise BackendUnavailableError(f"the cluster server on {runner.where} did not start: {why}{todo}\n{output}")
 
 
 def status(runner: CommandRunner, layout: ServerLayout) -> ServerStatus:
@@ -139,6 +138,7 @@ def failure(
     why = reason(tail or "", any_level=going) or (
         "it wrote no error (stopped from outside, or out of memory?)" if tail else "it left no log"
     )
+    todo = "; ".join(filter(None, [fix(why), todo]))
     where = f". Its log: {layout.log_file}" if tail is not None else ""
     return BackendUnavailableError(
         f"the cluster server on {runner.where} {what}: {why}{f'; {todo}' if todo else ''}{where}"

@@ -44,3 +44,15 @@ def reason(text: str, *, any_level: bool = False) -> str:
 
 def _short(line: str) -> str:
     return line if len(line) <= MAX_REASON else line[: MAX_REASON - 3] + "..."
+
+
+def fix(why: str) -> str:
+    """What to do about a reason a server's start is known to end with ("" when the reason says it itself)."""
+    if "No module named" in why:
+        return (
+            "the server's Python lacks art-sky or its dependencies: name one with art-sky[cluster] installed "
+            "(python=, `--python`), or leave it unset for art-sky's own environment"
+        )
+    if re.search(r"exec: .*: not found", why):
+        return "no Python at that path: check python= (`--python`)"
+    return ""
