@@ -30,12 +30,18 @@ def reason(text: str, *, any_level: bool = False) -> str:
     process was stopped from outside, or is still going. `any_level`: else the last INFO record or line, for what
     a process that is still going was doing."""
     kept = [line for line in lines(text) if not _PROGRESS.search(line)]
-    for line in reversed(kept):
-        record = _RECORD.match(line) or _UVICORN.match(line)
+    for at in range(len(kept) - 1, -1, -1):
+        record = _RECORD.match(kept[at]) or _UVICORN.match(kept[at])
         if record is None:
-            return _short(line.strip())
-        if record["level"] not in _QUIET:
-            return _short(record["message"].strip())
+            return _short(kept[at].strip())
+        if record["level"] not in _QUIET:  # with the records of its level just before it (pip's two ERROR lines)
+            block = [record["message"].strip()]
+            while len(block) < 3 and at - len(block) >= 0:
+                before = _RECORD.match(kept[at - len(block)]) or _UVICORN.match(kept[at - len(block)])
+                if before is None or before["level"] != record["level"]:
+                    break
+                block.insert(0, before["message"].strip())
+            return _short(" ".join(block))
     if any_level and kept:
         record = _RECORD.match(kept[-1]) or _UVICORN.match(kept[-1])
         return _short((record["message"] if record else kept[-1]).strip())
