@@ -28,7 +28,7 @@ BASE_PYTHON = sys.executable  # a prepared interpreter: the tests' own
 SYSTEM_PYTHON = "/usr/bin/python3"  # a Python without art-sky (Debian's, with pip and venv)
 
 
-def art_sky(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`art-sky ARGS` as a user runs it: its own process, stdout and stderr apart."""
     return subprocess.run(
         python_command("-m", "art_sky.cli", *args),
@@ -53,7 +53,7 @@ def test_a_port_already_taken_says_so(tmp_path, art_sky_home):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = art_sky("up", "busy", "--local", "--port", str(port), cwd=tmp_path)
+        done = cli("up", "busy", "--local", "--port", str(port), cwd=tmp_path)
     log = tmp_path / ".art" / "run" / "busy" / "server.log"
     first, *rest = error_lines(done)
     assert first == (
@@ -77,7 +77,7 @@ def test_an_out_of_range_port_is_refused_by_the_server_with_its_reason(tmp_path)
 
 
 def test_an_unknown_engine_here_names_the_variable(tmp_path, art_sky_home):
-    done = art_sky("up", "eng", "--local", cwd=tmp_path, env={"ART_SKY_ENGINE": "vlm"})
+    done = cli("up", "eng", "--local", cwd=tmp_path, env={"ART_SKY_ENGINE": "vlm"})
     assert error_lines(done) == [
         "error: ART_SKY_ENGINE=vlm (in the environment) is not a valid setting: use one of auto, vllm, portable "
         "(did you mean vllm?)"
@@ -127,7 +127,7 @@ def test_a_failing_step_names_its_command_and_reason(runner, tmp_path):
 @pytest.mark.slow
 def test_a_python_without_art_sky_on_a_host_is_no_bug(sshd, tmp_path, art_sky_home):
     target = sshd.target()
-    done = art_sky(
+    done = cli(
         "up", "bare", "--host", f"{target.user}@127.0.0.1:{sshd.port}", "--key", str(sshd.client_key),
         "--python", SYSTEM_PYTHON, "--remote-dir", str(tmp_path / "remote"),
         cwd=tmp_path,
@@ -149,7 +149,7 @@ def test_a_python_without_art_sky_on_a_host_is_no_bug(sshd, tmp_path, art_sky_ho
     ],
 )
 def test_a_mistyped_skypilot_python_is_no_bug(python, why, tmp_path, art_sky_home):
-    done = art_sky("up", "sky1", "--gpu", "H100:1", "--yes", cwd=tmp_path, env={"ART_SKY_SKYPILOT_PYTHON": python})
+    done = cli("up", "sky1", "--gpu", "H100:1", "--yes", cwd=tmp_path, env={"ART_SKY_SKYPILOT_PYTHON": python})
     assert error_lines(done) == [
         f"error: ART_SKY_SKYPILOT_PYTHON={python} {why}: point ART_SKY_SKYPILOT_PYTHON at a Python that has "
         "skypilot[slurm]==0.14.1, or unset it for art-sky's own"
@@ -157,7 +157,6 @@ def test_a_mistyped_skypilot_python_is_no_bug(python, why, tmp_path, art_sky_hom
     assert done.stdout == ""
 
 
-@pytest.mark.slow
 async def test_a_failed_start_keeps_the_log_its_error_names(tmp_path, art_sky_home):
     """An unnamed LocalBackend removes its run directory on close(), but not the one whose log a failure named."""
     with socket.socket() as busy:
