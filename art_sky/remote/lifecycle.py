@@ -131,9 +131,9 @@ def wait_ready(
 def failure(
     runner: CommandRunner, layout: ServerLayout, what: str, todo: str = "", *, going: bool = False
 ) -> BackendUnavailableError:
-    """A server that failed: one line saying what happened, the reason it wrote (its log's last error; `going`, a
-    server still running: else its last line), what to do and where its log is (if it still exists); then the
-    log's last lines (a command line shows them only when asked: they are detail)."""
+    """A server that failed: one line saying what happened, the reason it wrote (its log's last error; for one
+    still `going`, else what it was doing), what to do and where its log is (if it still exists); then the log's
+    last lines (a command line shows them only when asked: they are detail)."""
     tail = _tail(runner, layout)
     why = reason(tail or "", any_level=going) or (
         "it wrote no error (stopped from outside, or out of memory?)" if tail else "it left no log"
