@@ -77,9 +77,9 @@ def _install(venv: Path) -> None:
         if result.returncode != 0:
             raise ConfigError(
                 f"making SkyPilot's environment {venv} failed (`{' '.join(command)}` exited "
-                f"{result.returncode}): {result.stderr.strip()[-1500:]}\nFix that (network, disk, "
-                "Python's venv module), or point ART_SKY_SKYPILOT_PYTHON at a Python that has "
-                f"{SKYPILOT}"
+                f"{result.returncode}: {reason(result.stderr) or 'no error'}). Fix that (network, disk, "
+                f"Python's venv module), or point ART_SKY_SKYPILOT_PYTHON at a Python that has {SKYPILOT}\n"
+                f"{result.stderr.strip()[-1500:]}"
             )
 
 
