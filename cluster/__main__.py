@@ -201,6 +201,16 @@ def _serve(
     add_secrets([api_key])  # and the store's secrets, once it opens (art_sky.store)
     redact_logging()  # every logger's lines, uvicorn's included (log_config=None: they reach the root's handler)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request forwarded to vLLM is too many
+    sockets = []  # bound before anything slow loads: a port in use is said in a second, not after the model
+    for host in hosts:  # the same port on each address: the first one picks it when --port is 0
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sys.exit(f"cannot bind {host}:{port}: {exc}. Pick another --port or stop what uses it")
+        port = sock.getsockname()[1]
+        sockets.append(sock)
     import torch
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores it may run on (a pinned replica: its own)
@@ -220,16 +230,6 @@ def _serve(
             app = create_app(art_path, api_key, settings, placement, layout.run_dir if layout else None)
     except ConfigError as exc:  # a setting or the installed stack: the message says what to change
         sys.exit(f"the cluster server cannot start: {exc}")
-    sockets = []
-    for host in hosts:  # the same port on each address: the first one picks it when --port is 0
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            sys.exit(f"cannot bind {host}:{port}: {exc}. Pick another --port or stop what uses it")
-        port = sock.getsockname()[1]
-        sockets.append(sock)
     bound = port
     # No access log: a line per completion costs the event loop what rollouts need (and no proxy headers: the
     # server is reached through a tunnel, never a proxy). A long keep-alive: clients (httpx: 5 s) drop idle

@@ -41,7 +41,7 @@ class LocalBackend(ClusterBackend):
 
     Unless `keep_server`, the server ends with the process that started it (its `close()`, or however that process
     ends: a crash, kill -9), and an unnamed backend's run directory is removed with it (those of dead processes at
-    the next start).
+    the next start; one whose server failed to start is kept, for the log its error names).
     """
 
     kind = "local"
@@ -109,7 +109,7 @@ class LocalBackend(ClusterBackend):
 
     async def close(self, force: bool = False) -> None:
         await super().close(force)
-        if self._own_run_dir and not self.keep_server:
+        if self._own_run_dir and not self.keep_server and self._started:  # a failed start keeps the log it names
             shutil.rmtree(self.layout.run_dir, ignore_errors=True)
 
     def _checkpoint_ready(self, model) -> Ready:

@@ -4,6 +4,7 @@ command with one or two lines (what happened, what to do) and an exit code, neve
 - Errors go to stderr (what a command prints for scripts stays on stdout) and end in a non-zero exit.
 - An art-sky error (or invalid input) prints its first line; the lines after it (a server log's last lines, a
   remote command's output) are detail, printed only with `art-sky --verbose`.
+- A path that does not exist (or cannot be used) is the user's to fix, as an art-sky error is: it names the path.
 - Anything else is a bug: one line naming it, the traceback with `--verbose`.
 - Logging while a command runs: art-sky's own warnings as `warning: ...` lines on stderr; other libraries'
   records (paramiko's "Secsh channel N open FAILED", httpx's request lines, uvicorn's) only with `--verbose`.
@@ -49,15 +50,25 @@ class ErrorBoundary(Conventional, TyperGroup):
             except (ArtSkyError, ValueError) as exc:
                 report(self.prefix, _message(exc), verbose)
             except Exception as exc:
-                if verbose:
+                path = _wrong_path(exc)
+                if verbose and path is None:
                     raise
                 report(
                     self.prefix,
-                    f"unexpected {type(exc).__name__}: {exc} (a bug in art-sky: "
+                    path
+                    or f"unexpected {type(exc).__name__}: {exc} (a bug in art-sky: "
                     "`art-sky --verbose ...` shows the traceback; please report it)",
                     False,
                 )
             raise typer.Exit(self.exit_code)
+
+
+def _wrong_path(exc: Exception) -> str | None:
+    """A path the user gave (an argument, a setting) that does not exist or cannot be used: the path and what is
+    wrong with it, theirs to fix and no bug."""
+    if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError | PermissionError) and exc.filename:
+        return f"{exc.filename}: {(exc.strerror or str(exc)).lower()}: check the path"
+    return None
 
 
 def _message(exc: Exception) -> str:

@@ -25,6 +25,7 @@ import paramiko
 from pydantic import BaseModel
 
 from art_sky.errors import BackendUnavailableError, ConfigError
+from art_sky.remote.reasons import reason
 from art_sky.remote.ssh import SSHTarget
 
 from . import sky_driver
@@ -113,9 +114,10 @@ async def _call(
         process.kill()
         raise
     if reply is None:
+        tail = "".join(log[-20:]).strip()[-1500:]
         raise BackendUnavailableError(
-            f"SkyPilot ({python}) stopped while trying to {what} (exit "
-            f"{process.returncode}): {''.join(log[-20:]).strip()[-1500:]}"
+            f"SkyPilot ({python}) stopped while trying to {what} (exit {process.returncode}): "
+            f"{reason(tail) or 'it wrote no error'}\n{tail}"
         )
     if "error" in reply:
         raise _translate(what, SkyError(reply["error"], _ANSI.sub("", reply["message"])))
@@ -162,9 +164,10 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
         if line.startswith(sky_driver.MARK)
     ]
     if not replies:
+        tail = (result.stdout + result.stderr).strip()[-1500:]
         raise BackendUnavailableError(
             f"SkyPilot ({python}) could not check the task (exit {result.returncode}): "
-            f"{(result.stdout + result.stderr).strip()[-1500:]}"
+            f"{reason(tail) or 'it wrote no error'}\n{tail}"
         )
     if "error" in replies[-1]:
         raise SkyError(replies[-1]["error"], replies[-1]["message"])
@@ -347,7 +350,7 @@ async def ssh_target(cluster_name: str) -> SSHTarget:
     if result.returncode != 0 or not path.exists():
         raise BackendUnavailableError(
             f"SkyPilot recorded no SSH entry for {cluster_name} (`sky status` exited "
-            f"{result.returncode}: {result.stderr.strip()[-500:]}): is it UP? "
+            f"{result.returncode}: {reason(result.stderr) or 'no error'}): is it UP? "
             f"`{sky_cli()} status {cluster_name}`"
         )
     return parse_ssh_config(path.read_text(), cluster_name)

@@ -9,12 +9,14 @@ server as SkyPilot's own client does. `python -m art_sky.provisioners.sky_env` m
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import subprocess
 import sys
 from pathlib import Path
 
 from art_sky.errors import ConfigError
+from art_sky.remote.reasons import reason
 from art_sky.settings import Settings
 
 log = logging.getLogger("art_sky")
@@ -28,7 +30,7 @@ def sky_python(settings: Settings | None = None) -> Path:
     missing: about a minute, once)."""
     settings = settings or Settings()
     if settings.skypilot_python is not None:
-        return settings.skypilot_python
+        return _has_skypilot(settings.skypilot_python)
     venv = settings.cache_dir / "skypilot"
     python = venv / "bin" / "python"
     marker = venv / INSTALLED
@@ -40,6 +42,23 @@ def sky_python(settings: Settings | None = None) -> Path:
         if not (marker.is_file() and marker.read_text().strip() == SKYPILOT):
             _install(venv)
             marker.write_text(SKYPILOT + "\n")
+    return python
+
+
+@functools.cache
+def _has_skypilot(python: Path) -> Path:
+    """ART_SKY_SKYPILOT_PYTHON as given, once it is seen to run and import SkyPilot; else a ConfigError with the
+    fix (a mistyped path is the user's to correct, not a bug)."""
+    fix = f"point ART_SKY_SKYPILOT_PYTHON at a Python that has {SKYPILOT}, or unset it for art-sky's own"
+    try:
+        result = subprocess.run([str(python), "-c", "import sky"], capture_output=True, text=True, timeout=120)
+    except OSError as exc:  # no such file, not executable, not a program
+        raise ConfigError(f"ART_SKY_SKYPILOT_PYTHON={python} cannot run ({exc.strerror}): {fix}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise ConfigError(f"ART_SKY_SKYPILOT_PYTHON={python} did not import SkyPilot within 120s: {fix}") from exc
+    if result.returncode != 0:
+        why = reason(result.stderr) or f"exit code {result.returncode}"
+        raise ConfigError(f"ART_SKY_SKYPILOT_PYTHON={python} cannot import SkyPilot ({why}): {fix}")
     return python
 
 
@@ -58,9 +77,9 @@ def _install(venv: Path) -> None:
         if result.returncode != 0:
             raise ConfigError(
                 f"making SkyPilot's environment {venv} failed (`{' '.join(command)}` exited "
-                f"{result.returncode}): {result.stderr.strip()[-1500:]}\nFix that (network, disk, "
-                "Python's venv module), or point ART_SKY_SKYPILOT_PYTHON at a Python that has "
-                f"{SKYPILOT}"
+                f"{result.returncode}: {reason(result.stderr) or 'no error'}). Fix that (network, disk, "
+                f"Python's venv module), or point ART_SKY_SKYPILOT_PYTHON at a Python that has {SKYPILOT}\n"
+                f"{result.stderr.strip()[-1500:]}"
             )
 
 

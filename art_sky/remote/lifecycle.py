@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from art_sky.errors import BackendUnavailableError
 from art_sky.layout import ServerLayout
 
+from .reasons import fix, reason
 from .runner import READ_ENV, CommandRunner, env_stdin
 
 STOP_GRACE = 15.0  # seconds between SIGTERM and SIGKILL
@@ -65,7 +66,12 @@ def start(
         f"{f' --exit-with {exit_with}' if exit_with is not None else ''}"
         f"{''.join(' ' + q(arg) for arg in args)}\n"
     )
-    runner.run(script, timeout=120, stdin=env_stdin(env))
+    started = runner.run(script, timeout=120, stdin=env_stdin(env), check=False)
+    if started.exit_code != 0:  # refused before it detached (a bad setting, --port, no such python): on stderr
+        output = (started.stderr.strip() or started.stdout.strip())[-2000:]
+        why = reason(output) or f"it wrote no error (exit code {started.exit_code})"
+        todo = f": {fix(why)}" if fix(why) else ""
+        raise BackendUnavailableError(f"the cluster server on {runner.where} did not start: {why}{todo}\n{output}")
 
 
 def status(runner: CommandRunner, layout: ServerLayout) -> ServerStatus:
@@ -94,8 +100,8 @@ def wait_ready(
 ) -> RemoteServer:
     """The one readiness wait: until the server has written its port file and answers /health at the URL
     `reach(port)` gives (a tunnel's, for a remote machine). A server that exits, or is not ready within `timeout`,
-    raises `BackendUnavailableError` (stopped first when `stop_on_timeout`): its first line says what happened,
-    what to do (`hint`, else: read the log) and where the log is; the log's last lines follow.
+    raises `BackendUnavailableError` (stopped first when `stop_on_timeout`): its first line says what happened, the
+    reason the server wrote last in its log, what to do (`hint`) and where the log is; the log's last lines follow.
 
     `waits_for_start`: a stopped server is one not started yet (a SkyPilot job still setting up), not a failure.
     """
@@ -107,13 +113,14 @@ def wait_ready(
             if answers_health(reach(state.port)):
                 return RemoteServer(layout=layout, port=state.port, pid=state.pid)
         elif state.state == "stopped" and not waits_for_start:
-            raise failure(runner, layout, "exited before it was listening", hint or "its log says why")
+            raise failure(runner, layout, "exited before it was listening", hint)
         if time.monotonic() > deadline:
             error = failure(
                 runner,
                 layout,
                 f"was not healthy within {timeout:.0f}s (ART_SKY_SERVER_START_TIMEOUT)",
-                ("it was stopped; " if stop_on_timeout else "") + (hint or "its log says why"),
+                "; ".join(["it was stopped"] * stop_on_timeout + [hint] * bool(hint)),
+                going=True,
             )
             if stop_on_timeout:
                 stop(runner, layout)
@@ -121,12 +128,21 @@ def wait_ready(
         time.sleep(0.3)
 
 
-def failure(runner: CommandRunner, layout: ServerLayout, what: str, todo: str) -> BackendUnavailableError:
-    """A server that failed: one line saying what happened, what to do and where its log is; then the log's last
-    lines (a command line shows them only when asked: they are detail)."""
+def failure(
+    runner: CommandRunner, layout: ServerLayout, what: str, todo: str = "", *, going: bool = False
+) -> BackendUnavailableError:
+    """A server that failed: one line saying what happened, the reason it wrote (its log's last error; for one
+    still `going`, else what it was doing), what to do and where its log is (if it still exists); then the log's
+    last lines (a command line shows them only when asked: they are detail)."""
+    tail = _tail(runner, layout)
+    why = reason(tail or "", any_level=going) or (
+        "it wrote no error (stopped from outside, or out of memory?)" if tail else "it left no log"
+    )
+    todo = "; ".join(filter(None, [fix(why), todo]))
+    where = f". Its log: {layout.log_file}" if tail is not None else ""
     return BackendUnavailableError(
-        f"the cluster server on {runner.where} {what}: {todo}. Its log: "
-        f"{layout.log_file}\nLast lines of the log:\n{log(runner, layout)}"
+        f"the cluster server on {runner.where} {what}: {why}{f'; {todo}' if todo else ''}{where}"
+        f"\nLast lines of the log:\n{tail or '(no log)'}"
     )
 
 
@@ -140,8 +156,14 @@ def answers_health(base_url: str) -> bool:
 
 def log(runner: CommandRunner, layout: ServerLayout, lines: int = 30) -> str:
     """The last lines of the server's log."""
-    result = runner.run(f"tail -n {int(lines)} {shlex.quote(layout.log_file)}", timeout=30, check=False)
-    return result.stdout.rstrip() or "(no log yet)"
+    return _tail(runner, layout, lines) or "(no log yet)"
+
+
+def _tail(runner: CommandRunner, layout: ServerLayout, lines: int = 30) -> str | None:
+    """The log's last lines; None when there is no log file (never written, or removed since)."""
+    log_file = shlex.quote(layout.log_file)
+    result = runner.run(f"[ -f {log_file} ] || exit 3\ntail -n {int(lines)} {log_file}", timeout=30, check=False)
+    return None if result.exit_code == 3 else result.stdout.rstrip()
 
 
 def follow_argv(runner: CommandRunner, layout: ServerLayout, lines: int) -> list[str]:

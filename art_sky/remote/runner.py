@@ -4,7 +4,11 @@ install, a CI job) is written once against it; `LocalRunner` is this machine, `S
 host over SSH.
 
 Secrets go in on stdin, never in a script (which the machine's process list shows): `env_stdin` encodes an
-environment and `READ_ENV` is the sh that exports it there.
+environment and `READ_ENV` is the sh that exports it there (not traced, so no value reaches stderr).
+
+A script runs traced (`set -x`, each command on stderr after `TRACE`): when it fails, the message names the command
+that failed, not the script's first line, and the reason that command wrote (art_sky.remote.reasons); callers see
+stderr without the trace.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from pydantic import BaseModel
 
 from art_sky.errors import BackendUnavailableError, ConfigError
 
-READ_ENV = 'while IFS= read -r kv; do [ -n "$kv" ] || break; export "$kv"; done\n'
+from .reasons import reason
+
+TRACE = "+art-sky: "  # sh's PS4: what starts a trace line on stderr
+READ_ENV = (
+    'case $- in *x*) set +x; kv_traced=1;; esac\nwhile IFS= read -r kv; do [ -n "$kv" ] || break; export "$kv"; done\n'
+    '[ -z "${kv_traced-}" ] || set -x\n'
+)
 
 
 class CommandResult(BaseModel):
@@ -60,6 +70,29 @@ def first_line(script: str) -> str:
     return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 
 
+def traced(script: str) -> str:
+    """`script` as the runners run it: each command it runs written to stderr after `TRACE` first."""
+    return f"PS4='{TRACE}'\nset -x\n{script}"
+
+
+def result_of(
+    script: str, exit_code: int, stdout: str, stderr: str, *, check: bool, where: str, error: type[Exception]
+) -> CommandResult:
+    """A traced run's result, its stderr without the trace; when it failed and `check`, `error` with one line
+    that says which command failed `where` ("here", "on user@host:22") and the reason it wrote, then the tail of
+    its stderr (or stdout) as detail."""
+    trace = [line for line in stderr.splitlines() if line.startswith(TRACE)]
+    own = "".join(line for line in stderr.splitlines(keepends=True) if not line.startswith(TRACE))
+    result = CommandResult(exit_code=exit_code, stdout=stdout, stderr=own)
+    if check and exit_code != 0:
+        command = trace[-1].removeprefix(TRACE).strip() if trace else first_line(script)
+        command = command if len(command) <= 300 else command[:297] + "..."
+        output = own.strip() or stdout.strip()
+        why = reason(output) or "it wrote no error"
+        raise error(f"`{command}` failed {where} with exit code {exit_code}: {why}\n{output[-2000:]}".rstrip())
+    return result
+
+
 class LocalRunner:
     """This machine: scripts run under `sh`, with this process's environment and working directory."""
 
@@ -67,20 +100,18 @@ class LocalRunner:
 
     def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
         try:
-            done = subprocess.run(["sh", "-c", script], input=stdin, capture_output=True, timeout=timeout)
+            done = subprocess.run(["sh", "-c", traced(script)], input=stdin, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise BackendUnavailableError(f"`{first_line(script)}` did not finish within {timeout:.0f}s here") from exc
-        result = CommandResult(
-            exit_code=done.returncode,
-            stdout=done.stdout.decode(errors="replace"),
-            stderr=done.stderr.decode(errors="replace"),
+        return result_of(
+            script,
+            done.returncode,
+            done.stdout.decode(errors="replace"),
+            done.stderr.decode(errors="replace"),
+            check=check,
+            where="here",
+            error=BackendUnavailableError,
         )
-        if check and result.exit_code != 0:
-            raise BackendUnavailableError(
-                f"`{first_line(script)}` failed here with exit code {result.exit_code}:\n"
-                f"{(result.stderr or result.stdout).strip()[-2000:]}"
-            )
-        return result
 
     def upload(self, local: Path, remote: str) -> None:
         shutil.copyfile(local, Path.home() / remote if not os.path.isabs(remote) else remote)

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from art_sky.errors import ConfigError, SSHError
 from art_sky.settings import Settings
 
-from .runner import CommandResult, first_line
+from .runner import CommandResult, first_line, result_of, traced
 
 log = logging.getLogger("art_sky.ssh")
 
@@ -153,7 +153,7 @@ class SSHRunner:
             channel = transport.open_session(timeout=timeout)
             if self.target.env:  # SkyPilot's Slurm entries set the job's HOME this way (ssh-config SetEnv)
                 channel.update_environment(self.target.env)
-            channel.exec_command(f"sh -c {shlex.quote(script)}")
+            channel.exec_command(f"sh -c {shlex.quote(traced(script))}")
             if stdin:
                 channel.sendall(stdin)
             channel.shutdown_write()
@@ -166,14 +166,9 @@ class SSHRunner:
             raise SSHError(
                 f"the SSH connection to {self.target} failed during a command ({exc!r}): check the host and retry"
             ) from exc
-        result = CommandResult(exit_code=channel.recv_exit_status(), stdout=stdout, stderr=stderr)
+        exit_code = channel.recv_exit_status()
         channel.close()
-        if check and result.exit_code != 0:
-            raise SSHError(
-                f"`{first_line(script)}` failed on {self.target} with exit code {result.exit_code}:\n"
-                f"{(result.stderr or result.stdout).strip()[-2000:]}"
-            )
-        return result
+        return result_of(script, exit_code, stdout, stderr, check=check, where=f"on {self.target}", error=SSHError)
 
     def upload(self, local: Path, remote: str) -> None:
         """Copy a file to `remote` (relative paths are relative to the login directory)."""

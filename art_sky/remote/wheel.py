@@ -19,6 +19,8 @@ from pathlib import Path
 import art_sky
 from art_sky.errors import ConfigError
 
+from .reasons import reason
+
 DIST_NAME = "art-sky"
 _INSTALL_ONLY = (".dist-info/INSTALLER", ".dist-info/REQUESTED", ".dist-info/direct_url.json")
 
@@ -55,8 +57,9 @@ def _build_from_source(source: Path, dest: Path) -> Path:
         wheels = list(Path(tmp).glob("art_sky-*.whl"))
         if result.returncode != 0 or len(wheels) != 1:
             raise ConfigError(
-                f"building the art-sky wheel from {source} failed (the cluster needs this client's "
-                f"build; `pip install 'setuptools>=69'` if it is missing):\n{result.stderr[-2000:]}"
+                f"building the art-sky wheel from {source} failed: {reason(result.stderr) or 'no error written'} "
+                f"(the cluster needs this client's build; `pip install 'setuptools>=69'` if it is missing)\n"
+                f"{result.stderr[-2000:]}"
             )
         target = dest / wheels[0].name
         wheels[0].replace(target)
