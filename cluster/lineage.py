@@ -48,6 +48,7 @@ log = logging.getLogger("art_sky.cluster")
 
 Lineage = tuple[str, str]  # (project, run)
 RACES = 3  # conditional writes lost to another taker before giving up
+LOCK_WAIT = 3.0  # seconds a lineage lock is tried before another server is named as its writer
 
 
 def cluster_name(settings: Settings) -> str | None:
@@ -97,7 +98,7 @@ class Lineages:
         lock = folder / LINEAGE_LOCK
         took = not holds(lock)
         try:
-            hold(lock)
+            await _hold_soon(lock)
         except BlockingIOError:
             raise ConflictError(
                 f"run {body.run!r} of project {body.project!r} ({folder}) is written by another art-sky server: "
@@ -242,3 +243,16 @@ def _parsed(data: bytes) -> Owner | None:
         return parse_owner(data, "")
     except UnreadableOwner:
         return None
+
+
+async def _hold_soon(lock: Path, within: float = LOCK_WAIT) -> None:
+    """`hold(lock)`, tried for `within` seconds: a predecessor just killed (kill -9, an OOM kill) lets go of its
+    files only once its last thread is gone, a moment after it stops running."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return hold(lock)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.1)
