@@ -93,8 +93,15 @@ class SSHBackend(ClusterBackend):
     def _install_and_start(self) -> ServerLayout:
         runner = self.machine_runner()
         with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
+            with self.progress.phase("building this client's wheel"):
+                wheel = build_wheel(Path(tmp))
             installed = install(
-                runner, build_wheel(Path(tmp)), self.options, self.settings.remote_install_timeout, name=self.name
+                runner,
+                wheel,
+                self.options,
+                self.settings.remote_install_timeout,
+                name=self.name,
+                progress=self.progress,
             )
             self._launch_server(
                 runner,

@@ -9,9 +9,12 @@ environment and `READ_ENV` is the sh that exports it there.
 
 from __future__ import annotations
 
+import codecs
 import os
 import shutil
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -19,6 +22,7 @@ from pydantic import BaseModel
 
 from art_sky.errors import BackendUnavailableError, ConfigError
 
+Output = Callable[[str], None]  # called with the command's stdout and stderr text as it arrives (partial lines too)
 READ_ENV = 'while IFS= read -r kv; do [ -n "$kv" ] || break; export "$kv"; done\n'
 
 
@@ -31,8 +35,11 @@ class CommandResult(BaseModel):
 class CommandRunner(Protocol):
     where: str  # for messages: "this machine", "user@host:22"
 
-    def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
-        """Run a POSIX sh script; raise (naming the script's first line) when it fails and `check`, or overruns."""
+    def run(
+        self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True, output: Output | None = None
+    ) -> CommandResult:
+        """Run a POSIX sh script; raise (naming the script's first line) when it fails and `check`, or overruns.
+        `output` also gets its stdout and stderr as they arrive (a long install shown while it runs)."""
 
     def upload(self, local: Path, remote: str) -> None:
         """Copy a file there (relative paths: under the login directory)."""
@@ -65,16 +72,18 @@ class LocalRunner:
 
     where = "this machine"
 
-    def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
+    def run(
+        self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True, output: Output | None = None
+    ) -> CommandResult:
         try:
-            done = subprocess.run(["sh", "-c", script], input=stdin, capture_output=True, timeout=timeout)
+            if output is None:
+                done = subprocess.run(["sh", "-c", script], input=stdin, capture_output=True, timeout=timeout)
+                code, out, err = done.returncode, done.stdout, done.stderr
+            else:
+                code, out, err = _run_streaming(script, stdin, timeout, output)
         except subprocess.TimeoutExpired as exc:
             raise BackendUnavailableError(f"`{first_line(script)}` did not finish within {timeout:.0f}s here") from exc
-        result = CommandResult(
-            exit_code=done.returncode,
-            stdout=done.stdout.decode(errors="replace"),
-            stderr=done.stderr.decode(errors="replace"),
-        )
+        result = CommandResult(exit_code=code, stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"))
         if check and result.exit_code != 0:
             raise BackendUnavailableError(
                 f"`{first_line(script)}` failed here with exit code {result.exit_code}:\n"
@@ -96,3 +105,37 @@ class LocalRunner:
 
     def __exit__(self, *exc_info) -> None:
         pass
+
+
+def _run_streaming(script: str, stdin: bytes, timeout: float, output: Output) -> tuple[int, bytes, bytes]:
+    """`sh -c script` with its stdout and stderr passed to `output` as they come, and kept."""
+    process = subprocess.Popen(
+        ["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    kept = {process.stdout: bytearray(), process.stderr: bytearray()}
+    lock = threading.Lock()  # one call of `output` at a time
+
+    def pump(stream) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := os.read(stream.fileno(), 65536):
+            kept[stream] += chunk
+            with lock:
+                output(decoder.decode(chunk))
+
+    readers = [threading.Thread(target=pump, args=(stream,), daemon=True) for stream in kept]
+    for reader in readers:
+        reader.start()
+    try:
+        process.stdin.write(stdin)
+        process.stdin.close()
+    except BrokenPipeError:
+        pass  # the script did not read its stdin
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    for reader in readers:
+        reader.join()
+    return code, bytes(kept[process.stdout]), bytes(kept[process.stderr])
