@@ -177,7 +177,7 @@ def _clock() -> str:
 # -- pip's output ------------------------------------------------------------------------------------------------
 
 _FETCH = re.compile(r"^\s*(Downloading|Using cached) (\S+) \(([\d.]+) (bytes|kB|MB|GB)\)")
-_COLLECTING = re.compile(r"^\s*Collecting (\S+)")
+_COLLECTING = re.compile(r"^\s*(Collecting|Processing) (\S+)")
 _INSTALLED = re.compile(r"^\s*Successfully installed (.+)")
 _UNIT = {"bytes": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
 
@@ -197,8 +197,8 @@ class PipOutput:
             name = file.rsplit("/", 1)[-1].split("-", 1)[0].replace("_", "-").lower()
             self.fetched.append((name, float(size) * _UNIT[unit], how == "Using cached"))
             return f"{'cached' if how == 'Using cached' else 'downloading'} {name} ({size} {unit})"
-        if found := _COLLECTING.match(line):
-            return f"collecting {found[1]}"
+        if found := _COLLECTING.match(line):  # Processing: a local file (a wheel directory, a file:// index)
+            return f"{found[1].lower()} {found[2].rsplit('/', 1)[-1]}"
         if found := _INSTALLED.match(line):
             self.installed = len(found[1].split())
             return None
@@ -210,7 +210,7 @@ class PipOutput:
         """One line: packages installed, the download's total and its largest files; None when pip said nothing."""
         parts = []
         if self.installed:
-            parts.append(f"{self.installed} packages installed")
+            parts.append(f"{self.installed} package{'s' if self.installed > 1 else ''} installed")
         downloaded = [(name, size) for name, size, cached in self.fetched if not cached]
         if downloaded:
             largest = sorted(downloaded, key=lambda item: -item[1])[:3]
