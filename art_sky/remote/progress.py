@@ -22,7 +22,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress as RichProgress
-from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 log = logging.getLogger("art_sky.progress")
 
@@ -39,7 +39,7 @@ class Phase:
         self.progress = progress
         self.title = title
         self.started = time.monotonic()
-        self._task = None
+        self._task: TaskID | None = None
 
     def detail(self, text: str) -> None:
         self.progress._update(self, text)
@@ -186,7 +186,7 @@ class PipOutput:
     """What pip's (not quiet) output says: the package it works on now, the files it fetched and their sizes, how
     many packages it installed."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.fetched: list[tuple[str, float, bool]] = []  # (distribution, bytes, from pip's cache)
         self.installed = 0
 

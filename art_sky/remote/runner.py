@@ -16,7 +16,7 @@ import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 from pydantic import BaseModel
 
@@ -112,10 +112,12 @@ def _run_streaming(script: str, stdin: bytes, timeout: float, output: Output) ->
     process = subprocess.Popen(
         ["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    kept = {process.stdout: bytearray(), process.stderr: bytearray()}
+    stdout, stderr, into = process.stdout, process.stderr, process.stdin
+    assert stdout is not None and stderr is not None and into is not None  # all three are pipes
+    kept = {stdout: bytearray(), stderr: bytearray()}
     lock = threading.Lock()  # one call of `output` at a time
 
-    def pump(stream) -> None:
+    def pump(stream: IO[bytes]) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         while chunk := os.read(stream.fileno(), 65536):
             kept[stream] += chunk
@@ -126,8 +128,8 @@ def _run_streaming(script: str, stdin: bytes, timeout: float, output: Output) ->
     for reader in readers:
         reader.start()
     try:
-        process.stdin.write(stdin)
-        process.stdin.close()
+        into.write(stdin)
+        into.close()
     except BrokenPipeError:
         pass  # the script did not read its stdin
     try:
@@ -138,4 +140,4 @@ def _run_streaming(script: str, stdin: bytes, timeout: float, output: Output) ->
         raise
     for reader in readers:
         reader.join()
-    return code, bytes(kept[process.stdout]), bytes(kept[process.stderr])
+    return code, bytes(kept[stdout]), bytes(kept[stderr])

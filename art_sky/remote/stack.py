@@ -67,7 +67,7 @@ def probe(runner: CommandRunner) -> Gpus:
     rows = [[part.strip() for part in row.split(",")] for row in gpus if row.strip()]
     if not rows:
         return Gpus(problem="nvidia-smi lists no GPU")
-    return Gpus(names=[row[0] for row in rows], driver=rows[0][-1], cuda=(cuda or [None])[0] or None)
+    return Gpus(names=[row[0] for row in rows], driver=rows[0][-1], cuda=cuda[0] if cuda and cuda[0] else None)
 
 
 def choose(
