@@ -251,3 +251,22 @@ def test_flags_that_do_not_apply_to_the_target_are_an_error(flags, message, art_
     result = CliRunner().invoke(app, ["up", *flags])
     assert result.exit_code == 1 and result.stderr.strip() == message, result.stderr
     assert not Path(art_sky_home / "clusters").exists()  # nothing started, nothing recorded
+
+
+def test_making_skypilots_environment_shows_its_phases(tmp_path, monkeypatch):
+    """The first SkyPilot use makes its environment: the same phase lines (the package swapped for a small one)."""
+    from art_sky.provisioners import sky_env
+
+    monkeypatch.setattr(sky_env, "SKYPILOT", "six")
+    out = io.StringIO()
+    settings = Settings(cache_dir=tmp_path / "cache", skypilot_python=None)
+    python = sky_env.sky_python(settings, Progress(stream=out, live=False))
+    assert python == tmp_path / "cache" / "skypilot" / "bin" / "python" and python.exists()
+    lines = [re.sub(rf"^{CLOCK} ", "", line) for line in out.getvalue().splitlines()]
+    venv = tmp_path / "cache" / "skypilot"
+    assert lines[0] == f"SkyPilot's own environment {venv} is made once (a few minutes): six"
+    assert re.fullmatch(rf"creating the venv {re.escape(str(venv))} \.\.\. \d+\.\ds", lines[1]), lines
+    assert re.fullmatch(r"installing six \.\.\. \d+\.\ds", lines[2]), lines
+    assert lines[3].startswith("1 package installed"), lines
+    out.truncate(0)
+    assert sky_env.sky_python(settings, Progress(stream=out, live=False)) == python and out.getvalue() == ""  # made
