@@ -92,9 +92,9 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, home):
     assert_lines(
         result.stderr,
         [
-            rf"building this client's wheel{timed}",
             rf"connecting to {re.escape(host)}{timed}",
             rf"Python {re.escape(sys.version.split()[0])} at {re.escape(BASE_PYTHON)}",
+            rf"building this client's wheel{timed}",
             rf"uploading art_sky-\S+\.whl \(\d+\.\d MB\){timed}",
             rf"installing this build of art-sky{timed}",
             rf"starting the cluster server on {re.escape(host)}{timed}",

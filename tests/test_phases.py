@@ -221,9 +221,9 @@ def test_up_refuses_an_old_driver_before_making_the_venv(gpu_box, art_sky_home, 
     ), result.stderr
     phases = [re.sub(rf"^{CLOCK} ", "", line) for line in result.stderr.splitlines() if re.match(CLOCK, line)]
     assert [p.split(" ...")[0] for p in phases][:4] == [
-        "building this client's wheel",
         f"connecting to {host}",
         f"Python {sys.version.split()[0]} at {sys.executable}",
+        "building this client's wheel",
         phases[3].split(" ...")[0],  # uploading the wheel (its name and size)
     ]
     assert phases[3].startswith("uploading art_sky-") and not (remote / "venv").exists()

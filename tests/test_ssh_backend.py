@@ -56,9 +56,9 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
         assert_phases_in_order(
             capsys.readouterr().err,
             [
-                "building this client's wheel ... ",
                 f"connecting to {backend.where} ... ",
                 f"Python {sys.version.split()[0]} at {BASE_PYTHON}",
+                "building this client's wheel ... ",
                 "uploading art_sky-",
                 "stack: art-sky[cluster] with the CPU build of torch: no GPU (no nvidia-smi on its PATH)",
                 f"creating the venv {remote_dir}/venv ... ",

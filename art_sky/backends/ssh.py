@@ -93,11 +93,9 @@ class SSHBackend(ClusterBackend):
     def _install_and_start(self) -> ServerLayout:
         runner = self.machine_runner()
         with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
-            with self.progress.phase("building this client's wheel"):
-                wheel = build_wheel(Path(tmp))
             installed = install(
                 runner,
-                wheel,
+                lambda: build_wheel(Path(tmp)),
                 self.options,
                 self.settings.remote_install_timeout,
                 name=self.name,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
@@ -90,15 +91,15 @@ def cluster_dir(remote_dir: str, name: str) -> str:
 
 def install(
     runner: CommandRunner,
-    wheel: Path,
+    build: Callable[[], Path],
     options: BootstrapOptions,
     timeout: float,
     *,
     name: str,
     progress: Progress | None = None,
 ) -> Installed:
-    """Upload the wheel and install it for cluster `name` (venv first unless `options.python`); idempotent. Each
-    phase is reported to `progress`."""
+    """Build this client's wheel (`build`: once the machine answered, so a wrong host fails first), upload it and
+    install it for cluster `name` (venv first unless `options.python`); idempotent. Each phase goes to `progress`."""
     progress = progress or Progress(enabled=False)
     q = shlex.quote
     with progress.phase(f"connecting to {runner.where}"):
@@ -110,6 +111,8 @@ def install(
     python = options.python or f"{remote_dir}/venv/bin/python"
     version = _python_version(runner, options.python or options.venv_python)
     progress.note(f"Python {version} at {options.python or options.venv_python}")
+    with progress.phase("building this client's wheel"):
+        wheel = build()
     remote_wheel = f"{own}/wheels/{wheel.name}"
     with progress.phase(f"uploading {wheel.name} ({wheel.stat().st_size / 1e6:.1f} MB)"):
         runner.upload(wheel, remote_wheel)
