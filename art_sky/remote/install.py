@@ -26,7 +26,7 @@ from art_sky.layout import ServerLayout
 
 from .progress import PipOutput, Progress
 from .runner import CommandRunner, env_stdin
-from .stack import CPU_TORCH_INDEX, Extras, choose, probe
+from .stack import Extras, choose, probe
 
 _NO_PYTHON = 42  # exit code of the preflight script when the interpreter is missing or too old
 
@@ -53,7 +53,7 @@ class BootstrapOptions(BaseModel):
         "to the CPU stack's torch pin with auto, unless they pin torch themselves)",
     )
     cpu_index: str | None = Field(
-        CPU_TORCH_INDEX,
+        "https://download.pytorch.org/whl/cpu",  # stack.CPU_TORCH_INDEX (the docs show the value)
         description="the package index of the CPU build of torch (auto on a machine without a GPU); None: only "
         "pip's own configuration (a mirror that has it)",
     )
