@@ -5,6 +5,7 @@ the name `--name NAME` (the alias), the local one `NAME` (the first argument).""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
 from pathlib import Path
@@ -38,6 +39,14 @@ def home(art_sky_home):
     yield art_sky_home
     for name in clusters.all_names(art_sky_home):
         CliRunner().invoke(app, ["down", name, "--force"])
+
+
+def assert_lines(stderr: str, patterns: list[str]) -> None:
+    """`stderr`'s lines are timestamped and match `patterns` in order."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == len(patterns), stderr
+    for line, pattern in zip(lines, patterns, strict=True):
+        assert re.fullmatch(rf"\[\d\d:\d\d:\d\d\] {pattern}", line), (line, pattern)
 
 
 def alive(pid: int) -> bool:
@@ -77,7 +86,22 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, home):
     ]
     result = runner.invoke(app, up)
     assert result.exit_code == 0, result.output
-    assert "cluster 'box' up" in result.output
+    assert "cluster 'box' up" in result.stdout
+    # Each phase as it happened, on stderr: a timestamp, what, its time; the venv is the prepared one (--python).
+    timed = r" \.\.\. (?:\d+\.\ds|\d+m\d\ds)"
+    assert_lines(
+        result.stderr,
+        [
+            rf"connecting to {re.escape(host)}{timed}",
+            rf"Python {re.escape(sys.version.split()[0])} at {re.escape(BASE_PYTHON)}",
+            rf"building this client's wheel{timed}",
+            rf"uploading art_sky-\S+\.whl \(\d+\.\d MB\){timed}",
+            rf"installing this build of art-sky{timed}",
+            rf"starting the cluster server on {re.escape(host)}{timed}",
+            rf"waiting until the server answers{timed}",
+            rf"cluster server ready on {re.escape(host)}, port \d+ there, in \d+\.\ds",
+        ],
+    )
     record = home / "clusters" / "box.json"
     assert record.stat().st_mode & 0o777 == 0o600
 

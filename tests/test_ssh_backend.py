@@ -4,6 +4,7 @@ survive a dropped SSH connection, and fail clearly on bad input."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import sys
 from pathlib import Path
@@ -41,16 +42,36 @@ async def rollout(model: art_sky.TrainableModel, reward: float) -> art_sky.Traje
 
 
 @pytest.mark.slow
-async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_path, art_sky_home):
+async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_path, art_sky_home, capsys):
     remote_dir = tmp_path / "remote"
-    # A fresh venv on the "host", with the CPU build of torch this machine has on disk (PyPI's default is CUDA).
-    options = BootstrapOptions(remote_dir=str(remote_dir), venv_python=BASE_PYTHON, constraints=["torch==2.13.0"])
+    # A fresh venv on the "host", which has no GPU: the CPU stack, with the CPU build of torch this machine has on
+    # disk (pip's configuration here names it: no PyTorch index, which is out of reach).
+    options = BootstrapOptions(remote_dir=str(remote_dir), venv_python=BASE_PYTHON, cpu_index=None)
     backend = art_sky.SSHBackend(
         f"{sshd.target().user}@127.0.0.1:{sshd.port}", key_path=sshd.client_key, options=options
     )
     model = art_sky.TrainableModel(name="agent", project="ssh", base_model="art-sky/tiny")
     try:
         await model.register(backend)
+        assert_phases_in_order(
+            capsys.readouterr().err,
+            [
+                f"connecting to {backend.where} ... ",
+                f"Python {sys.version.split()[0]} at {BASE_PYTHON}",
+                "building this client's wheel ... ",
+                "uploading art_sky-",
+                "stack: art-sky[cluster] with the CPU build of torch: no GPU (no nvidia-smi on its PATH)",
+                f"creating the venv {remote_dir}/venv ... ",
+                "installing art-sky[cluster] with the CPU build of torch ... ",
+                " packages installed",
+                "installing this build of art-sky ... ",
+                f"starting the cluster server on {backend.where} ... ",
+                "waiting until the server answers ... ",
+                f"cluster server ready on {backend.where}, port {backend.server.port} there, in ",
+                "loading the base model art-sky/tiny for agent ...",
+                "agent ready at step 0: art-sky/tiny loaded in ",
+            ],
+        )
         assert backend.base_url == f"http://127.0.0.1:{backend.tunnel.local_port}"
         assert model.inference_base_url == f"{backend.base_url}/v1"  # one tunnel, inference included
         assert (await backend.health()).version == art_sky.__version__
@@ -89,6 +110,13 @@ async def test_bootstrap_chat_train_and_survive_a_dropped_connection(sshd, tmp_p
         await backend.close()
     assert not alive(pid)
     assert not (remote_dir / "clusters" / "default" / "run" / "server.pid").exists()
+
+
+def assert_phases_in_order(stderr: str, expected: list[str]) -> None:
+    """Each of `expected` is in a timestamped line of `stderr`, in this order."""
+    lines = iter(stderr.splitlines())
+    for part in expected:
+        assert any(part in line and re.match(r"\[\d\d:\d\d:\d\d\] ", line) for line in lines), (part, stderr)
 
 
 async def stream_through_a_drop(model: art_sky.TrainableModel, sshd) -> str:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import ClassVar, Self
+import time
+from typing import TYPE_CHECKING, ClassVar, Self
 
 from pydantic import BaseModel
 
@@ -18,11 +19,16 @@ from art_sky.errors import ArtSkyError, BackendUnavailableError, ConfigError
 from art_sky.layout import ServerLayout
 from art_sky.remote import lifecycle
 from art_sky.remote.lifecycle import RemoteServer
+from art_sky.remote.progress import Progress, elapsed
 from art_sky.remote.runner import CommandRunner
 from art_sky.remote.ssh import SSHTarget
 from art_sky.settings import Settings
 
 from .base import Backend
+
+if TYPE_CHECKING:
+    from art_sky.client import TrainableModel
+    from art_sky.wire import ModelInfo
 
 ATTACH_TIMEOUT = 30.0  # a recorded server answers at once, or is broken
 
@@ -55,6 +61,8 @@ class ClusterBackend(Backend):
         self.target: SSHTarget | None = None  # how to reach the machine over SSH, where it is another one
         self._api_key = api_key
         self._machine: CommandRunner | None = None  # the runner every lifecycle step uses, kept until close
+        # Where the start's phases are shown (default: stderr, a live line on a terminal); the CLI sets its own.
+        self.progress = Progress()
 
     # -- what a kind provides ----------------------------------------------------------------------------------
 
@@ -125,7 +133,10 @@ class ClusterBackend(Backend):
         env = env | {"ART_SKY_API_KEY": self.api_key}
         if self.name:  # the owner records of its lineages name it; a relaunch under this name takes them over
             env = {"ART_SKY_CLUSTER_NAME": self.name} | env
-        lifecycle.start(runner, layout, python=python, env=env, port=port, pythonpath=pythonpath, exit_with=exit_with)
+        with self.progress.phase(f"starting the cluster server on {self.where}"):
+            lifecycle.start(
+                runner, layout, python=python, env=env, port=port, pythonpath=pythonpath, exit_with=exit_with
+            )
 
     async def _start(self) -> None:
         settings = self.settings
@@ -135,15 +146,35 @@ class ClusterBackend(Backend):
         attached = self.server is not None
         ours = not attached and self.stops_its_server  # a server started here is stopped when its start fails
         layout = self.server.layout if self.server else None
+        self.progress.begin()
         try:
             layout = layout or await self._launch(self.api_key)
-            timeout = ATTACH_TIMEOUT if attached else settings.server_start_timeout
-            self.server = await asyncio.to_thread(self._wait_ready, layout, timeout, ours, attached)
+            if attached:
+                self.server = await asyncio.to_thread(self._wait_ready, layout, ATTACH_TIMEOUT, ours, attached)
+            else:
+                with self.progress.phase("waiting until the server answers"):
+                    wait = settings.server_start_timeout
+                    self.server = await asyncio.to_thread(self._wait_ready, layout, wait, ours, attached)
+                self.progress.ready(f"cluster server ready on {self.where}, port {self.server.port} there,")
         except BaseException:
             if ours and layout is not None:
                 await asyncio.to_thread(self._stop, layout)  # a half-started server is of no use to anyone
             await self._shutdown(stop_server=False)
             raise
+
+    async def register(self, model: TrainableModel) -> ModelInfo | None:
+        """As `Backend.register`, with the base model's load (the first one downloads its weights) reported."""
+        if not getattr(model, "trainable", False):
+            return await super().register(model)
+        await self._ensure_started()
+        started = time.monotonic()
+        self.progress.note(f"loading the base model {model.base_model} for {model.name} ...")
+        info = await super().register(model)
+        took = elapsed(time.monotonic() - started)
+        self.progress.note(
+            f"{model.name} ready at step {info.step if info else 0}: {model.base_model} loaded in {took}"
+        )
+        return info
 
     def _wait_ready(self, layout: ServerLayout, timeout: float, stop: bool, attached: bool) -> RemoteServer:
         hint = f"`art-sky logs {self.name}` shows why, `art-sky up {self.name}` starts it again" if attached else ""

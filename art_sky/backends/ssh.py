@@ -94,7 +94,12 @@ class SSHBackend(ClusterBackend):
         runner = self.machine_runner()
         with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
             installed = install(
-                runner, build_wheel(Path(tmp)), self.options, self.settings.remote_install_timeout, name=self.name
+                runner,
+                lambda: build_wheel(Path(tmp)),
+                self.options,
+                self.settings.remote_install_timeout,
+                name=self.name,
+                progress=self.progress,
             )
             self._launch_server(
                 runner,

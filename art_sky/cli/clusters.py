@@ -16,12 +16,14 @@ from typing import NoReturn
 
 import typer
 from typer._click import Context  # typer's vendored click: what a command's methods get (typer.Context subclasses it)
+from typer._click.core import ParameterSource
 
 from art_sky import clusters
 from art_sky.backends import ClusterBackend, LocalBackend, SkyPilotBackend, SSHBackend, attach
 from art_sky.errors import ArtSkyError, ConfigError
 from art_sky.provisioners.sky_task import parse_gpus
 from art_sky.remote.install import BootstrapOptions
+from art_sky.remote.progress import Progress
 from art_sky.settings import Settings
 
 from .conventions import Command
@@ -33,8 +35,27 @@ SKY, HOST = "SkyPilot cluster (default)", "SSH host (--host) and this machine (-
 
 
 class Extras(StrEnum):
+    auto = "auto"
     cluster = "cluster"
     gpu = "gpu"
+
+
+# Flags that apply to one kind of target only: given for another, they are an error rather than ignored.
+_SKY_ONLY = (
+    "infra",
+    "gpu",
+    "nodes",
+    "model",
+    "spot",
+    "recover",
+    "recover_from_scratch",
+    "autostop",
+    "cpus",
+    "memory",
+    "env_file",
+)
+_HOST_ONLY = ("key", "python", "venv_python", "system_site_packages", "extras", "remote_dir")
+_LOCAL_ONLY = ("path",)
 
 
 DEFAULT_NAME = "art"
@@ -69,6 +90,7 @@ class CommandAfterDashes(Command):
 
 
 def up(
+    ctx: typer.Context,
     name: str | None = NAME,
     name_option: str | None = NAME_OPTION,
     host: str | None = typer.Option(
@@ -85,8 +107,9 @@ def up(
         help="SkyPilot infra: aws, gcp/us-central1, k8s/<context>, slurm/<cluster>; default: any enabled one",
         rich_help_panel=SKY,
     ),
-    gpu: list[str] = typer.Option(
-        ["H100:1"],
+    gpu: list[str] | None = typer.Option(
+        None,
+        show_default="H100:1",
         help="accelerator and count, e.g. H100:1, or H100:8 (vLLM on 7 GPUs, "
         "the trainer on one); repeat it or give a comma list for "
         "fallbacks tried in order; `none` for CPUs only",
@@ -150,7 +173,10 @@ def up(
         False, help="the venv sees the host's packages (a preinstalled torch)", rich_help_panel=HOST
     ),
     extras: Extras = typer.Option(
-        Extras.cluster, help="extras installed in the venv: cluster, or gpu for vLLM and Unsloth", rich_help_panel=HOST
+        Extras.auto,
+        help="what the venv gets: auto looks at the host's nvidia-smi (a supported GPU: gpu, none: cluster with "
+        "the CPU build of torch); gpu for vLLM, Unsloth and CUDA torch; cluster for the portable engine",
+        rich_help_panel=HOST,
     ),
     remote_dir: str = typer.Option(
         ".art-sky/server",
@@ -182,6 +208,7 @@ def up(
     name = cluster_name(name, name_option)
     if host and local:
         raise ConfigError("--host and --local name two different machines: give one (or neither, for SkyPilot)")
+    check_flags(ctx, "--host" if host else "--local" if local else None)
     settings = Settings()
     if host:
         options = BootstrapOptions(
@@ -200,7 +227,7 @@ def up(
     else:
         backend = SkyPilotBackend.for_cluster(
             cluster_name=name,
-            gpu=parse_gpus(gpu),
+            gpu=parse_gpus(gpu or ["H100:1"]),
             infra=infra,
             spot=spot,
             autostop_minutes=autostop or None,
@@ -224,13 +251,35 @@ def up(
             return
     if isinstance(backend, SkyPilotBackend):
         confirm_launch(backend, yes)  # what it would rent, asked before renting
-    console.print(f"starting the cluster server on {backend.where} ...")  # (SkyPilot streams its own progress)
+        console.print(f"starting the cluster server on {backend.where} ...")  # (SkyPilot streams its own progress)
+    backend.progress = Progress(verbose=bool(ctx.find_root().params.get("verbose")))  # each phase, on stderr
     record = asyncio.run(_start(backend, name))
     console.print(
         f"cluster {name!r} up on {record.where}, server port {record.port} (127.0.0.1 there).\n"
         f"Use it from Python with `art_sky.attach({name!r})`, or hold a tunnel with "
         f"`art-sky tunnel {name}`."
     )
+
+
+def check_flags(ctx: Context, target: str | None) -> None:
+    """Refuse flags given on the command line that do not apply to `target` (--host, --local, None: SkyPilot)."""
+    given = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+    given = {k: v for k, v in given.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    groups = [
+        (_SKY_ONLY, "a SkyPilot cluster", target is not None),
+        (_HOST_ONLY, "--host", target != "--host"),
+        (_LOCAL_ONLY, "--local", target != "--local"),
+    ]
+    for names, owner, misplaced in groups:
+        wrong = [given[n] for n in names if n in given and misplaced]
+        if wrong:
+            one = len(wrong) == 1
+            machine = "this machine's" if target == "--local" else "the host's"
+            why = f" ({machine} own GPUs are used as they are)" if "--gpu" in wrong and target else ""
+            raise ConfigError(
+                f"{', '.join(wrong)} {'does' if one else 'do'} not apply to {target or 'a SkyPilot cluster'}: "
+                f"{'it is' if one else 'they are'} for {owner}{why}; drop {'it' if one else 'them'}"
+            )
 
 
 async def _start(backend: ClusterBackend, name: str) -> clusters.ClusterRecord:

@@ -10,24 +10,26 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import logging
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 from art_sky.errors import ConfigError
+from art_sky.remote.progress import PipOutput, Progress
 from art_sky.remote.reasons import reason
+from art_sky.remote.runner import LocalRunner
 from art_sky.settings import Settings
 
-log = logging.getLogger("art_sky")
+_TIMEOUT = 1800.0  # seconds for each step of making the environment (SkyPilot's install measured 382 s)
 
 SKYPILOT = "skypilot[slurm]==0.14.1"  # the release art-sky is tested with (its Slurm infra runs the tests)
 INSTALLED = "installed.txt"  # what the venv holds: a change of SKYPILOT makes a new one
 
 
-def sky_python(settings: Settings | None = None) -> Path:
+def sky_python(settings: Settings | None = None, progress: Progress | None = None) -> Path:
     """The interpreter that runs SkyPilot: ART_SKY_SKYPILOT_PYTHON, or the venv under the cache dir (made now if
-    missing: about a minute, once)."""
+    missing: a few minutes, once, each phase shown on `progress`: default stderr)."""
     settings = settings or Settings()
     if settings.skypilot_python is not None:
         return _has_skypilot(settings.skypilot_python)
@@ -40,7 +42,7 @@ def sky_python(settings: Settings | None = None) -> Path:
     with open(venv.parent / "skypilot.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one install at a time; the others then find it made
         if not (marker.is_file() and marker.read_text().strip() == SKYPILOT):
-            _install(venv)
+            _install(venv, progress or Progress())
             marker.write_text(SKYPILOT + "\n")
     return python
 
@@ -67,20 +69,30 @@ def sky_cli(settings: Settings | None = None) -> str:
     return str(sky_python(settings).parent / "sky")
 
 
-def _install(venv: Path) -> None:
-    log.warning("installing SkyPilot (%s) into its own environment %s: once, about a minute", SKYPILOT, venv)
-    for command in (
-        [sys.executable, "-m", "venv", "--clear", str(venv)],
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", SKYPILOT],
+def _install(venv: Path, progress: Progress) -> None:
+    """Make the venv and install SkyPilot into it, each a phase (pip's largest downloads said after)."""
+    progress.note(f"SkyPilot's own environment {venv} is made once (a few minutes): {SKYPILOT}")
+    pip = PipOutput()
+    for title, command in (
+        (f"creating the venv {venv}", [sys.executable, "-m", "venv", "--clear", str(venv)]),
+        (
+            f"installing {SKYPILOT}",
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "--progress-bar", "off", SKYPILOT],
+        ),
     ):
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
+        with progress.phase(title) as phase:
+            result = LocalRunner().run(
+                shlex.join(command), timeout=_TIMEOUT, check=False, output=phase.output(pip.line)
+            )
+        if result.exit_code != 0:
             raise ConfigError(
                 f"making SkyPilot's environment {venv} failed (`{' '.join(command)}` exited "
-                f"{result.returncode}: {reason(result.stderr) or 'no error'}). Fix that (network, disk, "
+                f"{result.exit_code}: {reason(result.stderr) or 'no error'}). Fix that (network, disk, "
                 f"Python's venv module), or point ART_SKY_SKYPILOT_PYTHON at a Python that has {SKYPILOT}\n"
                 f"{result.stderr.strip()[-1500:]}"
             )
+    if summary := pip.summary():
+        progress.note(summary)
 
 
 if __name__ == "__main__":

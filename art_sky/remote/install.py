@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -24,7 +24,9 @@ from art_sky.errors import SSHError
 from art_sky.gpu_stack import constraint_lines
 from art_sky.layout import ServerLayout
 
+from .progress import PipOutput, Progress
 from .runner import CommandRunner, env_stdin
+from .stack import Extras, choose, probe
 
 _NO_PYTHON = 42  # exit code of the preflight script when the interpreter is missing or too old
 
@@ -39,14 +41,21 @@ class BootstrapOptions(BaseModel):
     )
     venv_python: str = Field("python3", description="interpreter that creates the venv when `python` is unset")
     system_site_packages: bool = Field(False, description="the venv sees the host's packages (a preinstalled torch)")
-    extras: Literal["cluster", "gpu"] = Field(
-        "cluster", description="art-sky extras installed in the venv; gpu installs the tested GPU stack"
+    extras: Extras = Field(
+        "auto",
+        description="what the venv gets: auto looks at the machine's nvidia-smi (a supported GPU: gpu; none: "
+        "cluster with the CPU build of torch); gpu installs the tested GPU stack (vLLM, Unsloth, CUDA torch), "
+        "cluster the portable engine and the PEFT trainer with whatever torch pip picks",
     )
     constraints: list[str] = Field(
         default_factory=list,
-        description="pip constraints for the venv install "
-        "(e.g. torch==2.13.0: a CPU build), added to "
-        "the tested GPU stack's with extras=gpu",
+        description="pip constraints for the venv install, added to the tested GPU stack's with extras=gpu (and "
+        "to the CPU stack's torch pin with auto, unless they pin torch themselves)",
+    )
+    cpu_index: str | None = Field(
+        "https://download.pytorch.org/whl/cpu",  # stack.CPU_TORCH_INDEX (the docs show the value)
+        description="the package index of the CPU build of torch (auto on a machine without a GPU); None: only "
+        "pip's own configuration (a mirror that has it)",
     )
     port: int = Field(0, ge=0, le=65535, description="the server's port on the remote machine; 0 picks a free one")
     art_path: str = Field("art", description="checkpoint root, relative to remote_dir unless absolute")
@@ -80,51 +89,102 @@ def cluster_dir(remote_dir: str, name: str) -> str:
     return posixpath.join(remote_dir, "clusters", name)
 
 
-def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeout: float, *, name: str) -> Installed:
-    """Upload the wheel and install it for cluster `name` (venv first unless `options.python`); idempotent."""
+def install(
+    runner: CommandRunner,
+    build: Callable[[], Path],
+    options: BootstrapOptions,
+    timeout: float,
+    *,
+    name: str,
+    progress: Progress | None = None,
+) -> Installed:
+    """Build this client's wheel (`build`: once the machine answered, so a wrong host fails first), upload it and
+    install it for cluster `name` (venv first unless `options.python`); idempotent. Each phase goes to `progress`."""
+    progress = progress or Progress(enabled=False)
     q = shlex.quote
-    remote_dir = runner.run(
-        f"mkdir -p {q(cluster_dir(options.remote_dir, name))}/wheels && cd {q(options.remote_dir)} && pwd", timeout=60
-    ).stdout.strip()
+    with progress.phase(f"connecting to {runner.where}"):
+        remote_dir = runner.run(
+            f"mkdir -p {q(cluster_dir(options.remote_dir, name))}/wheels && cd {q(options.remote_dir)} && pwd",
+            timeout=60,
+        ).stdout.strip()
     own = cluster_dir(remote_dir, name)
     python = options.python or f"{remote_dir}/venv/bin/python"
-    bootstrap_python = options.python or options.venv_python
-    preflight = runner.run(
-        f"{q(bootstrap_python)} -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 3)' >/dev/null 2>&1"
-        f" || exit {_NO_PYTHON}",
-        timeout=60,
-        check=False,
-    )
-    if preflight.exit_code == _NO_PYTHON:
-        raise SSHError(
-            f"no Python >= 3.11 at {bootstrap_python!r} on {runner.where}: install one there, or "
-            "name it with python= (a prepared environment) or venv_python="
-        )
+    version = _python_version(runner, options.python or options.venv_python)
+    progress.note(f"Python {version} at {options.python or options.venv_python}")
+    with progress.phase("building this client's wheel"):
+        wheel = build()
     remote_wheel = f"{own}/wheels/{wheel.name}"
-    runner.upload(wheel, remote_wheel)
-    steps = []
+    with progress.phase(f"uploading {wheel.name} ({wheel.stat().st_size / 1e6:.1f} MB)"):
+        runner.upload(wheel, remote_wheel)
     if options.python is None:
-        site = " --system-site-packages" if options.system_site_packages else ""
-        constraints = options.constraints + (constraint_lines() if options.extras == "gpu" else [])
-        pins = ""
-        if constraints:
-            runner.run(
-                f"cat >{q(own)}/wheels/constraints.txt",
-                timeout=60,
-                stdin="".join(f"{line}\n" for line in constraints).encode(),
-            )
-            pins = f" -c {q(own)}/wheels/constraints.txt"
-        steps += [
-            f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
-            (
-                f"venv/bin/python -m pip install --quiet --disable-pip-version-check{pins} "
-                f"{q(f'{remote_wheel}[{options.extras}]')}"
-            ),
-        ]
-    steps.append(
-        f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "
-        f"--target {q(own)}/lib {q(remote_wheel)}"
-    )
-    runner.run(f"set -e\ncd {q(remote_dir)}\n" + "\n".join(steps), timeout=timeout)
+        _make_venv(runner, options, remote_dir, own, remote_wheel, version, timeout, progress)
+    with progress.phase("installing this build of art-sky"):
+        runner.run(
+            f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "
+            f"--target {q(own)}/lib {q(remote_wheel)}",
+            timeout=timeout,
+        )
     layout = ServerLayout(run_dir=posixpath.join(own, "run"), art_path=posixpath.join(remote_dir, options.art_path))
     return Installed(layout=layout, python=python, pythonpath=posixpath.join(own, "lib"))
+
+
+def _python_version(runner: CommandRunner, interpreter: str) -> str:
+    """The interpreter's version ("3.12.3"), or an SSHError when it is missing or older than 3.11."""
+    check = "import sys; print(sys.version.split()[0]); sys.exit(0 if sys.version_info >= (3, 11) else 3)"
+    preflight = runner.run(
+        f"{shlex.quote(interpreter)} -c {shlex.quote(check)} 2>/dev/null || exit {_NO_PYTHON}", timeout=60, check=False
+    )
+    found = preflight.stdout.strip()
+    if preflight.exit_code == _NO_PYTHON:
+        raise SSHError(
+            f"no Python >= 3.11 at {interpreter!r} on {runner.where}{f' (it is {found})' if found else ''}: install "
+            "one there, or name it with python= (a prepared environment) or venv_python="
+        )
+    return found
+
+
+def _make_venv(
+    runner: CommandRunner,
+    options: BootstrapOptions,
+    remote_dir: str,
+    own: str,
+    remote_wheel: str,
+    version: str,
+    timeout: float,
+    progress: Progress,
+) -> None:
+    """The shared venv, with the stack that fits the machine (or the one asked for) installed into it."""
+    q = shlex.quote
+    stack = choose(
+        probe(runner),
+        options.extras,
+        where=runner.where,
+        python=".".join(version.split(".")[:2]),
+        cpu_index=options.cpu_index,
+        constraints=options.constraints,
+    )
+    progress.note(f"stack: {stack.label}: {stack.reason}")
+    constraints = options.constraints + stack.constraints + (constraint_lines() if stack.extras == "gpu" else [])
+    pins = "".join(f" --extra-index-url {q(url)}" for url in stack.index_urls)
+    if constraints:
+        runner.run(
+            f"cat >{q(own)}/wheels/constraints.txt",
+            timeout=60,
+            stdin="".join(f"{line}\n" for line in constraints).encode(),
+        )
+        pins += f" -c {q(own)}/wheels/constraints.txt"
+    venv = f"{remote_dir}/venv"
+    if runner.run(f"[ -x {q(venv)}/bin/python ]", timeout=60, check=False).exit_code != 0:
+        site = " --system-site-packages" if options.system_site_packages else ""
+        with progress.phase(f"creating the venv {venv}"):
+            runner.run(f"{q(options.venv_python)} -m venv{site} {q(venv)}", timeout=timeout)
+    with progress.phase(f"installing {stack.label}") as phase:
+        pip = PipOutput()
+        runner.run(
+            f"{q(venv)}/bin/python -m pip install --disable-pip-version-check --progress-bar off{pins} "
+            f"{q(f'{remote_wheel}[{stack.extras}]')}",
+            timeout=timeout,
+            output=phase.output(pip.line),
+        )
+    if summary := pip.summary():
+        progress.note(summary)

@@ -13,11 +13,14 @@ stderr without the trace.
 
 from __future__ import annotations
 
+import codecs
 import os
 import shutil
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 from pydantic import BaseModel
 
@@ -25,6 +28,7 @@ from art_sky.errors import BackendUnavailableError, ConfigError
 
 from .reasons import reason
 
+Output = Callable[[str], None]  # called with the command's stdout and stderr text as it arrives (partial lines too)
 TRACE = "+art-sky: "  # sh's PS4: what starts a trace line on stderr
 READ_ENV = (
     'case $- in *x*) set +x; kv_traced=1;; esac\nwhile IFS= read -r kv; do [ -n "$kv" ] || break; export "$kv"; done\n'
@@ -41,8 +45,11 @@ class CommandResult(BaseModel):
 class CommandRunner(Protocol):
     where: str  # for messages: "this machine", "user@host:22"
 
-    def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
-        """Run a POSIX sh script; raise (naming the script's first line) when it fails and `check`, or overruns."""
+    def run(
+        self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True, output: Output | None = None
+    ) -> CommandResult:
+        """Run a POSIX sh script; raise (naming the script's first line) when it fails and `check`, or overruns.
+        `output` also gets its stdout and stderr as they arrive (a long install shown while it runs)."""
 
     def upload(self, local: Path, remote: str) -> None:
         """Copy a file there (relative paths: under the login directory)."""
@@ -98,16 +105,22 @@ class LocalRunner:
 
     where = "this machine"
 
-    def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
+    def run(
+        self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True, output: Output | None = None
+    ) -> CommandResult:
         try:
-            done = subprocess.run(["sh", "-c", traced(script)], input=stdin, capture_output=True, timeout=timeout)
+            if output is None:
+                done = subprocess.run(["sh", "-c", traced(script)], input=stdin, capture_output=True, timeout=timeout)
+                code, out, err = done.returncode, done.stdout, done.stderr
+            else:
+                code, out, err = _run_streaming(traced(script), stdin, timeout, output)
         except subprocess.TimeoutExpired as exc:
             raise BackendUnavailableError(f"`{first_line(script)}` did not finish within {timeout:.0f}s here") from exc
         return result_of(
             script,
-            done.returncode,
-            done.stdout.decode(errors="replace"),
-            done.stderr.decode(errors="replace"),
+            code,
+            out.decode(errors="replace"),
+            err.decode(errors="replace"),
             check=check,
             where="here",
             error=BackendUnavailableError,
@@ -127,3 +140,60 @@ class LocalRunner:
 
     def __exit__(self, *exc_info) -> None:
         pass
+
+
+def _run_streaming(script: str, stdin: bytes, timeout: float, output: Output) -> tuple[int, bytes, bytes]:
+    """`sh -c script` with its stdout and stderr passed to `output` as they come, and kept."""
+    process = subprocess.Popen(
+        ["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    stdout, stderr, into = process.stdout, process.stderr, process.stdin
+    assert stdout is not None and stderr is not None and into is not None  # all three are pipes
+    kept = {stdout: bytearray(), stderr: bytearray()}
+    lock = threading.Lock()  # one call of `output` at a time
+
+    def pump(stream: IO[bytes]) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        shown = untraced(output) if stream is stderr else output
+        while chunk := os.read(stream.fileno(), 65536):
+            kept[stream] += chunk
+            with lock:
+                shown(decoder.decode(chunk))
+        with lock:
+            shown("")
+
+    readers = [threading.Thread(target=pump, args=(stream,), daemon=True) for stream in kept]
+    for reader in readers:
+        reader.start()
+    try:
+        into.write(stdin)
+        into.close()
+    except BrokenPipeError:
+        pass  # the script did not read its stdin
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    for reader in readers:
+        reader.join()
+    return code, bytes(kept[stdout]), bytes(kept[stderr])
+
+
+def untraced(output: Output) -> Output:
+    """`output` fed a traced stderr without its trace lines: whole lines are passed on (an empty call: the end, the
+    last partial line too)."""
+    pending = ""
+
+    def feed(text: str) -> None:
+        nonlocal pending
+        pending += text
+        *lines, pending = pending.split("\n") if text else (*pending.split("\n"), "")
+        shown = "".join(line + "\n" for line in lines if not line.startswith(TRACE))
+        if not text and lines and not lines[-1].startswith(TRACE):
+            shown = shown[:-1]  # the last partial line had no newline
+        if shown:
+            output(shown)
+
+    return feed

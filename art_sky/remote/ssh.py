@@ -6,6 +6,7 @@ SkyPilot records for a cluster) is handled one way, with one set of error messag
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ from pydantic import BaseModel
 from art_sky.errors import ConfigError, SSHError
 from art_sky.settings import Settings
 
-from .runner import CommandResult, first_line, result_of, traced
+from .runner import CommandResult, Output, first_line, result_of, traced, untraced
 
 log = logging.getLogger("art_sky.ssh")
 
@@ -141,8 +142,11 @@ class SSHRunner:
             self._client = connect(self.target, self.settings)
         return self._client
 
-    def run(self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True) -> CommandResult:
-        """Run a POSIX sh script (whatever the login shell is) and wait at most `timeout` seconds.
+    def run(
+        self, script: str, *, timeout: float, stdin: bytes = b"", check: bool = True, output: Output | None = None
+    ) -> CommandResult:
+        """Run a POSIX sh script (whatever the login shell is) and wait at most `timeout` seconds; `output` gets its
+        stdout and stderr as they arrive.
 
         Secrets go in through `stdin`, never in `script`: the script is visible in the remote process list.
         """
@@ -157,7 +161,7 @@ class SSHRunner:
             if stdin:
                 channel.sendall(stdin)
             channel.shutdown_write()
-            stdout, stderr = _read_until_exit(channel, time.monotonic() + timeout)
+            stdout, stderr = _read_until_exit(channel, time.monotonic() + timeout, output)
         except TimeoutError as exc:
             raise SSHError(
                 f"a command on {self.target} did not finish within {timeout:.0f}s: {first_line(script)}"
@@ -215,17 +219,25 @@ class SSHRunner:
         self.close()
 
 
-def _read_until_exit(channel: paramiko.Channel, deadline: float) -> tuple[str, str]:
+def _read_until_exit(channel: paramiko.Channel, deadline: float, output: Output | None) -> tuple[str, str]:
     stdout, stderr = bytearray(), bytearray()
+    decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(2)]
+    shown = [output, untraced(output)] if output is not None else [None, None]  # stderr without the trace
     while True:
         busy = False
-        if channel.recv_ready():
-            stdout += channel.recv(65536)
-            busy = True
-        if channel.recv_stderr_ready():
-            stderr += channel.recv_stderr(65536)
-            busy = True
+        for kept, ready, recv, decoder, show in (
+            (stdout, channel.recv_ready, channel.recv, decoders[0], shown[0]),
+            (stderr, channel.recv_stderr_ready, channel.recv_stderr, decoders[1], shown[1]),
+        ):
+            if ready():
+                chunk = recv(65536)
+                kept += chunk
+                busy = True
+                if show is not None:
+                    show(decoder.decode(chunk))
         if not busy and channel.exit_status_ready() and channel.eof_received:
+            if shown[1] is not None:
+                shown[1]("")
             return stdout.decode(errors="replace"), stderr.decode(errors="replace")
         if channel.closed and not busy:
             raise EOFError("the channel closed before the command exited")
