@@ -350,7 +350,7 @@ class Steps:
             log.info("committed step %d of %s", result.step, state.name)
             self.on_commit(state)
             try:
-                await asyncio.to_thread(state.writer.durable, result.step)  # answered once on disk
+                await asyncio.to_thread(state.writer.durable, state.step)  # answered once on disk
             except Exception as exc:  # trained and served, not on disk: the answer says why; a retry writes again
                 log.exception("the checkpoint of step %d of %s was not written", result.step, state.name)
                 status, code = classify(exc)

@@ -51,4 +51,4 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         handle.write(struct.pack("<Q", len(encoded)))
         handle.write(encoded)
         for data in chunks:
-            handle.write(data)
+            handle.write(data.data)  # its buffer, no copy
