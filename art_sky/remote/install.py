@@ -1,18 +1,22 @@
 """Install this client's own build on a machine reached by a command runner (an SSH host): ship the wheel, make a
 venv unless a prepared Python is named, install. Layout of `remote_dir` there, shared by the host's clusters:
 
-    venv/                     the dependencies, made once (unless `python` names a prepared interpreter)
+    venv/                     the dependencies, made once (unless `python` names a prepared interpreter);
+                              complete once `venv/.art-sky-ready` is there (an unmarked venv is made again)
     art/                      checkpoints (`art_path`), shared by the host's servers as `.art` is on a laptop
     clusters/<name>/wheels/   the build shipped for cluster `name`
     clusters/<name>/lib/      that build, installed (shadows any other art_sky)
     clusters/<name>/run/      that cluster's server: server.log, server.pid, port.json (art_sky.layout)
 
 Each cluster name has its own build and server files, so clusters of one host run side by side and stopping or
-reinstalling one never touches another.
+reinstalling one never touches another. A failed install leaves nothing the next one trips on: a venv it was making
+is removed (or, if it was killed before it could, the next install finds it unmarked), and the folder of a cluster
+whose first install failed is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 import shlex
 from pathlib import Path
@@ -27,6 +31,7 @@ from art_sky.layout import ServerLayout
 from .runner import CommandRunner, env_stdin
 
 _NO_PYTHON = 42  # exit code of the preflight script when the interpreter is missing or too old
+VENV_READY = "venv/.art-sky-ready"  # written once the venv's install succeeded
 
 
 class BootstrapOptions(BaseModel):
@@ -81,12 +86,29 @@ def cluster_dir(remote_dir: str, name: str) -> str:
 
 
 def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeout: float, *, name: str) -> Installed:
-    """Upload the wheel and install it for cluster `name` (venv first unless `options.python`); idempotent."""
+    """Upload the wheel and install it for cluster `name` (venv first unless `options.python`); idempotent. When it
+    fails, the cluster's folder is removed if this install made it."""
     q = shlex.quote
-    remote_dir = runner.run(
-        f"mkdir -p {q(cluster_dir(options.remote_dir, name))}/wheels && cd {q(options.remote_dir)} && pwd", timeout=60
-    ).stdout.strip()
-    own = cluster_dir(remote_dir, name)
+    own = cluster_dir(options.remote_dir, name)
+    made, remote_dir = runner.run(
+        f"if [ -d {q(own)} ]; then echo kept; else echo made; fi\n"
+        f"mkdir -p {q(own)}/wheels && cd {q(options.remote_dir)} && pwd",
+        timeout=60,
+    ).stdout.split("\n", 1)
+    remote_dir = remote_dir.strip()
+    try:
+        return _install(runner, wheel, options, timeout, remote_dir, cluster_dir(remote_dir, name))
+    except BaseException:
+        if made == "made":
+            with contextlib.suppress(Exception):  # the install's own error is the one to report
+                runner.run(f"rm -rf {q(cluster_dir(remote_dir, name))}", timeout=60, check=False)
+        raise
+
+
+def _install(
+    runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeout: float, remote_dir: str, own: str
+) -> Installed:
+    q = shlex.quote
     python = options.python or f"{remote_dir}/venv/bin/python"
     bootstrap_python = options.python or options.venv_python
     preflight = runner.run(
@@ -114,12 +136,17 @@ def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeo
                 stdin="".join(f"{line}\n" for line in constraints).encode(),
             )
             pins = f" -c {q(own)}/wheels/constraints.txt"
+        # A venv without the mark is half made (an install that failed or was killed): made again, and removed
+        # when its first install fails.
         steps += [
-            f"[ -x venv/bin/python ] || {q(options.venv_python)} -m venv{site} venv",
+            f"fresh=; if [ ! -f {VENV_READY} ]; then rm -rf venv; fresh=1; "
+            f"{q(options.venv_python)} -m venv{site} venv || {{ rm -rf venv; exit 1; }}; fi",
             (
                 f"venv/bin/python -m pip install --quiet --disable-pip-version-check{pins} "
                 f"{q(f'{remote_wheel}[{options.extras}]')}"
+                ' || { code=$?; [ -z "$fresh" ] || rm -rf venv; exit $code; }'
             ),
+            f"touch {VENV_READY}",
         ]
     steps.append(
         f"{q(python)} -m pip install --quiet --disable-pip-version-check --no-deps --upgrade "

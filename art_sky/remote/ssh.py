@@ -170,8 +170,7 @@ class SSHRunner:
                 ) from exc
             if isinstance(exc, OSError | paramiko.SSHException | EOFError):
                 raise SSHError(
-                    f"the SSH connection to {self.target} failed during a command ({exc!r}): check the host and "
-                    "retry"
+                    f"the SSH connection to {self.target} failed during a command ({exc!r}): check the host and retry"
                 ) from exc
             raise
         result = CommandResult(exit_code=channel.recv_exit_status(), stdout=stdout, stderr=stderr)
