@@ -10,8 +10,8 @@ venv unless a prepared Python is named, install. Layout of `remote_dir` there, s
 
 Each cluster name has its own build and server files, so clusters of one host run side by side and stopping or
 reinstalling one never touches another. A failed install leaves nothing the next one trips on: a venv it was making
-is removed (or, if it was killed before it could, the next install finds it unmarked), and the folder of a cluster
-whose first install failed is removed.
+is removed (and one it could not remove, killed first, is unmarked: the next install makes it again), and so is the
+folder of a cluster whose first install failed.
 """
 
 from __future__ import annotations
@@ -99,9 +99,12 @@ def install(runner: CommandRunner, wheel: Path, options: BootstrapOptions, timeo
     try:
         return _install(runner, wheel, options, timeout, remote_dir, cluster_dir(remote_dir, name))
     except BaseException:
-        if made == "made":
+        tidy = [f"rm -rf {q(cluster_dir(remote_dir, name))}"] if made == "made" else []
+        if options.python is None:  # a venv this install was making (a complete one is marked)
+            tidy.append(f"[ -f {q(remote_dir)}/{VENV_READY} ] || rm -rf {q(remote_dir)}/venv")
+        if tidy:
             with contextlib.suppress(Exception):  # the install's own error is the one to report
-                runner.run(f"rm -rf {q(cluster_dir(remote_dir, name))}", timeout=60, check=False)
+                runner.run("\n".join(tidy), timeout=120, check=False)
         raise
 
 
