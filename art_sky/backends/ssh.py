@@ -117,8 +117,8 @@ class SSHBackend(ClusterBackend):
         remote_dir = posixpath.dirname(folders)
         others = [name for name in leftovers.subfolders(runner, folders) if name != posixpath.basename(own)]
         plural = len(others) > 1
-        shared = f"cluster{'s' * plural} {', '.join(others)} of this host use{'' if plural else 's'} it"
-        shared = shared if others else None
+        users = f"cluster{'s' * plural} {', '.join(others)} of this host use{'' if plural else 's'} it"
+        shared = users if others else None
         outside = f"{layout.art_path} is outside art-sky's directory {remote_dir}"
         items = [
             leftovers.Leftover(what="venv", path=posixpath.join(remote_dir, "venv"), kept_because=shared),
