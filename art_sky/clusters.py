@@ -97,6 +97,30 @@ def remove(home: Path, name: str) -> None:
     record_path(home, name).unlink(missing_ok=True)
 
 
+def stopped_path(home: Path, name: str) -> Path:
+    """Where `down` keeps a stopped cluster's record while it left files on its machine, for `down --purge`."""
+    return home / "clusters" / "down" / f"{check_name(name)}.json"
+
+
+def save_stopped(home: Path, record: ClusterRecord) -> None:
+    path = stopped_path(home, record.name)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomic_write(path, record.model_dump_json(indent=2), private=True)
+
+
+def load_stopped(home: Path, name: str) -> ClusterRecord:
+    """The record of a stopped cluster whose files stay on its machine; the unknown-name error if there is none."""
+    path = stopped_path(home, name)
+    try:
+        return ClusterRecord.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        raise unknown(home, name) from None
+
+
+def forget_stopped(home: Path, name: str) -> None:
+    stopped_path(home, name).unlink(missing_ok=True)
+
+
 def all_names(home: Path) -> list[str]:
     folder = home / "clusters"
     return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from art_sky import clusters
 from art_sky.errors import ArtSkyError, BackendUnavailableError, ConfigError
 from art_sky.layout import ServerLayout
-from art_sky.remote import lifecycle
+from art_sky.remote import leftovers, lifecycle
+from art_sky.remote.leftovers import Leftover
 from art_sky.remote.lifecycle import RemoteServer
 from art_sky.remote.progress import Progress, elapsed
 from art_sky.remote.runner import CommandRunner
@@ -282,6 +283,37 @@ class ClusterBackend(Backend):
         if state == "stopped":
             return f"the server had already exited (its log: {layout.log_file})"
         return "server was not running"
+
+    def _leftovers(self, runner: CommandRunner, layout: ServerLayout) -> tuple[list[Leftover], list[str]]:
+        """What the cluster of `layout` leaves on the machine after `down` (the paths, and which of them other
+        clusters still use), and the folders a purge removes once they are empty. Nothing, unless the kind says."""
+        return [], []
+
+    async def leftovers(self, layout: ServerLayout) -> list[Leftover]:
+        """What stays on the machine of the stopped cluster of `layout`, with sizes (what exists only)."""
+
+        def measure() -> list[Leftover]:
+            runner = self.machine_runner()
+            return leftovers.measure(runner, self._leftovers(runner, layout)[0])
+
+        try:
+            return await asyncio.to_thread(measure)
+        finally:
+            self.forget_machine()
+
+    async def purge(self, layout: ServerLayout) -> list[Leftover]:
+        """Remove what the stopped cluster of `layout` left on the machine, except what other clusters use;
+        returns what was removed."""
+
+        def remove() -> list[Leftover]:
+            runner = self.machine_runner()
+            items, empty_dirs = self._leftovers(runner, layout)
+            return leftovers.purge(runner, leftovers.measure(runner, items), empty_dirs)
+
+        try:
+            return await asyncio.to_thread(remove)
+        finally:
+            self.forget_machine()
 
     @property
     def _forced_down(self) -> str:

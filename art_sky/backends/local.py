@@ -16,7 +16,8 @@ from art_sky import clusters
 from art_sky.art_compat.training import Ready
 from art_sky.errors import ConfigError
 from art_sky.layout import ServerLayout
-from art_sky.remote.runner import LocalRunner
+from art_sky.remote import leftovers
+from art_sky.remote.runner import CommandRunner, LocalRunner
 from art_sky.remote.wheel import DIST_NAME, source_checkout
 from art_sky.settings import Settings
 from art_sky.store import server_env
@@ -111,6 +112,20 @@ class LocalBackend(ClusterBackend):
         await super().close(force)
         if self._own_run_dir and not self.keep_server and self._started:  # a failed start keeps the log it names
             shutil.rmtree(self.layout.run_dir, ignore_errors=True)
+
+    def _leftovers(self, runner: CommandRunner, layout: ServerLayout) -> tuple[list[leftovers.Leftover], list[str]]:
+        """The cluster's run files (a purge removes them) and the checkpoint root, which stays: it is this
+        directory's `.art`, ART's LocalBackend's too."""
+        root = layout.art_path
+        items = [
+            leftovers.Leftover(
+                what="checkpoints",
+                path=root,
+                kept_because=f"{root} is this directory's checkpoint root (ART's too): delete it yourself",
+            ),
+            leftovers.Leftover(what=f"run/{os.path.basename(layout.run_dir)}", path=layout.run_dir),
+        ]
+        return items, [os.path.dirname(layout.run_dir)]
 
     def _checkpoint_ready(self, model) -> Ready:
         """The step's checkpoint is on this machine: listing the model's checkpoints waits for its write."""

@@ -328,6 +328,9 @@ class SkyPilotBackend(SSHBackend):
             table=table,
         )
 
+    def _leftovers(self, runner, layout: ServerLayout) -> tuple[list, list[str]]:
+        return [], []  # `down` tears the cluster down: nothing stays (checkpoints are in the store, if one is set)
+
     async def _end(self, layout: ServerLayout, state: str | None) -> str:
         await provisioner.down(self.cluster_name)
         return "SkyPilot cluster torn down"

@@ -7,13 +7,16 @@ overrides `_launch` to let its cluster's job start the server; reaching it is th
 from __future__ import annotations
 
 import asyncio
+import posixpath
 import tempfile
 from pathlib import Path
 
 from art_sky import clusters
 from art_sky.errors import ConfigError
 from art_sky.layout import ServerLayout
+from art_sky.remote import leftovers
 from art_sky.remote.install import BootstrapOptions, install
+from art_sky.remote.runner import CommandRunner
 from art_sky.remote.ssh import SSHRunner, SSHTarget
 from art_sky.remote.tunnel import Tunnel
 from art_sky.remote.wheel import build_wheel
@@ -110,6 +113,31 @@ class SSHBackend(ClusterBackend):
                 pythonpath=installed.pythonpath,
             )
             return installed.layout
+
+    def _leftovers(self, runner: CommandRunner, layout: ServerLayout) -> tuple[list[leftovers.Leftover], list[str]]:
+        """The host's venv and checkpoints (kept while another cluster of the host has a folder there: they share
+        both, and checkpoints cannot be told apart by cluster) and this cluster's own folder."""
+        own = posixpath.dirname(layout.run_dir)  # <remote_dir>/clusters/<name> (install.py's layout)
+        folders = posixpath.dirname(own)
+        remote_dir = posixpath.dirname(folders)
+        others = [name for name in leftovers.subfolders(runner, folders) if name != posixpath.basename(own)]
+        plural = len(others) > 1
+        users = f"cluster{'s' * plural} {', '.join(others)} of this host use{'' if plural else 's'} it"
+        shared = users if others else None
+        outside = f"{layout.art_path} is outside art-sky's directory {remote_dir}"
+        items = [
+            leftovers.Leftover(what="venv", path=posixpath.join(remote_dir, "venv"), kept_because=shared),
+            leftovers.Leftover(
+                what="checkpoints",
+                path=layout.art_path,
+                kept_because=shared if leftovers.inside(layout.art_path, remote_dir) else outside,
+            ),
+            leftovers.Leftover(what=f"clusters/{posixpath.basename(own)}", path=own),
+        ]
+        empty_dirs = [folders, remote_dir]
+        if posixpath.basename(posixpath.dirname(remote_dir)) == ".art-sky":  # the default, ~/.art-sky/server
+            empty_dirs.append(posixpath.dirname(remote_dir))
+        return items, empty_dirs
 
     @classmethod
     def from_record(

@@ -15,7 +15,7 @@ import typer
 
 import art_sky
 
-from . import checkpoints, ci, clusters, plot
+from . import checkpoints, ci, clusters, down, plot
 from .conventions import HELP_OPTIONS, Command
 from .errors import ErrorBoundary, console
 
@@ -94,7 +94,7 @@ def version() -> None:
     console.print(art_sky.__version__)
 
 
-for command in (clusters.up, clusters.down, clusters.status, clusters.logs, clusters.tunnel):
+for command in (clusters.up, down.down, clusters.status, clusters.logs, clusters.tunnel):
     app.command(cls=Command)(command)
 app.command(cls=clusters.CommandAfterDashes)(clusters.ssh)
 app.command(cls=Command)(plot.plot)

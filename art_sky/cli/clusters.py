@@ -1,4 +1,4 @@
-"""CLI commands for clusters: up, down, status, logs, tunnel, ssh (mounted by art_sky.cli).
+"""CLI commands for clusters: up, status, logs, tunnel, ssh (mounted by art_sky.cli; down is cli/down.py).
 
 Each takes the cluster's name as its first argument (`art-sky down box`, as `sky down box`), `--name` as an
 alias, `art` by default. Each command is a thin wrapper over the backends: `up` builds the backend its flags ask
@@ -287,6 +287,7 @@ async def _start(backend: ClusterBackend, name: str) -> clusters.ClusterRecord:
         await backend.health()
         record = backend.record(name)
         clusters.save(backend.settings.home, record)
+        clusters.forget_stopped(backend.settings.home, name)  # up again: its files are in use
         return record
     finally:
         await backend.close()
@@ -301,27 +302,6 @@ async def _answers(backend: ClusterBackend) -> bool:
         return False
     finally:
         await backend.close()
-
-
-def down(
-    name: str | None = NAME,
-    name_option: str | None = NAME_OPTION,
-    force: bool = typer.Option(
-        False,
-        "--force",
-        help="stop even if checkpoints are not in the object store yet, or the machine cannot be reached to ask",
-    ),
-) -> None:
-    """Stop the cluster's server and forget the cluster. A SkyPilot cluster is torn down (`sky down`); an SSH host
-    and its files stay. Waits first until every checkpoint is in the object store (when one is configured); a
-    server that has already exited is forgotten at once."""
-    name = cluster_name(name, name_option)
-    settings = Settings()
-    backend = attach(name, settings=settings, recover=False)
-    with console.status(f"stopping {name!r} once its checkpoints are in the store ..."):
-        done = asyncio.run(backend.down(force=force))
-    clusters.remove(settings.home, name)
-    console.print(f"cluster {name!r}: {done}; record removed", markup=False, highlight=False, soft_wrap=True)
 
 
 def status(

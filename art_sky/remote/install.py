@@ -1,18 +1,22 @@
 """Install this client's own build on a machine reached by a command runner (an SSH host): ship the wheel, make a
 venv unless a prepared Python is named, install. Layout of `remote_dir` there, shared by the host's clusters:
 
-    venv/                     the dependencies, made once (unless `python` names a prepared interpreter)
+    venv/                     the dependencies, made once (unless `python` names a prepared interpreter);
+                              complete once `venv/.art-sky-ready` is there (an unmarked venv is made again)
     art/                      checkpoints (`art_path`), shared by the host's servers as `.art` is on a laptop
     clusters/<name>/wheels/   the build shipped for cluster `name`
     clusters/<name>/lib/      that build, installed (shadows any other art_sky)
     clusters/<name>/run/      that cluster's server: server.log, server.pid, port.json (art_sky.layout)
 
 Each cluster name has its own build and server files, so clusters of one host run side by side and stopping or
-reinstalling one never touches another.
+reinstalling one never touches another. A failed install leaves nothing the next one trips on: a venv it was making
+is removed (and one it could not remove, killed first, is unmarked: the next install makes it again), and so is the
+folder of a cluster whose first install failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 import shlex
 from collections.abc import Callable
@@ -29,6 +33,7 @@ from .runner import CommandRunner, env_stdin
 from .stack import Extras, choose, probe
 
 _NO_PYTHON = 42  # exit code of the preflight script when the interpreter is missing or too old
+VENV_READY = "venv/.art-sky-ready"  # written once the venv's install succeeded
 
 
 class BootstrapOptions(BaseModel):
@@ -99,15 +104,40 @@ def install(
     progress: Progress | None = None,
 ) -> Installed:
     """Build this client's wheel (`build`: once the machine answered, so a wrong host fails first), upload it and
-    install it for cluster `name` (venv first unless `options.python`); idempotent. Each phase goes to `progress`."""
+    install it for cluster `name` (venv first unless `options.python`); idempotent. Each phase goes to `progress`.
+    When it fails, the cluster's folder is removed if this install made it, and so is a venv it was making."""
     progress = progress or Progress(enabled=False)
     q = shlex.quote
+    own = cluster_dir(options.remote_dir, name)
     with progress.phase(f"connecting to {runner.where}"):
-        remote_dir = runner.run(
-            f"mkdir -p {q(cluster_dir(options.remote_dir, name))}/wheels && cd {q(options.remote_dir)} && pwd",
+        made, remote_dir = runner.run(
+            f"if [ -d {q(own)} ]; then echo kept; else echo made; fi\n"
+            f"mkdir -p {q(own)}/wheels && cd {q(options.remote_dir)} && pwd",
             timeout=60,
-        ).stdout.strip()
-    own = cluster_dir(remote_dir, name)
+        ).stdout.split("\n", 1)
+    remote_dir = remote_dir.strip()
+    try:
+        return _install(runner, build, options, timeout, remote_dir, cluster_dir(remote_dir, name), progress)
+    except BaseException:
+        tidy = [f"rm -rf {q(cluster_dir(remote_dir, name))}"] if made == "made" else []
+        if options.python is None:  # a venv this install was making (a complete one is marked)
+            tidy.append(f"[ -f {q(remote_dir)}/{VENV_READY} ] || rm -rf {q(remote_dir)}/venv")
+        if tidy:
+            with contextlib.suppress(Exception):  # the install's own error is the one to report
+                runner.run("\n".join(tidy), timeout=120, check=False)
+        raise
+
+
+def _install(
+    runner: CommandRunner,
+    build: Callable[[], Path],
+    options: BootstrapOptions,
+    timeout: float,
+    remote_dir: str,
+    own: str,
+    progress: Progress,
+) -> Installed:
+    q = shlex.quote
     python = options.python or f"{remote_dir}/venv/bin/python"
     version = _python_version(runner, options.python or options.venv_python)
     progress.note(f"Python {version} at {options.python or options.venv_python}")
@@ -174,10 +204,12 @@ def _make_venv(
         )
         pins += f" -c {q(own)}/wheels/constraints.txt"
     venv = f"{remote_dir}/venv"
-    if runner.run(f"[ -x {q(venv)}/bin/python ]", timeout=60, check=False).exit_code != 0:
+    # A venv without the mark is half made (an install that failed or was killed): made again; `install` removes
+    # it when this install fails.
+    if runner.run(f"[ -f {q(remote_dir)}/{VENV_READY} ]", timeout=60, check=False).exit_code != 0:
         site = " --system-site-packages" if options.system_site_packages else ""
         with progress.phase(f"creating the venv {venv}"):
-            runner.run(f"{q(options.venv_python)} -m venv{site} {q(venv)}", timeout=timeout)
+            runner.run(f"rm -rf {q(venv)}\n{q(options.venv_python)} -m venv{site} {q(venv)}", timeout=timeout)
     with progress.phase(f"installing {stack.label}") as phase:
         pip = PipOutput()
         runner.run(
@@ -186,5 +218,6 @@ def _make_venv(
             timeout=timeout,
             output=phase.output(pip.line),
         )
+        runner.run(f"touch {q(remote_dir)}/{VENV_READY}", timeout=60)
     if summary := pip.summary():
         progress.note(summary)

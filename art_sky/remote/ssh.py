@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from art_sky.errors import ConfigError, SSHError
 from art_sky.settings import Settings
 
+from . import groups
 from .runner import CommandResult, Output, first_line, result_of, traced, untraced
 
 log = logging.getLogger("art_sky.ssh")
@@ -148,28 +149,34 @@ class SSHRunner:
         """Run a POSIX sh script (whatever the login shell is) and wait at most `timeout` seconds; `output` gets its
         stdout and stderr as they arrive.
 
-        Secrets go in through `stdin`, never in `script`: the script is visible in the remote process list.
+        Secrets go in through `stdin`, never in `script`: the script is visible in the remote process list. The
+        script runs in a process group of its own that ends with the channel (art_sky.remote.groups): an interrupt
+        here (Ctrl-C, a timeout) closes the channel, a lost connection closes it there, and the box stops the group.
         """
         transport = self.client.get_transport()
         if transport is None or not transport.is_active():
             raise SSHError(f"the SSH connection to {self.target} is closed: retry the command")
+        channel = None
         try:
             channel = transport.open_session(timeout=timeout)
             if self.target.env:  # SkyPilot's Slurm entries set the job's HOME this way (ssh-config SetEnv)
                 channel.update_environment(self.target.env)
-            channel.exec_command(f"sh -c {shlex.quote(traced(script))}")
+            channel.exec_command(groups.command(traced(script), stdin))
             if stdin:
-                channel.sendall(stdin)
-            channel.shutdown_write()
+                channel.sendall(stdin)  # and no end of file: the group lives while the channel is open
             stdout, stderr = _read_until_exit(channel, time.monotonic() + timeout, output)
-        except TimeoutError as exc:
-            raise SSHError(
-                f"a command on {self.target} did not finish within {timeout:.0f}s: {first_line(script)}"
-            ) from exc
-        except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise SSHError(
-                f"the SSH connection to {self.target} failed during a command ({exc!r}): check the host and retry"
-            ) from exc
+        except BaseException as exc:
+            if channel is not None:
+                channel.close()  # the box stops the command's process group
+            if isinstance(exc, TimeoutError):
+                raise SSHError(
+                    f"a command on {self.target} did not finish within {timeout:.0f}s: {first_line(script)}"
+                ) from exc
+            if isinstance(exc, OSError | paramiko.SSHException | EOFError):
+                raise SSHError(
+                    f"the SSH connection to {self.target} failed during a command ({exc!r}): check the host and retry"
+                ) from exc
+            raise
         exit_code = channel.recv_exit_status()
         channel.close()
         return result_of(script, exit_code, stdout, stderr, check=check, where=f"on {self.target}", error=SSHError)
