@@ -94,9 +94,16 @@ def test_vllm_gets_the_parser_and_one_child_takes_one():
     args, _ = vllm_command(Settings(), Placement("cpu"), "/models/q", request, 8001, 8, False, False, "key")
     assert args[args.index("--reasoning-parser") + 1] == "deepseek_r1"
     plain = request.model_copy(update={"config": ModelConfig()})
-    assert "--reasoning-parser" not in vllm_command(Settings(), Placement("cpu"), "/q", plain, 1, 8, False, False, "k")[0]
+    assert (
+        "--reasoning-parser" not in vllm_command(Settings(), Placement("cpu"), "/q", plain, 1, 8, False, False, "k")[0]
+    )
     engine = VllmEngine(Settings(), Path("/nonexistent"), "key", Placement("cpu"))
-    engine._process, engine.base_model, engine.max_lora_rank, engine.reasoning_parser = object(), "/models/q", 8, "qwen3"
+    engine._process, engine.base_model, engine.max_lora_rank, engine.reasoning_parser = (
+        object(),
+        "/models/q",
+        8,
+        "qwen3",
+    )
     with pytest.raises(ConflictError, match="reasoning parser 'deepseek_r1'.*started with 'qwen3'"):
         engine.check(request)
     engine.check(request.model_copy(update={"config": ModelConfig(reasoning_parser="qwen3")}))
