@@ -594,8 +594,8 @@ class _StreamWriter:
             if job.reasoning is None:
                 choice["delta"]["content"] = self._releasable(index, self.text[index])
             else:
-                reasoning, text = job.reasoning.partial(self.text[index], job.request.chat_template_kwargs or {})
-                choice["delta"] = self._thinking(index, reasoning)
+                thought, text = job.reasoning.partial(self.text[index], job.request.chat_template_kwargs or {})
+                choice["delta"] = self._thinking(index, thought)
                 if (released := self._releasable(index, text)) or not choice["delta"]:
                     choice["delta"]["content"] = released
             yield self._chunk([choice])
