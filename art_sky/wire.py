@@ -19,6 +19,7 @@ from art_sky.errors import ErrorCode
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _HOSTNAME = r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's --reasoning-parser names both engines split replies with
 TOKEN_ID_LIMIT = 2**31  # no vocabulary is larger; each model's own size is checked when its sequences are built
 TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 Logprob = Annotated[float, Field(le=0, allow_inf_nan=False)]
@@ -124,7 +125,7 @@ class TrainSFTConfig(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """LoRA settings of a trainable model, fixed at registration."""
+    """LoRA settings of a trainable model and how its replies are read, fixed at registration."""
 
     lora_rank: int = Field(8, ge=1, le=512, description="the LoRA's rank r: its matrices are d x r and r x d")
     lora_alpha: int = Field(16, ge=1, le=4096, description="the LoRA's scale: its update is multiplied by alpha / r")
@@ -138,6 +139,21 @@ class ModelConfig(_Strict):
         le=1 << 20,
         description="the longest sequence (prompt and completion, in tokens) it serves and trains",
     )
+    reasoning_parser: str | None = Field(
+        None,
+        description="how replies are split into reasoning_content and content, by vLLM's --reasoning-parser "
+        f"names ({', '.join(REASONING_PARSERS)}); None: no split",
+    )
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _a_known_parser(cls, name: str | None) -> str | None:
+        if name is not None and name not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning parser {name!r} is not one art-sky has: use one of {', '.join(REASONING_PARSERS)} "
+                "(vLLM's --reasoning-parser names), or leave it unset"
+            )
+        return name
 
 
 class TrainerRendezvous(_Strict):

@@ -151,6 +151,52 @@ THINKING = """\
 <|im_start|>assistant
 {% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}
 {%- endif %}"""
+# Reasoning templates as vLLM's parsers expect them (tests/test_reasoning.py). QWEN3: the model opens its own think
+# block; enable_thinking=False closes an empty one in the prompt; a turn's reasoning (reasoning_content, or a think
+# block in its content) is rendered only after the last user message. DEEPSEEK_R1: the generation prompt opens the
+# think block; history keeps only what came after </think>.
+QWEN3 = """\
+{%- set ns = namespace(last_query=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{%- set text = m.content or '' -%}
+{%- set reasoning = m.reasoning_content or '' -%}
+{%- if '</think>' in text -%}
+{%- set reasoning = text.split('</think>')[0].split('<think>')[-1] -%}
+{%- set text = text.split('</think>')[-1] -%}
+{%- endif -%}
+<|im_start|>assistant
+{% if loop.index0 > ns.last_query and reasoning %}<think>{{ reasoning }}</think>{% endif %}{{ text }}<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif -%}
+{%- endif %}"""
+DEEPSEEK_R1 = """\
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{%- set text = m.content or '' -%}
+{%- if '</think>' in text -%}{%- set text = text.split('</think>')[-1] -%}{%- endif -%}
+<|im_start|>assistant
+{{ text }}<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+<think>
+{% endif -%}"""
 TEMPLATES = {
     "think": THINK,
     "tool_json": TOOL_JSON,
@@ -160,6 +206,7 @@ TEMPLATES = {
     "mistral": MISTRAL,
     "thinking": THINKING,
 }
+REASONING_TEMPLATES = {"qwen3": QWEN3, "deepseek_r1": DEEPSEEK_R1}
 
 
 def template_model(root: Path, name: str) -> Path:
@@ -168,4 +215,38 @@ def template_model(root: Path, name: str) -> Path:
     if not path.exists():
         shutil.copytree(resolve_base_model("art-sky/tiny", Settings()), path)
         (path / "chat_template.jinja").write_text(TEMPLATES[name])
+    return path
+
+
+def forced_model(root: Path, name: str, reply: str) -> Path:
+    """A tiny model with REASONING_TEMPLATES[name] that answers `reply` to every prompt ending in a newline, token
+    for token: its layers add nothing (attention and MLP outputs zero), so each position's logits are its own
+    token's, and the output matrix maps each token of the chain newline, reply..., <|im_end|> to the next one by a
+    margin no sample at temperature 1 crosses. The reply's characters must differ from each other and from "\\n"."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(root) / f"forced-{name}"
+    if path.exists():
+        return path
+    source = resolve_base_model("art-sky/tiny", Settings())
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    chain = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.tokenize("\n" + reply)]
+    assert len(chain) == len(set(chain)) == len(reply) + 1, "the reply's characters must all differ"
+    chain.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    embeddings = model.get_input_embeddings().weight.detach()
+    output = torch.zeros_like(embeddings)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for current, following in zip(chain, chain[1:], strict=False):
+            output[following] = 5.0 * embeddings[current] / embeddings[current].norm()
+        model.lm_head = torch.nn.Linear(embeddings.shape[1], embeddings.shape[0], bias=False)
+        model.lm_head.weight.copy_(output)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "chat_template.jinja").write_text(REASONING_TEMPLATES[name])
     return path

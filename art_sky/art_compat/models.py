@@ -5,7 +5,8 @@
 - The LoRA: art-sky's `config=ModelConfig(...)`; ART's `lora_config=art.dev.LoRAConfig(...)` (0.5.20+) or
   `_internal_config.peft_args` (0.5.18); `init_args.max_seq_length`. An ART model's `config` is the user's own
   rollout config and is never read. ART's engine tuning is ignored with a warning (the cluster server has its own
-  ART_SKY_* settings); anything else is refused by name.
+  ART_SKY_* settings), but for `engine_args.reasoning_parser` (vLLM's, which both engines honour); anything else is
+  refused by name.
 - The chat template's arguments ART's client sends with every completion (`chat_template_kwargs`): the training
   context of a turn that came back without its token ids is rendered with the same ones.
 """
@@ -76,7 +77,8 @@ _DEFAULTS = {
 }
 _SUPPORTED = (
     "lora_config rank, alpha, dropout, target_modules, max_seq_length; _internal_config.peft_args r, "
-    "lora_alpha, lora_dropout, target_modules; init_args.max_seq_length; chat_template_kwargs"
+    "lora_alpha, lora_dropout, target_modules; init_args.max_seq_length; engine_args.reasoning_parser; "
+    "chat_template_kwargs"
 )
 
 
@@ -114,7 +116,10 @@ def model_config(model: Any) -> ModelConfig:
     values: dict[str, Any] = {}
     ignored: list[str] = []
     for section, settings in internal.items():
-        if section in _TUNING:
+        if section == "engine_args" and isinstance(settings, dict) and "reasoning_parser" in settings:
+            values["reasoning_parser"] = settings["reasoning_parser"]  # vLLM's --reasoning-parser, on both engines
+            ignored += [f"engine_args.{key}" for key in settings if key != "reasoning_parser"]
+        elif section in _TUNING:
             ignored.append(section)
         elif section == "chat_template_kwargs":
             continue  # read by chat_template_kwargs()
@@ -143,7 +148,7 @@ def model_config(model: Any) -> ModelConfig:
         return ModelConfig(**values)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise ConfigError(f"the model's LoRA settings: {first['loc'][0]}: {first['msg']}") from exc
+        raise ConfigError(f"the model's settings: {first['loc'][0]}: {first['msg']}") from exc
 
 
 _OPENAI_SERVER_CONFIG = ("log_file", "server_args", "engine_args")  # ART's dev.OpenAIServerConfig

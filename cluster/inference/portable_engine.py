@@ -37,6 +37,8 @@ from .chat_parameters import PORTABLE
 from .constraints import Grammar, Matchers, grammar_for, tool_calls
 from .gate import Hold
 from .openai_api import SSE, OpenAIError, Served, invalid_request, sse
+from .reasoning_parsers import PARSERS as REASONING_PARSERS
+from .reasoning_parsers import ReasoningParser
 from .tool_parsers import ToolParser, portable_parser
 
 log = logging.getLogger("art_sky.cluster")
@@ -62,6 +64,7 @@ class Job:
     tools: list[dict] | None = None  # the tools the prompt shows (tool_choice none: none; named: that one)
     grammar: Grammar | None = None  # what the reply must be (response_format, a forced tool_choice)
     parser: ToolParser | None = None  # how tool calls are read from the reply (its chat template's family)
+    reasoning: ReasoningParser | None = None  # how the reply's reasoning is split from its content (the model's)
     stream: _Events | None = None  # stream=True: sampled tokens go out as they come
     cancelled: bool = False  # the streaming client went away: its rows stop
 
@@ -194,6 +197,7 @@ class PortableEngine:
             tools=tools,
             grammar=grammar,
             parser=portable_parser(self.tool_parser, state.tokenizer.chat_template),
+            reasoning=REASONING_PARSERS.get(state.request.config.reasoning_parser or ""),
         )
 
     def complete(self, state: ModelState, request: ChatCompletionRequest) -> ChatCompletion:
@@ -419,13 +423,26 @@ def _final_text(job: Job, sample: Sample) -> str:
     return text
 
 
+def _reasoning_split(job: Job, text: str) -> tuple[str | None, str]:
+    """The reply's reasoning (None without a reasoning parser) and the text its content and tool calls come from.
+    vLLM's field names, both: `reasoning_content` (what the OpenAI SDK, LangChain and litellm read) and
+    `reasoning` (vLLM 0.32's)."""
+    if job.reasoning is None:
+        return None, text
+    reasoning, content = job.reasoning.split(text, job.request.chat_template_kwargs or {})
+    return reasoning, content or ""
+
+
 def _response(job: Job, samples: list[Sample]) -> dict:
     """The chat completion, with the prompt and sampled token ids the trainer needs (vLLM's names)."""
     request, prompt_len = job.request, len(job.prompt)
     choices = []
     for index, sample in enumerate(samples):
-        content, calls = _content_and_calls(job, _final_text(job, sample))
+        reasoning, text = _reasoning_split(job, _final_text(job, sample))
+        content, calls = _content_and_calls(job, text)
         message: dict = {"role": "assistant", "content": content}
+        if job.reasoning is not None:
+            message |= {"content": content or None, "reasoning_content": reasoning, "reasoning": reasoning}
         finish = sample.finish_reason
         if calls:
             message["tool_calls"] = calls
@@ -504,6 +521,7 @@ class _StreamWriter:
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         n = job.request.n
         self.sent = [""] * n  # content already sent per choice
+        self.thought = [""] * n  # reasoning already sent per choice
         self.text = [""] * n
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.finished = [False] * n
@@ -573,19 +591,28 @@ class _StreamWriter:
         if job.request.logprobs:
             choice["logprobs"] = {"content": [_token_logprob(job, token, logprob, top)]}
         if finish is None:
-            choice["delta"]["content"] = self._releasable(index)
+            if job.reasoning is None:
+                choice["delta"]["content"] = self._releasable(index, self.text[index])
+            else:
+                thought, text = job.reasoning.partial(self.text[index], job.request.chat_template_kwargs or {})
+                choice["delta"] = self._thinking(index, thought)
+                if (released := self._releasable(index, text)) or not choice["delta"]:
+                    choice["delta"]["content"] = released
             yield self._chunk([choice])
             return
         self.finished[index] = True
         sample = Sample(self.tokens[index], [], [], finish)
         try:
-            content, calls = _content_and_calls(job, _final_text(job, sample))
+            reasoning, text = _reasoning_split(job, _final_text(job, sample))
+            content, calls = _content_and_calls(job, text)
         except OpenAIError as exc:
             yield self._chunk([choice | {"delta": {"content": ""}}])
             yield sse({"error": _error_body(exc)})
             self.finished = [True] * len(self.finished)
             return
         rest = (content or "")[len(self.sent[index]) :] if (content or "").startswith(self.sent[index]) else ""
+        if job.reasoning is not None:
+            choice["delta"] = self._thinking(index, reasoning or "")
         choice["delta"]["content"] = rest
         if calls:
             choice["delta"]["tool_calls"] = [call | {"index": i} for i, call in enumerate(calls)]
@@ -593,12 +620,18 @@ class _StreamWriter:
         choice["finish_reason"] = finish
         yield self._chunk([choice])
 
-    def _releasable(self, index: int) -> str:
-        """New text that can no longer turn into a stop string or a tool call (none for a forced tool_choice,
+    def _thinking(self, index: int, reasoning: str) -> dict:
+        """The delta of the reasoning sent so far (vLLM's two names), or {} when there is none new."""
+        if not reasoning.startswith(self.thought[index]) or len(reasoning) <= len(self.thought[index]):
+            return {}
+        new, self.thought[index] = reasoning[len(self.thought[index]) :], reasoning
+        return {"reasoning_content": new, "reasoning": new}
+
+    def _releasable(self, index: int, text: str) -> str:
+        """New content that can no longer turn into a stop string or a tool call (none for a forced tool_choice,
         whose reply is its calls)."""
         if self.job.forced_call:
             return ""
-        text = self.text[index]
         if self.marker and self.marker in text:
             text = text[: text.index(self.marker)]
         for hold in self.holds:

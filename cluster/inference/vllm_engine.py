@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from art_sky.errors import ConfigError, EngineError
+from art_sky.errors import ConfigError, ConflictError, EngineError
 from art_sky.files import tail
 from art_sky.layout import step_name
 from art_sky.settings import Settings
@@ -61,6 +61,7 @@ class VllmEngine:
         self.engine_port: int | None = None
         self.base_model: str | None = None
         self.max_lora_rank = 0
+        self.reasoning_parser: str | None = None  # vLLM's --reasoning-parser: the first model's, one per child
         self.honoured: frozenset[str] = frozenset()  # vLLM's own chat request fields, read from its OpenAPI schema
         self._process: subprocess.Popen | None = None
         self._http: httpx.Client | None = None  # control calls, from the server's worker threads
@@ -86,6 +87,12 @@ class VllmEngine:
                 f"model {request.name!r} has LoRA rank {request.config.lora_rank} but this server's "
                 f"vLLM was started with --max-lora-rank {self.max_lora_rank}: register it on a "
                 "fresh server"
+            )
+        if request.config.reasoning_parser != self.reasoning_parser:
+            raise ConflictError(
+                f"model {request.name!r} asks for reasoning parser {request.config.reasoning_parser!r} but this "
+                f"server's vLLM (one per base model) was started with {self.reasoning_parser!r}: register it with "
+                "the same reasoning_parser, or on a fresh server"
             )
 
     def attach(self, state: ModelState) -> None:
@@ -278,11 +285,12 @@ class VllmEngine:
             self._process = subprocess.Popen(
                 args, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env, start_new_session=True
             )
-        self.placement, self.engine_port, self.base_model, self.max_lora_rank = (
+        self.placement, self.engine_port, self.base_model, self.max_lora_rank, self.reasoning_parser = (
             placement,
             port,
             state.request.base_model,
             rank,
+            state.request.config.reasoning_parser,
         )
         self._wait_ready()
 
@@ -416,6 +424,8 @@ def vllm_command(
     parser = parser_name(settings.tool_parser, chat_template)
     if parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    if request.config.reasoning_parser:
+        args += ["--reasoning-parser", request.config.reasoning_parser]
     if sleep_mode:
         args.append("--enable-sleep-mode")
     env = {
