@@ -7,6 +7,7 @@ history with reasoning_content renders as the template does. The models answer a
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import art_sky as art
 from art_sky.art_compat.models import model_config
 from art_sky.cluster.chat_template import prompt_ids
 from art_sky.cluster.inference.reasoning_parsers import PARSERS
-from art_sky.cluster.inference.vllm_engine import VllmEngine, vllm_command
+from art_sky.cluster.inference.vllm_engine import VllmEngine, reasoning_event, vllm_command
 from art_sky.cluster.node.placement import Placement
 from art_sky.errors import ConfigError, ConflictError
 from art_sky.settings import Settings
@@ -85,6 +86,15 @@ def test_an_unknown_parser_is_refused_naming_the_known_ones():
     art_model = types.SimpleNamespace(_internal_config={"engine_args": {"reasoning_parser": "qwen2"}})
     with pytest.raises(ConfigError, match="reasoning_parser.*'qwen2'.*deepseek_r1, qwen3"):
         model_config(art_model)
+
+
+def test_vllms_reasoning_reaches_clients_as_reasoning_content_too():
+    """vLLM 0.32 names a delta's parsed reasoning `reasoning`; the proxy adds `reasoning_content`, which LangChain,
+    litellm and the OpenAI SDK's users read. Other lines pass as they came."""
+    line = b'data: {"choices": [{"index": 0, "delta": {"reasoning": "R"}}]}'
+    assert json.loads(reasoning_event(line)[6:])["choices"][0]["delta"] == {"reasoning": "R", "reasoning_content": "R"}
+    for other in (b"data: [DONE]", b"", b": ping", b'data: {"choices": [{"delta": {"content": "C"}}]}'):
+        assert reasoning_event(other) == other
 
 
 def test_vllm_gets_the_parser_and_one_child_takes_one():

@@ -172,6 +172,7 @@ class VllmEngine:
                 for choice in completion.get("choices", []):
                     if completion.get("prompt_token_ids") is not None:
                         choice["prompt_token_ids"] = completion["prompt_token_ids"]
+                    _name_reasoning(choice.get("message"))
                 return json.dumps(served.label(completion)).encode()
         except BaseException:
             finish()
@@ -183,8 +184,17 @@ class VllmEngine:
 
         async def chunks():
             try:
+                if not self.reasoning_parser:
+                    async for raw in response.content.iter_any():
+                        yield raw
+                    return
+                pending = b""  # whole SSE lines (an event with a long prompt's ids spans many reads)
                 async for raw in response.content.iter_any():
-                    yield raw
+                    *lines, pending = (pending + raw).split(b"\n")
+                    if lines:
+                        yield b"".join(reasoning_event(line) + b"\n" for line in lines)
+                if pending:
+                    yield reasoning_event(pending)
             finally:
                 await close()
 
@@ -437,6 +447,27 @@ def vllm_command(
     if not on_cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; vLLM's CPU default is far larger
     return args, env
+
+
+def _name_reasoning(message: dict | None) -> None:
+    """vLLM 0.32 calls the parsed reasoning `reasoning`; LangChain, litellm and the OpenAI SDK's users read
+    `reasoning_content` (as the portable engine answers): a message or delta gets both."""
+    if isinstance(message, dict) and message.get("reasoning") is not None and "reasoning_content" not in message:
+        message["reasoning_content"] = message["reasoning"]
+
+
+def reasoning_event(line: bytes) -> bytes:
+    """One line of vLLM's event stream (without its newline) with each delta's reasoning also as
+    `reasoning_content`; any other line as it came."""
+    if not line.startswith(b"data: {") or b'"reasoning"' not in line:
+        return line
+    try:
+        event = json.loads(line[6:])
+    except ValueError:
+        return line
+    for choice in event.get("choices", []):
+        _name_reasoning(choice.get("delta"))
+    return b"data: " + json.dumps(event).encode()
 
 
 def vllm_lora_rank(rank: int) -> int:
