@@ -1,5 +1,5 @@
 """openpipe-art's own shipped backend tests (in its wheel: `art/test/`), run unchanged against art-sky on the newest
-tested ART, with only the backend swapped (tests/art_programs/art_shipped_test.py). Their base model is a Hugging Face
+tested ART, with only the backend swapped (tests/art_programs/shipped_runner.py). Their base model is a Hugging Face
 hub id; this machine has no Hub, so a stand-in of that id (the tiny model, built from code) sits in a Hugging Face
 cache of the test's own that the server reads offline."""
 
@@ -36,7 +36,7 @@ def run_shipped(python: Path, name: str, tmp: Path, env: dict[str, str]) -> subp
         check=True,
     ).stdout.strip()
     return subprocess.run(
-        [str(python), str(PROGRAMS / "art_shipped_test.py"), f"{shipped}/{name}", sys.executable, json.dumps(env)],
+        [str(python), str(PROGRAMS / "shipped_runner.py"), f"{shipped}/{name}", sys.executable, json.dumps(env)],
         cwd=tmp,
         capture_output=True,
         text=True,

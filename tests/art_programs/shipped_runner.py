@@ -1,6 +1,6 @@
 """Run one of openpipe-art's own shipped tests (a file of its wheel's `art/test/`), unchanged, on art-sky: only the
 backend it imports, `art.local.LocalBackend`, is swapped for art-sky's, whose server runs on the Python and with the
-environment given. Usage: art_shipped_test.py TEST_FILE SERVER_PYTHON SERVER_ENV_JSON
+environment given. Usage: shipped_runner.py TEST_FILE SERVER_PYTHON SERVER_ENV_JSON
 """
 
 import json
