@@ -135,7 +135,8 @@ def push(
         local = CheckpointDir(path, project, model)
         steps = local.steps() if step is None else [step]
         if not steps or (step is not None and step not in local.steps()):
-            raise ConfigError(f"no step {'' if step is None else step} in {local.path}: check --path")
+            what = "no checkpoint" if step is None else f"no step {step}"
+            raise ConfigError(f"{what} in {local.path}: check --path and the project and model given")
         for number in steps:
             manifest = local.manifest(number)
             assert manifest is not None  # steps() lists only the steps with a readable manifest
