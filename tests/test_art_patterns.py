@@ -55,6 +55,7 @@ async def test_multiplication_pattern_trains_two_steps(backend):
     model = art.TrainableModel(name="multiply", project="patterns", base_model="art-sky/tiny")
     await model.register(backend)
     assert await model.get_step() == 0
+    trained = []
     for expected in (1, 2):
         groups = await art.gather_trajectory_groups(
             (art.TrajectoryGroup(multiplication_rollout(model, a, a + 1) for _ in range(4)) for a in range(3)),
@@ -62,8 +63,12 @@ async def test_multiplication_pattern_trains_two_steps(backend):
         )
         metrics = await model.train(groups, config=art.TrainConfig(learning_rate=1e-5))
         assert metrics["step"] == expected and metrics["num_groups"] == 3
+        trained.append(metrics["trained_tokens"] > 0)
     assert await model.get_step() == 2
-    assert [c.step for c in await model.list_checkpoints()] == [0, 1, 2]
+    # a step that trained nothing (every group's rewards equal) takes over its predecessor's checkpoint, as ART's
+    # layout has it; step 0 stays
+    expected_steps = [0, 1, 2] if trained[1] else [0, 2]
+    assert [c.step for c in await model.list_checkpoints()] == expected_steps, trained
 
 
 async def test_echo_environment_pattern_trains_two_steps(backend):
