@@ -142,7 +142,7 @@ class ModelConfig(_Strict):
     reasoning_parser: str | None = Field(
         None,
         description="how replies are split into reasoning_content and content, by vLLM's --reasoning-parser "
-        f"names ({', '.join(REASONING_PARSERS)}); None: no split",
+        "names (deepseek_r1, qwen3); None: no split",
     )
 
     @field_validator("reasoning_parser")

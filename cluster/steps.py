@@ -356,7 +356,8 @@ class Steps:
                 status, code = classify(exc)
                 job.report(TrainProgress(type="error", message=str(exc), status=status, code=code))
                 return
-            if plan.kind == "train" and plan.saved and not result.metrics.get("trained_tokens"):
+            trained_nothing = plan.kind == "train" and not result.metrics.get("trained_tokens")
+            if trained_nothing and plan.saved and result.step is not None:
                 await self._fold_unchanged(state, result.step)
             job.report(result)
         finally:
