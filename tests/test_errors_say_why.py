@@ -41,10 +41,14 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
 
 
 def error_lines(done: subprocess.CompletedProcess) -> list[str]:
-    """stderr's lines, once the run is seen to fail with exit code 1 and no error on stdout."""
+    """stderr's lines from its `error:` line on (the phases shown until then come first), once the run is seen to
+    fail with exit code 1 and no error on stdout."""
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "error:" not in done.stdout, done.stdout
-    return done.stderr.splitlines()
+    lines = done.stderr.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error:")]
+    assert starts, done.stderr
+    return lines[starts[0] :]
 
 
 @pytest.mark.slow
