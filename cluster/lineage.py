@@ -27,6 +27,7 @@ from pathlib import Path
 from obstore.exceptions import AlreadyExistsError, NotSupportedError, PreconditionError
 
 from art_sky.checkpoints import model_dir
+from art_sky.disk_full import disk_full
 from art_sky.errors import CheckpointStoreError, ConflictError
 from art_sky.layout import LINEAGE_LOCK, OWNER_FILE, model_key
 from art_sky.ownership import (
@@ -117,9 +118,17 @@ class Lineages:
             write_owner(folder / OWNER_FILE, owner)
             if self.store is not None and self.conditional and lineage not in self.records:
                 await self._take_record(lineage, owner)
-        except BaseException:
+        except BaseException as exc:
             if took:
                 release(lock)
+            if isinstance(exc, OSError) and (
+                full := disk_full(
+                    exc,
+                    folder,
+                    "Free space there (`await model.delete_checkpoints()` deletes old checkpoints) and register again.",
+                )
+            ):
+                raise full from exc
             raise
         self.owners[lineage] = owner
 

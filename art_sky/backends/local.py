@@ -109,8 +109,9 @@ class LocalBackend(ClusterBackend):
         return self.layout
 
     async def close(self, force: bool = False) -> None:
+        started = self._started  # a failed start keeps the log its error names
         await super().close(force)
-        if self._own_run_dir and not self.keep_server and self._started:  # a failed start keeps the log it names
+        if self._own_run_dir and not self.keep_server and started:
             shutil.rmtree(self.layout.run_dir, ignore_errors=True)
 
     def _leftovers(self, runner: CommandRunner, layout: ServerLayout) -> tuple[list[leftovers.Leftover], list[str]]:
