@@ -140,8 +140,12 @@ def test_up_status_logs_tunnel_down(sshd, tmp_path, home):
     assert not alive(pid)
     assert not record.exists()
     assert "no clusters" in runner.invoke(app, ["status"]).output
+    result = runner.invoke(app, ["down", "--name", "box"])  # stopped: says again what stays, and how to purge it
+    assert result.exit_code == 0 and "left on " in result.output and "down box --purge" in result.output, result.output
+    result = runner.invoke(app, ["down", "--name", "box", "--purge", "--yes"])
+    assert result.exit_code == 0 and "removed from " in result.output, result.output
     result = runner.invoke(app, ["down", "--name", "box"])
-    assert result.exit_code == 1 and "no cluster named 'box'" in result.output
+    assert result.exit_code == 1 and "no cluster named 'box'" in result.output, result.output
 
 
 @pytest.mark.slow
