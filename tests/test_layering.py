@@ -47,6 +47,8 @@ RULES = [
     # ART compatibility sits between the backends (which mix in its protocol) and the client (whose trajectories it
     # builds): it knows neither a backend nor the server
     ("art_sky.art_compat", LAPTOP + ("art_sky.cluster",)),
+    # the one HTTP client of the server: the wire and the errors, nothing of who calls it
+    ("art_sky.server_client", LAPTOP + ("art_sky.client", "art_sky.cluster", "art_sky.art_compat")),
     *((shared, LAPTOP + ("art_sky.client", "art_sky.cluster")) for shared in SHARED),
     (
         "art_sky.remote",

@@ -214,7 +214,7 @@ async def test_preempted_mid_train_and_mid_rollouts_both_loops_finish_each_step_
     async def preempt_mid_step_and_mid_rollouts() -> None:
         while True:
             await rolling_out.wait()
-            step = backend._at_step.get("agent", 0) + 1
+            step = (backend.known_step("agent") or 0) + 1
             info = await backend.model_info(model)
             if step >= LOST_AT and rolling_out.is_set() and info.activity.phase in STEP_PHASES:
                 assert (await backend.model_info(echo)).step < 2, "the ART program ended before the loss"

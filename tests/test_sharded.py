@@ -102,8 +102,8 @@ async def test_a_rank_killed_mid_step_rolls_the_step_back_and_it_trains_again(tm
     try:
         model = TrainableModel(name="agent", project="sharded", base_model="art-sky/tiny")
         await model.register(backend)
-        health = await backend._client().get("/health")
-        assert (health.json()["trainer"], health.json()["trainer_ranks"]) == ("sharded", 2)
+        health = await backend.health()
+        assert (health.trainer, health.trainer_ranks) == ("sharded", 2)
         first = await model.train([await sampled_group(model) for _ in range(2)], TrainConfig(learning_rate=1e-3))
         assert first["step"] == 1
         await backend.flush_checkpoints()  # written in the background: on disk now
@@ -112,7 +112,7 @@ async def test_a_rank_killed_mid_step_rolls_the_step_back_and_it_trains_again(tm
 
         groups = [await sampled_group(model) for _ in range(8)]
         training = asyncio.create_task(model.train(groups, TrainConfig(learning_rate=1e-3)))
-        while (await backend._client().get("/art/models/agent")).json()["activity"]["phase"] != "training":
+        while (await backend.server_client.model("agent")).activity.phase != "training":
             assert not training.done(), "the step ended before a rank could be killed mid-step"
             await asyncio.sleep(0.05)
         ranks = ranks_of(backend.server.pid)

@@ -16,12 +16,13 @@ from pydantic import ValidationError
 
 from art_sky.client.trajectories import wire_trajectory
 from art_sky.errors import ConfigError
-from art_sky.wire import DeleteCheckpointsRequest, Lease, LeaseRequest, ModelInfo, SFTRequest, TrainProgress
+from art_sky.wire import DeleteCheckpointsRequest, ModelInfo, SFTRequest, TrainProgress
 
 from .capture import legacy
 from .models import chat_template_kwargs, openai_server_config, sft_settings
 
 if TYPE_CHECKING:
+    from art_sky.server_client import ServerClient
     from art_sky.settings import Settings
 
 # The steps leases pin, per model name, in this task and the tasks it starts (as ART's own LocalBackend pins them):
@@ -30,35 +31,28 @@ _pinned: ContextVar[dict[str, int] | None] = ContextVar("art_sky_pinned_steps", 
 
 
 class ArtProtocol:
-    """ART's Backend protocol, for a `Backend` (its `_request`, `register`, `model_info`, `_stream_step`)."""
+    """ART's Backend protocol, for a `Backend`, over its public members (its `server_client`, `register`,
+    `model_info`, `run_step`)."""
 
-    if TYPE_CHECKING:  # what the backend this is mixed into provides
+    if TYPE_CHECKING:  # the public members of the backend this is mixed into (art_sky/backends/base.py)
         api_key: str | None
         settings: Settings
-        _price: tuple[float | None] | None
 
+        @property
+        def server_client(self) -> ServerClient: ...
         @property
         def inference_base_url(self) -> str: ...
 
-        async def _ensure_started(self) -> None: ...
+        @property
+        def known_hourly_cost(self) -> float | None: ...
 
-        async def _request(
-            self,
-            method: str,
-            path: str,
-            *,
-            json: object = None,
-            idempotent: bool | None = None,
-            retry_for: float | None = None,
-        ) -> Any: ...
+        async def ensure_started(self) -> None: ...
 
         async def register(self, model: Any) -> ModelInfo | None: ...
 
         async def model_info(self, model: Any) -> ModelInfo: ...
 
-        async def _delete(self, model: Any, body: DeleteCheckpointsRequest) -> Any: ...
-
-        async def _stream_step(self, model: Any, route: str, request: Any, verbose: bool) -> TrainProgress: ...
+        async def run_step(self, model: Any, route: str, request: Any, verbose: bool) -> TrainProgress: ...
 
     async def _prepare_backend_for_training(self, model: Any, config: Any = None) -> tuple[str, str]:
         """ART's second step of `register`: the OpenAI endpoint and key its `openai_client()` uses.
@@ -81,7 +75,8 @@ class ArtProtocol:
     async def _delete_checkpoint_files(self, model: Any, steps_to_keep: list[int]) -> None:
         """ART's `delete_checkpoints` picks the steps (from its own history); the server deletes the rest (never the
         current step nor a leased one)."""
-        await self._delete(model, DeleteCheckpointsRequest(keep_steps=steps_to_keep))
+        await self.ensure_started()
+        await self.server_client.delete_checkpoints(model.name, DeleteCheckpointsRequest(keep_steps=steps_to_keep))
 
     # ART's hooks for `model.log(groups, split="train")`: it times the steps between its calls and, with a price,
     # adds `costs/gpu` (ART's LocalBackend does the same for the GPUs it knows).
@@ -89,7 +84,7 @@ class ArtProtocol:
         return True
 
     def automatic_gpu_cost_per_hour_usd(self, model: Any) -> float | None:
-        return self.settings.hourly_cost if self.settings.hourly_cost is not None else (self._price or (None,))[0]
+        return self.known_hourly_cost
 
     @asynccontextmanager
     async def exact_adapter_lease(self, model: Any, step: int) -> AsyncIterator[None]:
@@ -108,14 +103,12 @@ class ArtProtocol:
     @asynccontextmanager
     async def adapter_retention_lease(self, model: Any, step: int) -> AsyncIterator[None]:
         """ART's: step `step`'s checkpoint is kept while held (the server refuses a step it does not have)."""
-        await self._ensure_started()
-        lease = Lease.model_validate(
-            await self._request("POST", f"/art/models/{model.name}/leases", json=LeaseRequest(step=step).model_dump())
-        )
+        await self.ensure_started()
+        lease = await self.server_client.lease(model.name, step)
         try:
             yield
         finally:
-            await self._request("DELETE", f"/art/models/{model.name}/leases/{lease.id}", idempotent=True)
+            await self.server_client.release(model.name, lease)
 
     async def _train_sft(
         self,
@@ -137,7 +130,7 @@ class ArtProtocol:
             request = SFTRequest(trajectories=wired, batch_size=batch_size, learning_rates=rates, assistant_turns=turns)
         except ValidationError as exc:
             raise ConfigError(f"train_sft: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from exc
-        result = await self._stream_step(model, "sft", request, verbose)
+        result = await self.run_step(model, "sft", request, verbose)
         for batch in result.batches:
             yield {
                 "loss/train": batch["loss"],

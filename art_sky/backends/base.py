@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from tqdm.auto import tqdm
 
 import art_sky
@@ -28,16 +27,15 @@ from art_sky.art_compat.training import Ready, StepOptions, TrainResult, train_o
 from art_sky.client.pipeline import check_bound, drop_stale, group_versions
 from art_sky.client.trajectories import wire_groups
 from art_sky.errors import (
-    AuthError,
     BackendUnavailableError,
     CheckpointStoreError,
     ConfigError,
     ErrorCode,
     NotFoundError,
     ServerError,
-    TrainingStalledError,
     VersionMismatchError,
 )
+from art_sky.server_client import ServerClient, StallWatch, StreamLost, backoff
 from art_sky.settings import Settings
 from art_sky.wire import (
     CheckpointInfo,
@@ -58,10 +56,7 @@ if TYPE_CHECKING:  # the backend serves the client's models; the client knows ba
     from art_sky.client import Model, TrainableModel
 
 log = logging.getLogger("art_sky")
-_RETRIES = 5  # idempotent requests survive a dropped connection (a reconnecting tunnel) this many times
 RESTARTED_STEP_RETRIES = 2  # a step answered 503 (rolled back, the trainer's ranks restarting) is retried this often
-STREAM_IDLE = 60.0  # seconds without a line on a training stream before the connection counts as lost (the server
-# sends one at least every 10 s)
 
 
 class _Default:
@@ -81,7 +76,7 @@ class Backend(ArtProtocol):
         self.base_url = base_url.rstrip("/") if base_url else None
         self.api_key = api_key
         self.settings = settings or Settings()
-        self._http: httpx.AsyncClient | None = None
+        self._server_client: ServerClient | None = None
         self._started = False
         self._start_lock = asyncio.Lock()
         self._steps: dict[str, asyncio.Task[TrainResult]] = {}  # each model's newest training step, in turn
@@ -104,7 +99,22 @@ class Backend(ArtProtocol):
         if self.base_url is None or self.api_key is None:
             raise ConfigError("Backend(base_url=..., api_key=...) needs both, or use LocalBackend / SSHBackend")
 
-    async def _ensure_started(self) -> None:
+    @property
+    def server_client(self) -> ServerClient:
+        """The HTTP client of the server (made once `_start` has set base_url and api_key)."""
+        if self._server_client is None:
+            assert self.base_url is not None  # requests follow `ensure_started`, whose `_start` sets it
+            self._server_client = ServerClient(self.base_url, self.api_key, self.request_timeout, self._recovered)
+        return self._server_client
+
+    def known_step(self, name: str) -> int | None:
+        """Model `name`'s step as this backend last saw it (staleness is measured to it); None when not known."""
+        return self._at_step.get(name)
+
+    def saw_step(self, name: str, step: int) -> None:
+        self._at_step[name] = step
+
+    async def ensure_started(self) -> None:
         async with self._start_lock:
             if not self._started:
                 await self._start()
@@ -113,7 +123,7 @@ class Backend(ArtProtocol):
 
     async def check_server(self) -> HealthResponse:
         """Health and version: a client and a server of different art-sky versions refuse to work together."""
-        health = HealthResponse.model_validate(await self._request("GET", "/health"))
+        health = await self.server_client.health()
         if health.version != art_sky.__version__:
             raise VersionMismatchError(
                 f"the cluster server runs art-sky {health.version}, this client {art_sky.__version__}: restart the "
@@ -123,49 +133,41 @@ class Backend(ArtProtocol):
         return health
 
     async def health(self) -> HealthResponse:
-        await self._ensure_started()
-        return HealthResponse.model_validate(await self._request("GET", "/health"))
+        await self.ensure_started()
+        return await self.server_client.health()
 
     async def register(self, model: TrainableModel) -> ModelInfo | None:
         """Load a trainable model (art-sky's or ART's) on the server; a model that is not trainable needs nothing."""
-        await self._ensure_started()
+        await self.ensure_started()
         if not getattr(model, "trainable", False):
             return None
         releases.check(self, model)
         request = register_request(model, uuid.uuid4().hex)
-        info = ModelInfo.model_validate(
-            await self._request(
-                "POST", "/art/models", json=request.model_dump(), retry_for=self.settings.train_retry_timeout
-            )
-        )
+        info = await self.server_client.register(request, retry_for=self.settings.train_retry_timeout)
         self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
-        self._at_step[model.name] = info.step
+        self.saw_step(model.name, info.step)
         return info
 
     async def models(self) -> list[ModelInfo]:
         """Every model the server has registered, with its step (what `art-sky status` shows)."""
         health = await self.health()
-        return [ModelInfo.model_validate(await self._request("GET", f"/art/models/{name}")) for name in health.models]
+        return [await self.server_client.model(name) for name in health.models]
 
     async def model_info(self, model: Model) -> ModelInfo:
-        await self._ensure_started()
-        info = ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
+        await self.ensure_started()
+        info = await self.server_client.model(model.name)
         self._at_step[model.name] = info.step
         return info
 
     async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None:
         """Add a line to the model's history (at `step`, default the current one)."""
-        await self._ensure_started()
-        await self._request(
-            "POST",
-            f"/art/models/{model.name}/log",
-            json=LogRequest(split=split, metrics=metrics, step=step).model_dump(),
-        )
+        await self.ensure_started()
+        await self.server_client.log(model.name, LogRequest(split=split, metrics=metrics, step=step))
 
     async def history(self, name: str) -> list[dict]:
         """Model `name`'s history.jsonl on the server: a line per step and per `model.log`, ART's flat keys."""
-        await self._ensure_started()
-        return await self._request("GET", f"/art/models/{name}/history")
+        await self.ensure_started()
+        return await self.server_client.history(name)
 
     async def hourly_cost(self) -> float | None:
         """The machine's price in $ per hour: ART_SKY_HOURLY_COST where set, else what its provider knows (SkyPilot's
@@ -175,6 +177,13 @@ class Backend(ArtProtocol):
         if self._price is None:
             self._price = (await self._provider_price(),)
         return self._price[0]
+
+    @property
+    def known_hourly_cost(self) -> float | None:
+        """The price `hourly_cost()` gave, without asking anyone (None before it was asked, or where none is known)."""
+        if self.settings.hourly_cost is not None:
+            return self.settings.hourly_cost
+        return self._price[0] if self._price is not None else None
 
     async def _provider_price(self) -> float | None:
         """The price the machine's provider knows; a plain server's machine has none."""
@@ -187,23 +196,13 @@ class Backend(ArtProtocol):
         return False
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]:
-        await self._ensure_started()
-        return [
-            CheckpointInfo.model_validate(c)
-            for c in await self._request("GET", f"/art/models/{model.name}/checkpoints")
-        ]
+        await self.ensure_started()
+        return await self.server_client.checkpoints(model.name)
 
     async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]:
-        return await self._delete(model, DeleteCheckpointsRequest(best_checkpoint_metric=best_checkpoint_metric))
-
-    async def _delete(self, model: Model, body: DeleteCheckpointsRequest) -> list[CheckpointInfo]:
-        await self._ensure_started()
-        return [
-            CheckpointInfo.model_validate(c)
-            for c in await self._request(
-                "POST", f"/art/models/{model.name}/checkpoints/delete", json=body.model_dump(), idempotent=True
-            )
-        ]
+        await self.ensure_started()
+        request = DeleteCheckpointsRequest(best_checkpoint_metric=best_checkpoint_metric)
+        return await self.server_client.delete_checkpoints(model.name, request)
 
     async def flush_checkpoints(self) -> SyncStatus:
         """Wait until every checkpoint so far is on the cluster's disk (each step's is written in the background) and in
@@ -211,8 +210,8 @@ class Backend(ArtProtocol):
 
         Raises CheckpointStoreError naming the steps that could not be uploaded; they stay on the cluster.
         """
-        await self._ensure_started()
-        status = SyncStatus.model_validate(await self._request("POST", "/art/checkpoints/flush", idempotent=True))
+        await self.ensure_started()
+        status = await self.server_client.flush()
         if status.errors:
             raise CheckpointStoreError(
                 f"{len(status.errors)} checkpoint(s) are not in the store: " + "; ".join(status.errors)
@@ -320,7 +319,7 @@ class Backend(ArtProtocol):
             return train_result(current, staleness | {"num_trajectories": 0.0})
         request = TrainRequest(groups=kept, config=config, save_checkpoint=options.save_checkpoint)
         try:
-            result = await self._stream_step(model, "train", request, verbose)
+            result = await self.run_step(model, "train", request, verbose)
         except BaseException:
             self._at_step.pop(model.name, None)  # the step may have committed on the server all the same
             raise
@@ -334,7 +333,7 @@ class Backend(ArtProtocol):
         step once it is); None where that path is on another machine."""
         return None
 
-    async def _stream_step(
+    async def run_step(
         self, model: Model, route: str, request: TrainRequest | SFTRequest, verbose: bool
     ) -> TrainProgress:
         """POST a training request and follow its progress stream to the result.
@@ -346,7 +345,7 @@ class Backend(ArtProtocol):
         first. A step answered 503 (rolled back: the trainer's ranks restarted, e.g. a node was lost) is trained
         again, RESTARTED_STEP_RETRIES times at most. A step whose progress stops for ART_SKY_TRAIN_STALL_TIMEOUT
         seconds raises TrainingStalledError, naming what the server is doing."""
-        await self._ensure_started()
+        await self.ensure_started()
         returned = self._returned.get(model.name)
         clock = StepClock(
             gather_s=time.monotonic() - returned if returned is not None else None, hourly_cost=await self.hourly_cost()
@@ -354,16 +353,33 @@ class Backend(ArtProtocol):
         request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex, "clock": clock})
         deadline = time.monotonic() + self.settings.train_retry_timeout
         bar = tqdm(desc=f"{route} {model.name}", unit="batch", disable=not verbose)
-        stall = _StallWatch(model.name, self.settings.train_stall_timeout)
+        stall = StallWatch(model.name, self.settings.train_stall_timeout)
         lost: Exception | None = None  # why the previous attempt did not finish
+
+        def show(event: TrainProgress) -> None:
+            bar.total, bar.n = event.total, event.done
+            if event.activity is not None:
+                bar.set_description(f"{route} {model.name}: {event.activity.phase}", refresh=False)
+            bar.refresh()
+
         restarts = 0  # attempts answered 503 (retried a few times, not for ever: a step may fail that way each time)
         try:
             for attempt in itertools.count():
                 try:
-                    return await self._follow_step(model, route, request, bar, stall)
-                except _Lost as exc:
+                    result = await self.server_client.follow_step(model.name, route, request, stall, show)
+                    if result.replayed:
+                        log.info(
+                            "%s: the server had trained this request already (step %d): its result",
+                            model.name,
+                            result.step,
+                        )
+                    for skipped in result.skipped:  # the step trained without them; say which and why
+                        log.warning("%s: skipped %s", model.name, skipped)
+                    self._returned[model.name] = time.monotonic()
+                    return result
+                except StreamLost as exc:
                     cause = exc.__cause__  # the transport's error, or None where the stream just ended
-                    lost, wait = cause if isinstance(cause, Exception) else exc, min(0.5 * 2**attempt, 10.0)
+                    lost, wait = cause if isinstance(cause, Exception) else exc, backoff(attempt, 10.0)
                     if await self._recovered(lost):  # the cluster was lost and is back: retry at once, time anew
                         deadline, wait = time.monotonic() + self.settings.train_retry_timeout, 0.0
                 except NotFoundError as exc:
@@ -401,165 +417,16 @@ class Backend(ArtProtocol):
             "check `await model.get_step()`"
         )
 
-    async def _follow_step(
-        self, model: Model, route: str, request: TrainRequest | SFTRequest, bar: tqdm, stall: _StallWatch
-    ) -> TrainProgress:
-        """One attempt: the request, then its stream to the result. `_Lost` when the connection ends first."""
-        try:
-            async with self._client().stream(
-                "POST",
-                f"/art/models/{model.name}/{route}",
-                content=request.model_dump_json(),
-                headers={"content-type": "application/json"},
-                timeout=httpx.Timeout(self.request_timeout, connect=30.0, read=STREAM_IDLE),
-            ) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    self._raise_for(response)
-                lines = response.aiter_lines()
-                while True:
-                    try:
-                        line = await asyncio.wait_for(anext(lines), stall.remaining())
-                    except StopAsyncIteration:
-                        break
-                    except TimeoutError:
-                        raise stall.error() from None
-                    if not line.strip():
-                        continue
-                    event = TrainProgress.model_validate_json(line)
-                    if event.type == "progress":
-                        bar.total = event.total
-                        bar.n = event.done
-                        if event.activity is not None:
-                            bar.set_description(f"{route} {model.name}: {event.activity.phase}", refresh=False)
-                        bar.refresh()
-                        stall.saw(event)
-                    elif event.type == "error":
-                        raise ServerError(event.status or 500, event.message or "training failed", event.code)
-                    else:
-                        if event.replayed:
-                            log.info(
-                                "%s: the server had trained this request already (step %d): its result",
-                                model.name,
-                                event.step,
-                            )
-                        for skipped in event.skipped:  # the step trained without them; say which and why
-                            log.warning("%s: skipped %s", model.name, skipped)
-                        self._returned[model.name] = time.monotonic()
-                        return event
-        except httpx.TransportError as exc:
-            raise _Lost() from exc
-        raise _Lost("the training stream ended without a result")
-
     async def close(self) -> None:
         """Close the connection. Subclasses also stop what they started."""
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        if self._server_client is not None:
+            await self._server_client.aclose()
+            self._server_client = None
         self._started = False
 
     async def __aenter__(self) -> Backend:
-        await self._ensure_started()
+        await self.ensure_started()
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
-
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            assert self.base_url is not None  # requests follow `_ensure_started`, whose `_start` sets it
-            self._http = httpx.AsyncClient(
-                base_url=self.base_url,
-                headers={"authorization": f"Bearer {self.api_key}"},
-                timeout=httpx.Timeout(self.request_timeout, connect=30.0),
-            )
-        return self._http
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: object = None,
-        idempotent: bool | None = None,
-        retry_for: float | None = None,
-    ):
-        """One JSON request; idempotent ones (GET by default) are retried across dropped connections: a few times,
-        or for `retry_for` seconds (with backoff) where losing the call would lose work."""
-        retries = _RETRIES if (method == "GET" if idempotent is None else idempotent) or retry_for else 0
-        deadline = time.monotonic() + (retry_for or 0)
-        for attempt in itertools.count():
-            try:
-                response = await self._client().request(method, path, json=json)
-                break
-            except httpx.TransportError as exc:
-                if attempt >= retries and time.monotonic() >= deadline:
-                    if (retries or retry_for) and await self._recovered(exc):
-                        deadline = time.monotonic() + (retry_for or 0)  # on the relaunched cluster, once more
-                        continue
-                    raise BackendUnavailableError(
-                        f"cannot reach the cluster server at {self.base_url} ({exc!r}): is it running and the "
-                        "tunnel up? `art-sky status` tells"
-                    ) from exc
-                await asyncio.sleep(min(0.5 * 2**attempt, 10.0 if retry_for else 8.0))
-        if response.status_code >= 400:
-            self._raise_for(response)
-        return response.json()
-
-    @staticmethod
-    def _raise_for(response: httpx.Response) -> None:
-        try:
-            body = response.json()
-            detail, code = body.get("detail", response.text), body.get("code")
-        except (ValueError, AttributeError):
-            detail, code = response.text, None
-        kind = {401: AuthError, 404: NotFoundError}.get(response.status_code, ServerError)
-        raise kind(response.status_code, str(detail), code)
-
-
-class _StallWatch:
-    """Follows a step's progress lines: what the server is doing, and since when nothing changed (no micro-batch
-    done, no new phase). A warning a third of the way to `timeout`; at it, `error()` says what the server was doing."""
-
-    def __init__(self, name: str, timeout: float):
-        self.name, self.timeout = name, timeout
-        self.last: TrainProgress | None = None
-        self.changed = time.monotonic()
-        self.warned = False
-
-    def saw(self, event: TrainProgress) -> None:
-        activity = event.activity
-        if self.last is None or (event.done, event.total, activity) != (
-            self.last.done,
-            self.last.total,
-            self.last.activity,
-        ):
-            self.last, self.changed, self.warned = event, time.monotonic(), False
-        elif self.quiet() >= self.timeout / 3 and not self.warned:
-            self.warned = True
-            log.warning("training %s: no progress for %.0f s; the server is %s", self.name, self.quiet(), self.doing())
-        if self.quiet() >= self.timeout:
-            raise self.error()
-
-    def quiet(self) -> float:
-        return time.monotonic() - self.changed
-
-    def remaining(self) -> float:
-        return max(self.timeout - self.quiet(), 0.01)
-
-    def doing(self) -> str:
-        activity = self.last.activity if self.last is not None else None
-        if activity is None:
-            return "not saying what it does (no progress line came)"
-        return f"{activity.phase} {activity.detail}".strip()
-
-    def error(self) -> TrainingStalledError:
-        return TrainingStalledError(
-            f"training {self.name} made no progress for {self.quiet():.0f} s: the server is {self.doing()}. The step "
-            "goes on there: `art-sky status` shows what it does, `art-sky logs` its log, and `await "
-            "model.get_step()` tells when it committed. If steps are this slow, raise ART_SKY_TRAIN_STALL_TIMEOUT"
-        )
-
-
-class _Lost(Exception):
-    """A training request's connection ended before its result (retried with the same request id)."""

@@ -167,7 +167,7 @@ class ClusterBackend(Backend):
         """As `Backend.register`, with the base model's load (the first one downloads its weights) reported."""
         if not getattr(model, "trainable", False):
             return await super().register(model)
-        await self._ensure_started()
+        await self.ensure_started()
         started = time.monotonic()
         self.progress.note(f"loading the base model {model.base_model} for {model.name} ...")
         info = await super().register(model)

@@ -31,10 +31,9 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import httpx
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from art_sky import capacity, clusters
 from art_sky.errors import ArtSkyError, BackendUnavailableError
@@ -47,8 +46,48 @@ from .base import Backend
 
 if TYPE_CHECKING:
     from art_sky.client import TrainableModel
+    from art_sky.layout import ServerLayout
+    from art_sky.provisioners.sky_task import ClusterSpec
+    from art_sky.remote.lifecycle import RemoteServer
+    from art_sky.remote.runner import CommandRunner
+    from art_sky.remote.ssh import SSHTarget
+    from art_sky.server_client import ServerClient
+    from art_sky.settings import Settings
+    from art_sky.wire import HealthResponse
 
-    from .skypilot import SkyPilotBackend
+
+class Relaunchable(Protocol):
+    """The cluster backend recovery drives (SkyPilotBackend), by its public members: its cluster, its server and
+    tunnel, and `relaunch()`, as SkyPilot's StrategyExecutor drives `launch()`/`recover()` of its task."""
+
+    api_key: str | None
+    cluster_name: str
+    recover: bool | Literal["from-scratch"]
+    server: RemoteServer | None
+    server_job: int | None
+    settings: Settings
+    spec: ClusterSpec | None
+    target: SSHTarget | None
+    tunnel: Tunnel | None
+
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def server_client(self) -> ServerClient: ...
+
+    def machine_runner(self) -> CommandRunner: ...
+
+    def record(self, name: str) -> clusters.ClusterRecord: ...
+
+    def known_step(self, name: str) -> int | None: ...
+
+    def saw_step(self, name: str, step: int) -> None: ...
+
+    async def relaunch(self, on_request: Callable[[str], None]) -> ServerLayout: ...
+
+    async def wait_for_nodes(self, health: HealthResponse, server: ServerClient) -> HealthResponse: ...
+
 
 log = logging.getLogger("art_sky")
 
@@ -77,7 +116,7 @@ class Recovery:
     """Recovery for one SkyPilot backend: `watch` once its server answers; `lost` when a request's connection is
     lost; `registered`, `sent`, `trained` and `done` as the loop goes; `metrics` for each step's result."""
 
-    def __init__(self, backend: SkyPilotBackend):
+    def __init__(self, backend: Relaunchable):
         self.backend = backend
         self.settings = backend.settings
         self.models: dict[str, TrainableModel] = {}
@@ -206,18 +245,12 @@ class Recovery:
         backend = self.backend
         if backend.tunnel is None or not backend.tunnel.connected:
             return False
-        try:
-            response = await backend._client().get("/art/checkpoints/sync", timeout=CHECK_TIMEOUT)
-        except httpx.HTTPError:
-            return False
-        if response.status_code == 200:
-            try:
-                synced = SyncStatus.model_validate_json(response.content).synced
-            except ValueError:
-                return True
+        answer = await backend.server_client.answers(CHECK_TIMEOUT)
+        if isinstance(answer, SyncStatus):
             for name, kept in self.kept.items():
-                kept[:] = [k for k in kept if k.step > synced.get(name, -1)]
-        return True
+                kept[:] = [k for k in kept if k.step > answer.synced.get(name, -1)]
+            return True
+        return answer
 
     async def _diagnose(self, down_for: float) -> str | None:
         """What became of the cluster, as SkyPilot says after asking the infra; None when it is up with its server
@@ -344,11 +377,9 @@ class Recovery:
         """The cluster launched again, its server ready, the models restored; returns the seconds of work trained
         again."""
         backend = self.backend
-        backend.force_restart = False
-        backend.forget_machine()  # the old cluster's SSH connection
         started = time.monotonic()
-        assert backend.api_key is not None and backend.tunnel is not None  # a started backend's
-        layout = await backend._launch(backend.api_key, on_request=on_request)
+        assert backend.tunnel is not None  # a started backend's
+        layout = await backend.relaunch(on_request)
         self.phases["launched"] = time.monotonic() - started
         target = backend.target
         assert target is not None  # `_launch` found the new machine's
@@ -388,9 +419,7 @@ class Recovery:
         backend, redone = self.backend, 0.0
         helper = Backend(url, backend.api_key, settings=self.settings)  # the loop's own client waits at the hold
         try:
-            health = await backend.wait_for_nodes(
-                await helper.check_server(), lambda: helper._request("GET", "/health")
-            )
+            health = await backend.wait_for_nodes(await helper.check_server(), helper.server_client)
             log.info(
                 "%s: the relaunched server runs art-sky %s; restoring %d model(s)",
                 backend.where,
@@ -404,13 +433,14 @@ class Recovery:
                 for kept in self.kept.get(model.name, []):
                     if kept.step <= step:
                         continue
-                    result = await helper._stream_step(kept.model, kept.route, kept.request, False)
+                    result = await helper.run_step(kept.model, kept.route, kept.request, False)
                     assert result.step is not None  # a step's result names it
                     step = result.step
                     if not result.replayed:
                         self.steps_replayed += 1
                         redone += kept.wall_s
-                known = backend._at_step.get(model.name, step)
+                known = backend.known_step(model.name)
+                known = step if known is None else known
                 if step < known:
                     log.error(
                         "%s: steps %d to %d were lost with the cluster (the store did not have them and "
@@ -420,7 +450,7 @@ class Recovery:
                         known,
                         step,
                     )
-                backend._at_step[model.name] = step
+                backend.saw_step(model.name, step)
                 log.info(
                     "%s: restored at step %d%s",
                     model.name,
@@ -486,7 +516,7 @@ async def _cancel(requests: list[str]) -> None:
             log.debug("cancelling SkyPilot request %s: %s", request_id, exc)
 
 
-def _machines(backend: Any) -> int:
+def _machines(backend: Relaunchable) -> int:
     """GPUs the cluster bills for (a CPU node counts as one): the accelerator's count times the nodes."""
     spec = backend.spec
     if spec is None:

@@ -13,7 +13,7 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +28,7 @@ from art_sky.provisioners.sky_plan import LaunchPlan, chosen_row
 from art_sky.provisioners.sky_task import SERVER_DIR, ClusterSpec, render_task, validate_task
 from art_sky.remote.runner import first_line
 from art_sky.remote.wheel import build_wheel
+from art_sky.server_client import ServerClient
 from art_sky.settings import Settings, read_env_file
 from art_sky.store import server_env
 from art_sky.wire import HealthResponse, SFTRequest, TrainProgress, TrainRequest
@@ -214,20 +215,20 @@ class SkyPilotBackend(SSHBackend):
             base_model=base_model,
             recover=recover,
         )
-        await backend._ensure_started()
+        await backend.ensure_started()
         clusters.save(backend.settings.home, backend.record(cluster_name))
         return backend
 
     async def check_server(self) -> HealthResponse:
         """As every backend's, and on several nodes, until every node's replica has joined the head's fleet. Then,
         with recovery on, the cluster is watched."""
-        health = await self.wait_for_nodes(await super().check_server(), lambda: self._request("GET", "/health"))
+        health = await self.wait_for_nodes(await super().check_server(), self.server_client)
         if self.recovery is not None:
             self.recovery.watch()
         return health
 
-    async def wait_for_nodes(self, health: HealthResponse, ask: Callable[[], Awaitable[Any]]) -> HealthResponse:
-        """`health`, or `ask()`'s again every few seconds, once every node's replica has joined the head's fleet. A
+    async def wait_for_nodes(self, health: HealthResponse, server: ServerClient) -> HealthResponse:
+        """`health`, or `server`'s again every few seconds, once every node's replica has joined the head's fleet. A
         node that never joins (lost during `up`) has the whole cluster torn down: nothing is left billing for a
         cluster that cannot work."""
         nodes = self.spec.num_nodes if self.spec is not None else 1
@@ -245,7 +246,7 @@ class SkyPilotBackend(SSHBackend):
                     "for fewer nodes"
                 )
             await asyncio.sleep(5)
-            health = HealthResponse.model_validate(await ask())
+            health = await server.health()
         return health
 
     async def register(self, model: TrainableModel):
@@ -254,19 +255,19 @@ class SkyPilotBackend(SSHBackend):
             self.recovery.registered(model)  # registered again, restored from the store, on a relaunched cluster
         return info
 
-    async def _stream_step(
+    async def run_step(
         self, model: Model, route: str, request: TrainRequest | SFTRequest, verbose: bool
     ) -> TrainProgress:
         """As every backend's; with recovery on, the request is kept until the store has its step (to train it
         again on a relaunched cluster) and the result says what recovery did (`cluster/*` metrics)."""
         if self.recovery is None:
-            return await super()._stream_step(model, route, request, verbose)
+            return await super().run_step(model, route, request, verbose)
         request_id = request.request_id or uuid.uuid4().hex
         request = request.model_copy(update={"request_id": request_id})
         sent = time.monotonic()
         self.recovery.sent(request_id)
         try:
-            result = await super()._stream_step(model, route, request, verbose)
+            result = await super().run_step(model, route, request, verbose)
         finally:
             self.recovery.done(request_id)
         self.recovery.trained(model, route, request, result, time.monotonic() - sent)
@@ -283,6 +284,13 @@ class SkyPilotBackend(SSHBackend):
     @property
     def where(self) -> str:
         return f"SkyPilot cluster {self.cluster_name}"
+
+    async def relaunch(self, on_request: Callable[[str], None]) -> ServerLayout:
+        """The lost cluster launched again under its name (recovery's): a new cluster, its server a new job."""
+        assert self.api_key is not None  # a started backend's
+        self.force_restart = False
+        self.forget_machine()  # the old cluster's SSH connection
+        return await self._launch(self.api_key, on_request=on_request)
 
     async def _launch(self, api_key: str, on_request: Callable[[str], None] | None = None) -> ServerLayout:
         """Make sure the cluster's server job runs, then read where its files are (`~/art-sky` of the job).
