@@ -1,4 +1,10 @@
-"""The children the server starts (vLLM's server, torchrun and its ranks): a free port for one, and stopping one.
+"""The children the server starts (vLLM's server, torchrun and its ranks): starting one, a free port for one, and
+stopping one.
+
+Starting one (`start_child`): the one way, for every child. It leads a process group of its own and gets SIGTERM
+when the thread that started it ends, the server's death by kill -9 included (Linux's PR_SET_PDEATHSIG), so no
+child outlives its server. The signal is set in the child by a few lines of Python that then exec the command, not
+by subprocess's `preexec_fn`, which can deadlock a threaded server.
 
 Stopping a child the server started (vLLM's server, torchrun and its ranks, on the head and on a worker node): each
 leads a process group of its own (`start_new_session=True`), and one sequence stops every one of them, with the same
@@ -12,11 +18,32 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 STOP_GRACE = 10.0  # seconds a child's group has to end after SIGTERM (or after being asked): within the 15 s the
 # laptop gives the server itself (art_sky.remote.lifecycle.STOP_GRACE)
+
+
+# In the child, before the command: the parent-death signal, then, where the parent already died (the signal set too
+# late to fire), exit; else exec the command. Where there is no prctl (not Linux), the command runs without it.
+_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "prctl = getattr(ctypes.CDLL(None), 'prctl', None)\n"
+    "if prctl is not None:\n"
+    "    prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def start_child(args: list[str], **popen) -> subprocess.Popen:
+    """Start `args` as a child of the server: its own process group (for `stop_group`), ended with the server."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _WITH_PARENT, str(os.getpid()), *args], start_new_session=True, **popen
+    )
 
 
 def stop_group(process: subprocess.Popen, *, asked: bool = False, grace: float = STOP_GRACE) -> None:

@@ -82,3 +82,40 @@ def test_a_child_that_ends_while_its_group_is_looked_at_is_reaped(monkeypatch):
     monkeypatch.setattr(processes, "_running", look_once_the_child_is_a_zombie)
     stop_group(child, asked=True, grace=5)
     assert child.returncode == 0 and not group_alive(child.pid)
+
+
+# A "server" that starts its child the one way, prints the child's pid, then waits to be killed.
+SERVER = """
+import sys, time
+from art_sky.cluster.processes import start_child
+print(start_child([sys.executable, "-c", "import time; time.sleep(60)"]).pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_child_started_the_one_way_leads_its_group_and_ends_when_its_server_is_killed():
+    """kill -9 of the server ends its child (the parent-death signal, set before the command runs), whatever started
+    it: no engine or trainer rank outlives the server that started it."""
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        child = int(server.stdout.readline())
+        assert subprocess.run(
+            ["ps", "-o", "pgid=", "-p", str(child)], capture_output=True, text=True
+        ).stdout.strip() == str(child)
+        deadline = time.monotonic() + 10
+        while (cmdline := Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"))[
+            2
+        ] != b"import time; time.sleep(60)":
+            assert time.monotonic() < deadline, f"the wrapper never ran the command: {cmdline}"
+            time.sleep(0.05)  # the command itself, the wrapper gone (exec keeps the pid)
+        assert group_alive(child)
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 10
+        while group_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group_alive(child), "the child outlived its killed server"
+    finally:
+        server.kill()
+        server.wait()

@@ -37,7 +37,7 @@ from art_sky.wire import RegisterRequest
 
 from ..model_state import ModelState, device, resolve_base_model
 from ..node.placement import Placement, base_parameters
-from ..processes import free_port, stop_group
+from ..processes import free_port, start_child, stop_group
 from .gate import Hold
 from .openai_api import SSE, OpenAIError, Served
 from .tool_parsers import parser_name
@@ -292,9 +292,7 @@ class VllmEngine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM on %s (port %d, log %s)", state.request.base_model, port, self.log_path)
         with open(self.log_path, "ab") as out:
-            self._process = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env, start_new_session=True
-            )
+            self._process = start_child(args, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env)
         self.placement, self.engine_port, self.base_model, self.max_lora_rank, self.reasoning_parser = (
             placement,
             port,

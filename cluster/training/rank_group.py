@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from art_sky.wire import RegisterRequest, TrainConfig, TrainerRendezvous
 from ..checkpoint_writer import StagedFiles
 from ..model_state import ADAPTER, ModelState, load_peft, load_shape
 from ..node.placement import base_parameters
-from ..processes import free_port, stop_group
+from ..processes import free_port, start_child, stop_group
 from .activations import refuse_unfit
 from .peft_trainer import Progress
 from .rank_commands import RankCommand, RankReply, RankSequence
@@ -223,13 +222,7 @@ class RankGroup:
             self.rendezvous.nodes,
             self.rendezvous.endpoint,
         )
-        self._process = subprocess.Popen(
-            torchrun(self.rendezvous, self.min_nodes),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_ends_with_parent,
-        )
+        self._process = start_child(torchrun(self.rendezvous, self.min_nodes), env=env, stdin=subprocess.DEVNULL)
 
     def _not_ready(self) -> str:
         waiting = (
@@ -435,12 +428,8 @@ class WorkerRanks:
                 self.rendezvous.endpoint,
                 self.rendezvous.ranks_per_node,
             )
-            self._process = subprocess.Popen(
-                torchrun(self.rendezvous),
-                env=os.environ | self.env | RANKS_ENV,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=_ends_with_parent,
+            self._process = start_child(
+                torchrun(self.rendezvous), env=os.environ | self.env | RANKS_ENV, stdin=subprocess.DEVNULL
             )
             code = self._process.wait()
             if not self._closed.is_set():
@@ -485,12 +474,3 @@ def _reload(state: ModelState) -> RankCommand:
         request=state.request,
         checkpoint=str(state.checkpoints.step_dir(steps[-1])) if steps else None,
     )
-
-
-def _ends_with_parent() -> None:
-    """In torchrun's child, before it starts: SIGTERM when the server that started it dies, however it dies (kill
-    -9 included), so no ranks outlive it; torchrun then stops its ranks."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
