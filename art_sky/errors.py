@@ -6,7 +6,15 @@ a training stream's error line) and clients branch on it, never on a message's w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
+from typing import Any, Protocol
+
+
+class Reported(Protocol):
+    """A validation error's report: pydantic's ValidationError, FastAPI's RequestValidationError."""
+
+    def errors(self) -> Sequence[Any]: ...
 
 
 class ErrorCode(StrEnum):
@@ -155,3 +163,23 @@ def _known(code: ErrorCode | str | None, status_code: int) -> ErrorCode:
         return ErrorCode(code) if code is not None else _BY_STATUS.get(status_code, ErrorCode.INTERNAL)
     except ValueError:
         return _BY_STATUS.get(status_code, ErrorCode.INTERNAL)
+
+
+def first_problem(exc: Reported) -> tuple[str, str]:
+    """pydantic's first problem as (the field's dotted path, what is wrong), without pydantic's "Value error, "."""
+    errors = exc.errors()
+    if not errors:
+        return "", str(exc)
+    return ".".join(str(p) for p in errors[0]["loc"]), errors[0]["msg"].removeprefix("Value error, ")
+
+
+def problems(exc: Reported, *within: str | int, drop: int = 0, limit: int = 10, empty: str = "input") -> str:
+    """pydantic's report as one line, `path.to.field: what is wrong; ...`: the first `limit` problems, then how many
+    more; each path under `within` and without its first `drop` parts (a body's "body"); `empty` for a problem
+    of the whole input. The one sentence every layer makes of a validation error."""
+    errors = exc.errors()
+    said = "; ".join(
+        f"{'.'.join(str(p) for p in (*within, *e['loc'][drop:])) or empty}: {e['msg'].removeprefix('Value error, ')}"
+        for e in errors[:limit]
+    )
+    return said + (f" (and {len(errors) - limit} more)" if len(errors) > limit else "")

@@ -12,7 +12,7 @@ from typing import Any
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from art_sky.errors import ConfigError
+from art_sky.errors import ConfigError, first_problem, problems
 from art_sky.wire import WireChoice, WireGroup, WireHistory, WireMessage, WireTrajectory
 
 # A message dict, or what a client returned: an openai Choice or ChatCompletion, litellm's Choices, ModelResponse or
@@ -165,7 +165,7 @@ def wire_groups(groups: Iterable[Any], chat_template_kwargs: dict[str, Any] | No
         try:
             wired.append(WireGroup(trajectories=trajectories))
         except ValidationError as exc:
-            raise ConfigError(f"group {g}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from exc
+            raise ConfigError(f"group {g}: {first_problem(exc)[1]}") from exc
     return wired
 
 
@@ -270,8 +270,7 @@ def _wire_items(messages_and_choices: Iterable[Any] | None, where: str) -> list[
 def _problem(exc: Exception) -> str:
     """An error on one line; a validation error's first problem as `field: what is wrong`."""
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        return f"{'.'.join(str(p) for p in first['loc']) or 'item'}: {first['msg']}"
+        return problems(exc, limit=1, empty="item")
     return str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
 
 

@@ -31,7 +31,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
 from art_sky.disk_full import disk_full
-from art_sky.errors import ArtSkyError, ErrorCode, LimitError, NotRegisteredError, TokenizationError
+from art_sky.errors import ArtSkyError, ErrorCode, LimitError, NotRegisteredError, TokenizationError, problems
 from art_sky.redact import redact
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
@@ -162,11 +162,8 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()[:10]
-        )
-        more = f" (and {len(exc.errors()) - 10} more)" if len(exc.errors()) > 10 else ""
-        body = ErrorResponse(detail=redact(f"invalid request: {problems}{more}"), code=ErrorCode.INVALID)
+        said = problems(exc, drop=1, empty="body")  # "body" is every path's first part
+        body = ErrorResponse(detail=redact(f"invalid request: {said}"), code=ErrorCode.INVALID)
         return JSONResponse(body.model_dump(), status_code=422)
 
     @app.exception_handler(Exception)

@@ -19,7 +19,7 @@ from typing import Any, Literal, cast
 
 from pydantic import ValidationError
 
-from art_sky.errors import ConfigError
+from art_sky.errors import ConfigError, first_problem
 from art_sky.wire import ModelConfig, RegisterRequest
 
 log = logging.getLogger("art_sky")
@@ -94,10 +94,10 @@ def register_request(model: Any, request_id: str) -> RegisterRequest:
             request_id=request_id,
         )
     except ValidationError as exc:
-        first = exc.errors()[0]
+        where, wrong = first_problem(exc)
         raise ConfigError(
-            f"model {getattr(model, 'name', '?')!r}: {'.'.join(str(p) for p in first['loc'])}: "
-            f"{first['msg']} (names are letters, digits, '.', '_' and '-', up to 128)"
+            f"model {getattr(model, 'name', '?')!r}: {where}: {wrong} (names are letters, digits, '.', '_' and '-', "
+            "up to 128)"
         ) from exc
 
 
@@ -147,8 +147,8 @@ def model_config(model: Any) -> ModelConfig:
     try:
         return ModelConfig(**values)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ConfigError(f"the model's settings: {first['loc'][0]}: {first['msg']}") from exc
+        where, wrong = first_problem(exc)
+        raise ConfigError(f"the model's settings: {where}: {wrong}") from exc
 
 
 _OPENAI_SERVER_CONFIG = ("log_file", "server_args", "engine_args")  # ART's dev.OpenAIServerConfig

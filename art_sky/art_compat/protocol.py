@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from art_sky.client.trajectories import wire_trajectory
-from art_sky.errors import ConfigError
+from art_sky.errors import ConfigError, first_problem
 from art_sky.wire import DeleteCheckpointsRequest, ModelInfo, SFTRequest, TrainProgress
 
 from .capture import legacy
@@ -129,7 +129,7 @@ class ArtProtocol:
         try:
             request = SFTRequest(trajectories=wired, batch_size=batch_size, learning_rates=rates, assistant_turns=turns)
         except ValidationError as exc:
-            raise ConfigError(f"train_sft: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from exc
+            raise ConfigError(f"train_sft: {first_problem(exc)[1]}") from exc
         result = await self.run_step(model, "sft", request, verbose)
         for batch in result.batches:
             yield {

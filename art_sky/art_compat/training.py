@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from art_sky.errors import ConfigError
+from art_sky.errors import ConfigError, first_problem
 from art_sky.wire import TrainConfig
 
 Role = Literal["config", "step", "accepted", "default"]
@@ -117,10 +117,9 @@ def train_options(config: TrainConfig | None, kwargs: dict[str, Any]) -> tuple[T
     try:
         merged = TrainConfig(**base | values)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where, wrong = first_problem(exc)
         given_value = f"={kwargs[where]!r}" if where in kwargs else "=..." if where else ""
-        raise ConfigError(f"backend.train({where}{given_value}): {first['msg'].removeprefix('Value error, ')}") from exc
+        raise ConfigError(f"backend.train({where}{given_value}): {wrong}") from exc
     return merged, StepOptions(save_checkpoint=bool(kwargs.get("save_checkpoint", True)))
 
 

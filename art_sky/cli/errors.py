@@ -24,7 +24,7 @@ from rich.markup import escape
 from typer._click import Context  # typer's vendored click: what a group's methods get (typer.Context subclasses it)
 from typer.core import TyperGroup
 
-from art_sky.errors import ArtSkyError
+from art_sky.errors import ArtSkyError, problems
 
 from .conventions import Conventional
 
@@ -73,7 +73,7 @@ def _wrong_path(exc: Exception) -> str | None:
 
 def _message(exc: Exception) -> str:
     if isinstance(exc, ValidationError):  # pydantic's own layout is a paragraph per field
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in exc.errors())
+        return problems(exc, limit=len(exc.errors()))
     return str(exc)
 
 

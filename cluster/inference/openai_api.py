@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import TypeAdapter, ValidationError
 
-from art_sky.errors import ArtSkyError
+from art_sky.errors import ArtSkyError, problems
 from art_sky.wire import ChatMessage
 
 from ..model_state import ModelState
@@ -64,11 +64,9 @@ MAX_STEP_DIGITS = 18  # a step number fits an int64 (no model trains 10^18 steps
 
 def invalid_request(exc: ValidationError, *within: str) -> OpenAIError:
     """A 400 naming each wrong field (its path in the body, e.g. messages.2.role)."""
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in (*within, *e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:10]
-    )
     first = (*within, *exc.errors()[0]["loc"]) if exc.errors() else ()
-    return OpenAIError(400, f"invalid request: {problems}", param=str(first[0]) if first else None)
+    said = problems(exc, *within, empty="body")
+    return OpenAIError(400, f"invalid request: {said}", param=str(first[0]) if first else None)
 
 
 def check_messages(messages: Any) -> None:
