@@ -30,6 +30,7 @@ from art_sky.settings import Settings
 from art_sky.wire import HealthResponse, JoinReply, JoinRequest, ModelInfo, RegisterRequest, ReplicaModel
 
 from .activity import ModelActivity
+from .auth import api_key_auth
 from .http_status import error_response
 from .inference import openai_api
 from .inference.fleet import ADAPTER_FILES
@@ -38,7 +39,6 @@ from .inference.portable_engine import PortableEngine
 from .model_state import ADAPTER, ModelState, device, load_peft, load_shape
 from .node.placement import Placement
 from .node.selection import select_engine
-from .server import api_key_auth
 from .training.rank_group import WorkerRanks
 
 log = logging.getLogger("art_sky.cluster")

@@ -26,7 +26,7 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPAuthorizationCredentials
 
 import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
@@ -53,6 +53,7 @@ from art_sky.wire import (
 
 from . import bodies
 from .activity import ModelActivity, StepTimer
+from .auth import api_key_auth
 from .http_status import error_response
 from .inference import openai_api
 from .inference.fleet import Fleet
@@ -417,23 +418,6 @@ def create_app(
 
     bodies.document(app, [TrainRequest, SFTRequest, ChatCompletionRequest], openai_api.PATHS)
     return app
-
-
-def api_key_auth(
-    api_key: str,
-) -> tuple[HTTPBearer, Callable[[HTTPAuthorizationCredentials | None], bool], Callable[..., None]]:
-    """The server's API key as a bearer token: (the scheme, `has_key(credentials)`, the dependency of every route
-    but /health, which answers 401)."""
-    bearer = HTTPBearer(auto_error=False)
-
-    def has_key(credentials: HTTPAuthorizationCredentials | None) -> bool:
-        return credentials is not None and secrets.compare_digest(credentials.credentials.encode(), api_key.encode())
-
-    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if not has_key(credentials):
-            raise HTTPException(401, openai_api.UNAUTHORIZED)
-
-    return bearer, has_key, authorized
 
 
 def _checkpoint_infos(checkpoints: CheckpointDir) -> list[CheckpointInfo]:

@@ -89,6 +89,8 @@ RULES = [
         "art_sky.cluster.inference",
         ("art_sky.cluster.training", "art_sky.cluster.server", "art_sky.cluster.steps", "art_sky.cluster.replica"),
     ),
+    # A replica's server and the head's are two servers: what both need (the API key's check, ...) sits below both.
+    ("art_sky.cluster.replica", ("art_sky.cluster.server",)),
     # The fleet knows engines by their protocol only: each replica's is the head's or a replica server's.
     (
         "art_sky.cluster.inference.fleet",
