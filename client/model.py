@@ -243,7 +243,7 @@ class TrainableModel(Model):
         await backend.register(self)
         self.inference_base_url = backend.inference_base_url
         self.inference_api_key = backend.api_key
-        self.inference_model_name = self.name
+        self.inference_model_name = self.get_inference_name()
 
     async def get_step(self) -> int:
         return (await self._require_backend().model_info(self)).step

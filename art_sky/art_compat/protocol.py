@@ -19,13 +19,14 @@ from art_sky.errors import ConfigError
 from art_sky.wire import DeleteCheckpointsRequest, Lease, LeaseRequest, ModelInfo, SFTRequest, TrainProgress
 
 from .capture import legacy
-from .models import chat_template_kwargs, openai_server_config, sft_settings
+from .models import chat_template_kwargs, openai_server_config, served, sft_settings
 
 if TYPE_CHECKING:
     from art_sky.settings import Settings
 
-# The steps leases pin, per model name, in this task and the tasks it starts (as ART's own LocalBackend pins them):
-# inside `async with backend.adapter_lease(model, step)`, `model.get_inference_name()` is `name@step`.
+# The steps leases pin, per served run (`served(model)`), in this task and the tasks it starts (as ART's own
+# LocalBackend pins them): inside `async with backend.adapter_lease(model, step)`, `model.get_inference_name()`
+# is `name@step`.
 _pinned: ContextVar[dict[str, int] | None] = ContextVar("art_sky_pinned_steps", default=None)
 
 
@@ -70,10 +71,12 @@ class ArtProtocol:
         return self.inference_base_url, self.api_key
 
     def _model_inference_name(self, model: Any, step: int | None = None) -> str:
-        """The model's name serves its newest step; `name@step` an earlier one, or the step a lease pins."""
+        """The run's served name (`name`, or `name:run` for another run of the name) serves its newest step;
+        `...@step` an earlier one, or the step a lease pins."""
+        name = served(model)
         if step is None:
-            step = (_pinned.get() or {}).get(model.name)
-        return model.name if step is None else f"{model.name}@{step}"
+            step = (_pinned.get() or {}).get(name)
+        return name if step is None else f"{name}@{step}"
 
     async def _get_step(self, model: Any) -> int:
         return (await self.model_info(model)).step
@@ -95,7 +98,7 @@ class ArtProtocol:
     async def exact_adapter_lease(self, model: Any, step: int) -> AsyncIterator[None]:
         """ART's (0.5.20+): while held, `name@step` is served by exactly that step (`model.get_inference_name()`
         names it inside the block) and its checkpoint is not deleted."""
-        async with self.adapter_retention_lease(model, step), _pin(model.name, step):
+        async with self.adapter_retention_lease(model, step), _pin(served(model), step):
             yield
 
     @asynccontextmanager
@@ -110,12 +113,14 @@ class ArtProtocol:
         """ART's: step `step`'s checkpoint is kept while held (the server refuses a step it does not have)."""
         await self._ensure_started()
         lease = Lease.model_validate(
-            await self._request("POST", f"/art/models/{model.name}/leases", json=LeaseRequest(step=step).model_dump())
+            await self._request(
+                "POST", f"/art/models/{served(model)}/leases", json=LeaseRequest(step=step).model_dump()
+            )
         )
         try:
             yield
         finally:
-            await self._request("DELETE", f"/art/models/{model.name}/leases/{lease.id}", idempotent=True)
+            await self._request("DELETE", f"/art/models/{served(model)}/leases/{lease.id}", idempotent=True)
 
     async def _train_sft(
         self,

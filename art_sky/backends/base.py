@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 import art_sky
 from art_sky.art_compat import releases
 from art_sky.art_compat.capture import conversations
-from art_sky.art_compat.models import chat_template_kwargs, register_request
+from art_sky.art_compat.models import chat_template_kwargs, register_request, served
 from art_sky.art_compat.protocol import ArtProtocol
 from art_sky.art_compat.training import Ready, StepOptions, TrainResult, train_options, train_result
 from art_sky.client.pipeline import check_bound, drop_stale, group_versions
@@ -138,8 +138,8 @@ class Backend(ArtProtocol):
                 "POST", "/art/models", json=request.model_dump(), retry_for=self.settings.train_retry_timeout
             )
         )
-        self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
-        self._at_step[model.name] = info.step
+        self._returned.setdefault(served(model), time.monotonic())  # the first step's rollouts start now
+        self._at_step[served(model)] = info.step
         return info
 
     async def models(self) -> list[ModelInfo]:
@@ -149,8 +149,8 @@ class Backend(ArtProtocol):
 
     async def model_info(self, model: Model) -> ModelInfo:
         await self._ensure_started()
-        info = ModelInfo.model_validate(await self._request("GET", f"/art/models/{model.name}"))
-        self._at_step[model.name] = info.step
+        info = ModelInfo.model_validate(await self._request("GET", f"/art/models/{served(model)}"))
+        self._at_step[served(model)] = info.step
         return info
 
     async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None:
@@ -158,7 +158,7 @@ class Backend(ArtProtocol):
         await self._ensure_started()
         await self._request(
             "POST",
-            f"/art/models/{model.name}/log",
+            f"/art/models/{served(model)}/log",
             json=LogRequest(split=split, metrics=metrics, step=step).model_dump(),
         )
 
@@ -190,7 +190,7 @@ class Backend(ArtProtocol):
         await self._ensure_started()
         return [
             CheckpointInfo.model_validate(c)
-            for c in await self._request("GET", f"/art/models/{model.name}/checkpoints")
+            for c in await self._request("GET", f"/art/models/{served(model)}/checkpoints")
         ]
 
     async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]:
@@ -201,7 +201,7 @@ class Backend(ArtProtocol):
         return [
             CheckpointInfo.model_validate(c)
             for c in await self._request(
-                "POST", f"/art/models/{model.name}/checkpoints/delete", json=body.model_dump(), idempotent=True
+                "POST", f"/art/models/{served(model)}/checkpoints/delete", json=body.model_dump(), idempotent=True
             )
         ]
 
@@ -277,13 +277,15 @@ class Backend(ArtProtocol):
             raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
         versions = group_versions(trajectory_groups, groups)
         step = asyncio.create_task(
-            self._train_in_turn(self._steps.get(model.name), model, groups, versions, bound, config, options, verbose)
+            self._train_in_turn(
+                self._steps.get(served(model)), model, groups, versions, bound, config, options, verbose
+            )
         )
-        self._steps[model.name] = step
+        self._steps[served(model)] = step
 
         def forget(done: asyncio.Task) -> None:
-            if self._steps.get(model.name) is done:
-                del self._steps[model.name]
+            if self._steps.get(served(model)) is done:
+                del self._steps[served(model)]
 
         step.add_done_callback(forget)
         return await step if wait else step
@@ -304,14 +306,14 @@ class Backend(ArtProtocol):
         asked when it does not know), trained."""
         if previous is not None:
             await asyncio.wait([previous])
-        current = self._at_step.get(model.name)
+        current = self._at_step.get(served(model))
         if current is None:
             current = await self._get_step(model)
         kept, staleness = drop_stale(groups, versions, current, bound)
         if staleness["discarded_stale_groups"]:  # never without a bound
             log.warning(
                 "%s: dropped %d group(s) sampled more than %d step(s) before step %d (or behind it without logprobs)",
-                model.name,
+                served(model),
                 int(staleness["discarded_stale_groups"]),
                 bound,
                 current,
@@ -322,10 +324,10 @@ class Backend(ArtProtocol):
         try:
             result = await self._stream_step(model, "train", request, verbose)
         except BaseException:
-            self._at_step.pop(model.name, None)  # the step may have committed on the server all the same
+            self._at_step.pop(served(model), None)  # the step may have committed on the server all the same
             raise
         assert result.step is not None
-        self._at_step[model.name] = result.step
+        self._at_step[served(model)] = result.step
         ready = self._checkpoint_ready(model) if result.checkpoint_path else None
         return train_result(result.step, result.metrics | staleness, result.checkpoint_path, result.totals, ready)
 
@@ -347,14 +349,14 @@ class Backend(ArtProtocol):
         again, RESTARTED_STEP_RETRIES times at most. A step whose progress stops for ART_SKY_TRAIN_STALL_TIMEOUT
         seconds raises TrainingStalledError, naming what the server is doing."""
         await self._ensure_started()
-        returned = self._returned.get(model.name)
+        returned = self._returned.get(served(model))
         clock = StepClock(
             gather_s=time.monotonic() - returned if returned is not None else None, hourly_cost=await self.hourly_cost()
         )
         request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex, "clock": clock})
         deadline = time.monotonic() + self.settings.train_retry_timeout
-        bar = tqdm(desc=f"{route} {model.name}", unit="batch", disable=not verbose)
-        stall = _StallWatch(model.name, self.settings.train_stall_timeout)
+        bar = tqdm(desc=f"{route} {served(model)}", unit="batch", disable=not verbose)
+        stall = _StallWatch(served(model), self.settings.train_stall_timeout)
         lost: Exception | None = None  # why the previous attempt did not finish
         restarts = 0  # attempts answered 503 (retried a few times, not for ever: a step may fail that way each time)
         try:
@@ -369,7 +371,9 @@ class Backend(ArtProtocol):
                 except NotFoundError as exc:
                     if lost is None or exc.code != ErrorCode.NOT_REGISTERED:
                         raise
-                    log.warning("%s: the cluster server restarted without the model: registering it again", model.name)
+                    log.warning(
+                        "%s: the cluster server restarted without the model: registering it again", served(model)
+                    )
                     await self.register(model)  # restored from its newest checkpoint; then the step is retried
                     wait = 0.0
                 except ServerError as exc:
@@ -382,7 +386,7 @@ class Backend(ArtProtocol):
                 if wait:
                     log.warning(
                         "%s: %s during %s (%s); retrying request %s in %.1fs",
-                        model.name,
+                        served(model),
                         "the step was rolled back"
                         if isinstance(lost, ServerError)
                         else "connection to the cluster server lost",
@@ -395,7 +399,7 @@ class Backend(ArtProtocol):
         finally:
             bar.close()
         raise BackendUnavailableError(
-            f"{route} of {model.name} did not finish: the cluster server could not be reached for "
+            f"{route} of {served(model)} did not finish: the cluster server could not be reached for "
             f"{self.settings.train_retry_timeout:.0f}s (ART_SKY_TRAIN_RETRY_TIMEOUT; last: {lost!r}). The step was "
             "not lost: call train() again with the same groups once the server is back (`art-sky status`), and "
             "check `await model.get_step()`"
@@ -408,7 +412,7 @@ class Backend(ArtProtocol):
         try:
             async with self._client().stream(
                 "POST",
-                f"/art/models/{model.name}/{route}",
+                f"/art/models/{served(model)}/{route}",
                 content=request.model_dump_json(),
                 headers={"content-type": "application/json"},
                 timeout=httpx.Timeout(self.request_timeout, connect=30.0, read=STREAM_IDLE),
@@ -431,7 +435,7 @@ class Backend(ArtProtocol):
                         bar.total = event.total
                         bar.n = event.done
                         if event.activity is not None:
-                            bar.set_description(f"{route} {model.name}: {event.activity.phase}", refresh=False)
+                            bar.set_description(f"{route} {served(model)}: {event.activity.phase}", refresh=False)
                         bar.refresh()
                         stall.saw(event)
                     elif event.type == "error":
@@ -440,12 +444,12 @@ class Backend(ArtProtocol):
                         if event.replayed:
                             log.info(
                                 "%s: the server had trained this request already (step %d): its result",
-                                model.name,
+                                served(model),
                                 event.step,
                             )
                         for skipped in event.skipped:  # the step trained without them; say which and why
-                            log.warning("%s: skipped %s", model.name, skipped)
-                        self._returned[model.name] = time.monotonic()
+                            log.warning("%s: skipped %s", served(model), skipped)
+                        self._returned[served(model)] = time.monotonic()
                         return event
         except httpx.TransportError as exc:
             raise _Lost() from exc
