@@ -19,6 +19,7 @@ from art_sky.errors import ErrorCode
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _HOSTNAME = r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+RUN_SEPARATOR = ":"  # in a served name, between the model's name and its run (never in either: NAME_PATTERN)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's --reasoning-parser names both engines split replies with
 TOKEN_ID_LIMIT = 2**31  # no vocabulary is larger; each model's own size is checked when its sequences are built
 TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
@@ -318,6 +319,17 @@ class RegisterRequest(_Strict):
         """The lineage: where the checkpoints and history are (`<project>/models/<run>/`)."""
         return self.run_name or self.name
 
+    @property
+    def served(self) -> str:
+        """The name the run is served and addressed under (`served_name`)."""
+        return served_name(self.name, self.run_name)
+
+
+def served_name(name: str, run_name: str | None) -> str:
+    """A run's name on the server: `name` for the model's own run (no run_name, or its name), else `name:run`, so
+    several runs of one name are served side by side and never answer for each other (':' is in no name)."""
+    return name if run_name in (None, name) else f"{name}{RUN_SEPARATOR}{run_name}"
+
 
 class ReplicaModel(_Strict):
     """The head telling a replica to serve a model at a step (POST /fleet/models on the replica); the replica fetches
@@ -369,6 +381,7 @@ class ModelInfo(BaseModel):
     base_model: str
     step: int
     run_name: str | None = Field(None, description="the lineage (ART's run_name), where it is not the name")
+    served: str = Field("", description="what completions name to sample the run (`name@step` for a step)")
     restored_from: str | None = Field(None, description="where the current step's adapter came from, if restored")
     activity: Activity | None = None
     serving: Serving | None = None

@@ -16,7 +16,7 @@ from art_sky.dev import InternalModelConfig, LoRAConfig
 from art_sky.dev import TrainSFTConfig as DevTrainSFTConfig
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
-from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig, TrainSFTConfig
+from art_sky.wire import CheckpointInfo, ModelConfig, ModelInfo, TrainConfig, TrainSFTConfig, served_name
 
 from .langfuse_traces import LangfuseTraces, langfuse_wanted, require_langfuse
 from .reporting import WandbRun, require_wandb, wandb_wanted
@@ -243,7 +243,7 @@ class TrainableModel(Model):
         await backend.register(self)
         self.inference_base_url = backend.inference_base_url
         self.inference_api_key = backend.api_key
-        self.inference_model_name = self.name
+        self.inference_model_name = served_name(self.name, self.run_name)  # this run's, beside the name's others
 
     async def get_step(self) -> int:
         return (await self._require_backend().model_info(self)).step

@@ -106,7 +106,8 @@ class ModelState:
 
     @property
     def name(self) -> str:
-        return self.request.name
+        """What the run is served and addressed under (its model name, or `name:run`: cluster/runs.py)."""
+        return self.request.served
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -116,11 +117,12 @@ class ModelState:
 
     def info(self) -> ModelInfo:
         return ModelInfo(
-            name=self.name,
+            name=self.request.name,
             project=self.request.project,
             base_model=self.request.base_model,
             step=self.step,
             run_name=self.request.run_name,
+            served=self.name,
             restored_from=self.restored_from,
         )
 

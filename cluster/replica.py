@@ -101,7 +101,7 @@ def create_replica_app(
         """Serve the model at `body.step` (a step older than the one served is already superseded: a no-op)."""
         request, step = body.request, body.step
         async with loading:
-            state = states.get(request.name)
+            state = states.get(request.served)
             if state is not None and state.step >= step:
                 return state.info()
             checkpoints = CheckpointDir(art_path, request.project, request.run)
@@ -112,8 +112,8 @@ def create_replica_app(
                 state = await asyncio.to_thread(_load, request, settings, checkpoints, step, samples_here)
                 async with gate.exclusive():
                     await asyncio.to_thread(engine.attach, state)
-                    activities[request.name] = ModelActivity(gate, [])
-                    states[request.name] = state
+                    activities[request.served] = ModelActivity(gate, [])
+                    states[request.served] = state
             else:
                 if samples_here:  # the engine copies the new LoRA from this model when it swaps
                     await asyncio.to_thread(_load_adapter, state.model, checkpoints.step_dir(step))
@@ -121,7 +121,7 @@ def create_replica_app(
                     state.step = step
                     await asyncio.to_thread(engine.resume, state, True)
             await asyncio.to_thread(checkpoints.delete, [s for s in checkpoints.steps() if s != step])
-        log.info("serving %s@%d", request.name, step)
+        log.info("serving %s@%d", request.served, step)
         return state.info()
 
     return app
@@ -129,7 +129,7 @@ def create_replica_app(
 
 def _fetch(head_url: str, api_key: str, checkpoints: CheckpointDir, request: RegisterRequest, step: int) -> None:
     """The step's adapter files from the head, saved as this node's checkpoint of the step (with its manifest)."""
-    name = request.name
+    name = request.served
 
     def write(directory: Path) -> None:
         with httpx.Client(

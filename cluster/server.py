@@ -31,7 +31,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 import art_sky
 from art_sky.checkpoints import CheckpointDir, history_entry, steps_to_keep
 from art_sky.disk_full import disk_full
-from art_sky.errors import ArtSkyError, ErrorCode, LimitError, NotRegisteredError, TokenizationError, problems
+from art_sky.errors import ArtSkyError, ErrorCode, LimitError, TokenizationError, problems
 from art_sky.redact import redact
 from art_sky.settings import Settings
 from art_sky.store import CheckpointStore
@@ -51,7 +51,7 @@ from art_sky.wire import (
     TrainRequest,
 )
 
-from . import bodies
+from . import bodies, runs
 from .activity import ModelActivity, StepTimer
 from .auth import api_key_auth
 from .http_status import error_response
@@ -185,12 +185,8 @@ def create_app(
         return JSONResponse(body.model_dump(), status_code=500)
 
     def model(name: str) -> ModelState:
-        if name not in states:
-            raise NotRegisteredError(
-                f"model {name!r} is not registered on this server (registered: "
-                f"{sorted(states) or 'none'}): call `await model.register(backend)` first"
-            )
-        return states[name]
+        """The run served as `name` (or a name's only run: cluster/runs.py)."""
+        return runs.registered(states, name)
 
     @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
     async def openapi() -> JSONResponse:
@@ -232,54 +228,48 @@ def create_app(
             )
             async with gate.exclusive():  # the engine starts serving it (vLLM loads its adapter)
                 await asyncio.to_thread(fleet.attach, state)
-                activities[body.name] = ModelActivity(gate, state.checkpoints.history())
-                states[body.name] = state
+                activities[body.served] = ModelActivity(gate, state.checkpoints.history())
+                states[body.served] = state
         if sync:
             sync.submit(state.checkpoints, state.step)
-        log.info("registered %s (%s) at step %d", body.name, body.base_model, state.step)
+        log.info("registered %s (%s) at step %d", body.served, body.base_model, state.step)
         return state
 
     def registered(body: RegisterRequest, task: asyncio.Task[ModelState]) -> None:
-        registering.pop(body.name, None)
+        registering.pop(body.served, None)
         if task.cancelled() or task.exception() is not None:
             lineages.release_name(body)
 
     @app.post("/art/models", dependencies=guarded)
     async def register(body: RegisterRequest) -> ModelInfo:
-        """Load a model (its newest checkpoint, from the store on a fresh cluster), without stopping inference of
-        the others. Idempotent: a repeated registration (a retry) waits for the one loading and answers the same."""
-        if body.name not in states and body.name not in registering:
+        """Load a run (its newest checkpoint, from the store on a fresh cluster), without stopping inference of
+        the others; each run of a name is its own lineage, served as its own name (cluster/runs.py). Idempotent: a
+        repeated registration (a retry) waits for the one loading and answers the same."""
+        served = body.served
+        if served not in states and served not in registering:
             lineages.claim_name(body)  # 409 when another name holds this lineage here
-            task = registering[body.name] = asyncio.create_task(load(body))  # runs on if the client goes away
+            task = registering[served] = asyncio.create_task(load(body))  # runs on if the client goes away
             task.add_done_callback(lambda done: registered(body, done))
-        if body.name in registering:
-            await asyncio.shield(registering[body.name])
-        existing = states[body.name].request
+        if served in registering:
+            await asyncio.shield(registering[served])
+        existing = states[served].request
         if (existing.project, existing.base_model) != (body.project, body.base_model):
             raise HTTPException(
                 409,
-                f"model {body.name!r} is already registered with project "
+                f"model {served!r} is already registered with project "
                 f"{existing.project!r} and base model {existing.base_model!r}",
             )
-        if existing.run != body.run:
-            raise HTTPException(
-                409,
-                f"model {body.name!r} is already served by this server for run "
-                f"{existing.run!r} (step {states[body.name].step}); a server serves one run per "
-                f"name: register run {body.run!r} under another name, or start a new server "
-                "(a new LocalBackend, `art-sky up --force-restart`) to serve it as "
-                f"{body.name!r}. Run {existing.run!r}'s checkpoints stay where they are",
-            )
-        return states[body.name].info()
+        return states[served].info()
 
     @app.get("/art/models/{name}", dependencies=guarded)
     async def model_info(name: str) -> ModelInfo:
         """The model, with what the server is doing with it now (`art-sky status`)."""
-        state, activity = model(name), activities[name]
+        state = model(name)
+        activity = activities[state.name]
         return state.info().model_copy(
             update={
                 "activity": activity.activity(),
-                "serving": activity.serving(f"{name}@{state.step}"),
+                "serving": activity.serving(f"{state.name}@{state.step}"),
                 "last_step": activity.last_step,
                 "sync": sync.model_sync(state.checkpoints.name) if sync else None,
             }

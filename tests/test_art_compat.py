@@ -6,6 +6,7 @@ turn by turn. tests/test_openpipe_art.py runs real ART programs at both ends of 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -355,18 +356,43 @@ async def test_a_step_without_a_checkpoint_is_served_and_a_restart_resumes_from_
             assert lines[-1]["step"] == 2  # trained again under its number
 
 
-async def test_a_new_run_name_is_a_new_lineage_at_step_zero(tmp_path):
-    first = TINY | {"run_name": "run-a"}
-    async with _server(tmp_path, first) as client:
-        status, lines = await train_lines(client, "tiny", {"groups": await _groups(client, "tiny")})
-        assert (await client.get("/art/models/tiny")).json()["run_name"] == "run-a"
-        clash = await client.post("/art/models", json=TINY | {"run_name": "run-b"})
-        assert clash.status_code == 409 and "served by this server for run 'run-a' (step 1)" in clash.json()["detail"]
-    async with _server(tmp_path, TINY | {"run_name": "run-b"}) as client:
-        assert (await client.get("/art/models/tiny")).json()["step"] == 0
-    assert CheckpointDir(tmp_path, "compat", "run-a").steps() == [0, 1]
-    assert CheckpointDir(tmp_path, "compat", "run-b").steps() == [0]
-    assert not CheckpointDir(tmp_path, "compat", "tiny").steps()
+async def test_runs_of_one_name_are_each_a_lineage_of_their_own_served_apart(tmp_path):
+    """ART's sweep: one name, several run_names, on one server: each run from step 0 in its own folder, served as
+    `name:run` (the bare name answers only where it is one run), trained, listed and pruned on its own."""
+    run_a, run_b = TINY | {"run_name": "run-a"}, TINY | {"run_name": "run-b"}
+    async with _server(tmp_path, run_a) as client:
+        status, lines = await train_lines(client, "tiny", {"groups": await _groups(client, "tiny")})  # its only run
+        assert status == 200 and lines[-1]["step"] == 1, lines
+        again, second = await asyncio.gather(  # at once: a retry of run-a and a new run under the same name
+            client.post("/art/models", json=run_a), client.post("/art/models", json=run_b)
+        )
+        assert (again.json()["step"], again.json()["served"]) == (1, "tiny:run-a")  # the same run, not reset
+        assert (second.json()["step"], second.json()["served"]) == (0, "tiny:run-b"), second.text
+        assert (await client.get("/health")).json()["models"] == ["tiny:run-a", "tiny:run-b"]
+        for bare in ((await client.get("/art/models/tiny")), await _complete(client, "tiny")):
+            assert bare.status_code == 409 and "'tiny' has 2 runs on this server (tiny:run-a, tiny:run-b)" in bare.text
+        status, lines = await train_lines(client, "tiny:run-b", {"groups": await _groups(client, "tiny:run-b")})
+        assert status == 200 and lines[-1]["step"] == 1, lines
+        await train_lines(client, "tiny:run-a", {"groups": await _groups(client, "tiny:run-a")})
+        served = {m: (await _complete(client, m)).json()["model"] for m in ("tiny:run-a", "tiny:run-b", "tiny:run-b@0")}
+        assert served == {"tiny:run-a": "tiny:run-a@2", "tiny:run-b": "tiny:run-b@1", "tiny:run-b@0": "tiny:run-b@0"}
+        kept = await client.post("/art/models/tiny:run-a/checkpoints/delete", json={"keep_steps": []})
+        assert [c["step"] for c in kept.json()] == [2]  # run-a's pruned ...
+        assert [c["step"] for c in (await client.get("/art/models/tiny:run-b/checkpoints")).json()] == [0, 1]
+        assert [e["step"] for e in (await client.get("/art/models/tiny:run-b/history")).json()] == [1]
+    async with _server(tmp_path, run_b, TINY) as client:  # a restart: each run resumes; the name's own run is new
+        assert (await client.get("/art/models/tiny:run-b")).json()["step"] == 1
+        assert (await client.get("/art/models/tiny")).json()["run_name"] is None  # the name is its own run here
+        assert (await _complete(client, "tiny")).json()["model"] == "tiny@0"
+    assert CheckpointDir(tmp_path, "compat", "run-a").steps() == [2]
+    assert CheckpointDir(tmp_path, "compat", "run-b").steps() == [0, 1]
+    assert CheckpointDir(tmp_path, "compat", "tiny").steps() == [0]
+
+
+async def _complete(client, model):
+    return await client.post(
+        "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    )
 
 
 async def test_gradient_accumulation_makes_one_optimizer_step_per_that_many_sequences(tmp_path):

@@ -226,21 +226,24 @@ def check_latest(seen: dict, server_root: Path, frontend_root: Path) -> None:
     sequences, gradient_steps = seen["gradient_steps"]
     assert sequences > 0 and gradient_steps == math.ceil(sequences / 4)  # grad_accumulation_sequences=4
     assert seen["captured_exchanges"] == 2 and seen["captured_exact_tokens"] > 0  # art.trajectory(...) trained
-    assert seen["leased"] == ["multiply@1", "multiply@1"]  # the lease pinned the name, step 1 served it
+    assert seen["leased"] == ["multiply:run-a@1", "multiply:run-a@1"]  # the lease pinned the run, step 1 served it
     assert seen["kept_while_leased"] == [1, 3] and seen["kept_after_lease"] == [3]
     assert seen["step_after_sft"] == 4
     assert seen["unsaved"] == [5, None] and seen["get_step"] == 5  # trained and served, no checkpoint
-    assert seen["second_run_step"] == 0  # a new run_name: a new lineage
+    assert seen["second_run"] == ["multiply:run-b", 0]  # a new run_name of the name: a new lineage, served apart
+    assert seen["runs_apart"] == [1, 5, "multiply:run-a", "multiply:run-b@1"]  # each run trained and sampled alone
+    assert seen["second_run_step"] == 1  # a restart resumes each run
     assert seen["pipeline_step"] == 3  # PipelineTrainer's max_steps
     evals = seen["pipeline_eval_models"]  # its eval, each under an exact lease of the step it evaluates
-    assert evals and len(set(evals)) == len(evals) and all(m in ("piped@2", "piped@3") for m in evals)
+    assert evals and len(set(evals)) == len(evals) and all(m in ("piped:piped-1@2", "piped:piped-1@3") for m in evals)
     run_a = server_root / "art-latest" / "models" / "run-a"
     assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["0003", "0004", "0005"]
     assert not list((run_a / "checkpoints" / "0005" / "training_state").glob("optimizer.*"))  # no resume point
     lora = json.loads((run_a / "checkpoints" / "0004" / "adapter_config.json").read_text())
     assert (lora["r"], lora["lora_alpha"]) == (4, 8)  # ART's lora_config
     assert sorted(p.name for p in (server_root / "art-latest" / "models" / "run-b" / "checkpoints").iterdir()) == [
-        "0000"
+        "0000",
+        "0001",
     ]
     assert not (server_root / "art-latest" / "models" / "multiply").exists()  # keyed by run_name, as ART keys it
     frontend = frontend_root / "art-latest" / "models" / "run-a"

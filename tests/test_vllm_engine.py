@@ -59,8 +59,14 @@ def reference_logprobs(
 ) -> list[float]:
     """Logprobs of the continuation (or of `sampled` ids) after `messages` under checkpoint `step`, computed like
     the portable engine and the trainer."""
-    request = RegisterRequest(name=model.name, project=model.project, base_model=model.base_model, config=model.config)
-    checkpoint = CheckpointDir(art_path, model.project, model.name).step_dir(step)
+    request = RegisterRequest(
+        name=model.name,
+        project=model.project,
+        base_model=model.base_model,
+        config=model.config,
+        run_name=model.run_name,
+    )
+    checkpoint = CheckpointDir(art_path, model.project, request.run).step_dir(step)
     peft_model, tokenizer = load_peft(request, Settings(), checkpoint)
     prompt, continuation = continuation_ids(tokenizer, messages)
     continuation = continuation if sampled is None else sampled
@@ -188,13 +194,18 @@ async def test_training_swaps_the_served_adapter(served):
 
 
 async def test_models_share_one_vllm_on_one_base_model(served, tmp_path):
+    """A second model, here a second run of the name (its own LoRA: `name:run@step` on vLLM), shares the one vLLM."""
     backend, model = served
     second = art.TrainableModel(
-        name="vt2", project="p", base_model="art-sky/tiny", config=art.ModelConfig(lora_rank=4, max_seq_length=512)
+        name="vt",
+        run_name="vt-b",
+        project="p",
+        base_model="art-sky/tiny",
+        config=art.ModelConfig(lora_rank=4, max_seq_length=512),
     )
     await second.register(backend)
-    assert second.inference_base_url == model.inference_base_url
-    assert await served_logprobs(backend, second, "vt2@0") == pytest.approx(
+    assert second.inference_base_url == model.inference_base_url and second.get_inference_name() == "vt:vt-b"
+    assert await served_logprobs(backend, second, "vt:vt-b@0") == pytest.approx(
         reference_logprobs(backend.path, second, 0), abs=TOLERANCE
     )
     other_base = shutil.copytree(resolve_base_model("art-sky/tiny", Settings()), tmp_path / "other-base")

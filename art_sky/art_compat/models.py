@@ -1,7 +1,8 @@
 """What art-sky reads from a model to register it, art-sky's or ART's, and ART's SFT settings.
 
 - The run: ART (0.5.20+) keys a model's checkpoints, history and logs by `run_name` (a new run_name is a new
-  lineage at step 0) and serves it under `name`; ART 0.5.18 and art-sky models without one use `name` for both.
+  lineage at step 0); ART 0.5.18 and art-sky models without one use `name` for both. Each run is served and
+  addressed as `served(model)`: `name`, or `name:run` for another run, so several runs of a name train side by side.
 - The LoRA: art-sky's `config=ModelConfig(...)`; ART's `lora_config=art.dev.LoRAConfig(...)` (0.5.20+) or
   `_internal_config.peft_args` (0.5.18); `init_args.max_seq_length`. An ART model's `config` is the user's own
   rollout config and is never read. ART's engine tuning is ignored with a warning (the cluster server has its own
@@ -20,7 +21,7 @@ from typing import Any, Literal, cast
 from pydantic import ValidationError
 
 from art_sky.errors import ConfigError, first_problem
-from art_sky.wire import ModelConfig, RegisterRequest
+from art_sky.wire import ModelConfig, RegisterRequest, served_name
 
 log = logging.getLogger("art_sky")
 
@@ -105,6 +106,11 @@ def run_name(model: Any) -> str | None:
     """The model's lineage (ART's `run_name`), or None: its name."""
     value = getattr(model, "run_name", None)
     return value if isinstance(value, str) and value else None
+
+
+def served(model: Any) -> str:
+    """The name the server serves the model's run under and addresses it by (`wire.served_name`)."""
+    return served_name(model.name, run_name(model))
 
 
 def model_config(model: Any) -> ModelConfig:

@@ -19,14 +19,15 @@ from art_sky.errors import ConfigError, first_problem
 from art_sky.wire import DeleteCheckpointsRequest, ModelInfo, SFTRequest, TrainProgress
 
 from .capture import legacy
-from .models import chat_template_kwargs, openai_server_config, sft_settings
+from .models import chat_template_kwargs, openai_server_config, served, sft_settings
 
 if TYPE_CHECKING:
     from art_sky.server_client import ServerClient
     from art_sky.settings import Settings
 
-# The steps leases pin, per model name, in this task and the tasks it starts (as ART's own LocalBackend pins them):
-# inside `async with backend.adapter_lease(model, step)`, `model.get_inference_name()` is `name@step`.
+# The steps leases pin, per served run (`served(model)`), in this task and the tasks it starts (as ART's own
+# LocalBackend pins them): inside `async with backend.adapter_lease(model, step)`, `model.get_inference_name()`
+# is `name@step`.
 _pinned: ContextVar[dict[str, int] | None] = ContextVar("art_sky_pinned_steps", default=None)
 
 
@@ -64,10 +65,12 @@ class ArtProtocol:
         return self.inference_base_url, self.api_key
 
     def _model_inference_name(self, model: Any, step: int | None = None) -> str:
-        """The model's name serves its newest step; `name@step` an earlier one, or the step a lease pins."""
+        """The run's served name (`name`, or `name:run` for another run of the name) serves its newest step;
+        `...@step` an earlier one, or the step a lease pins."""
+        name = served(model)
         if step is None:
-            step = (_pinned.get() or {}).get(model.name)
-        return model.name if step is None else f"{model.name}@{step}"
+            step = (_pinned.get() or {}).get(name)
+        return name if step is None else f"{name}@{step}"
 
     async def _get_step(self, model: Any) -> int:
         return (await self.model_info(model)).step
@@ -76,7 +79,7 @@ class ArtProtocol:
         """ART's `delete_checkpoints` picks the steps (from its own history); the server deletes the rest (never the
         current step nor a leased one)."""
         await self.ensure_started()
-        await self.server_client.delete_checkpoints(model.name, DeleteCheckpointsRequest(keep_steps=steps_to_keep))
+        await self.server_client.delete_checkpoints(served(model), DeleteCheckpointsRequest(keep_steps=steps_to_keep))
 
     # ART's hooks for `model.log(groups, split="train")`: it times the steps between its calls and, with a price,
     # adds `costs/gpu` (ART's LocalBackend does the same for the GPUs it knows).
@@ -90,7 +93,7 @@ class ArtProtocol:
     async def exact_adapter_lease(self, model: Any, step: int) -> AsyncIterator[None]:
         """ART's (0.5.20+): while held, `name@step` is served by exactly that step (`model.get_inference_name()`
         names it inside the block) and its checkpoint is not deleted."""
-        async with self.adapter_retention_lease(model, step), _pin(model.name, step):
+        async with self.adapter_retention_lease(model, step), _pin(served(model), step):
             yield
 
     @asynccontextmanager
@@ -104,11 +107,11 @@ class ArtProtocol:
     async def adapter_retention_lease(self, model: Any, step: int) -> AsyncIterator[None]:
         """ART's: step `step`'s checkpoint is kept while held (the server refuses a step it does not have)."""
         await self.ensure_started()
-        lease = await self.server_client.lease(model.name, step)
+        lease = await self.server_client.lease(served(model), step)
         try:
             yield
         finally:
-            await self.server_client.release(model.name, lease)
+            await self.server_client.release(served(model), lease)
 
     async def _train_sft(
         self,

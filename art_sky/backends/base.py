@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 import art_sky
 from art_sky.art_compat import releases
 from art_sky.art_compat.capture import conversations
-from art_sky.art_compat.models import chat_template_kwargs, register_request
+from art_sky.art_compat.models import chat_template_kwargs, register_request, served
 from art_sky.art_compat.protocol import ArtProtocol
 from art_sky.art_compat.training import Ready, StepOptions, TrainResult, train_options, train_result
 from art_sky.client.pipeline import check_bound, drop_stale, group_versions
@@ -144,8 +144,8 @@ class Backend(ArtProtocol):
         releases.check(self, model)
         request = register_request(model, uuid.uuid4().hex)
         info = await self.server_client.register(request, retry_for=self.settings.train_retry_timeout)
-        self._returned.setdefault(model.name, time.monotonic())  # the first step's rollouts start now
-        self.saw_step(model.name, info.step)
+        self._returned.setdefault(served(model), time.monotonic())  # the first step's rollouts start now
+        self.saw_step(served(model), info.step)
         return info
 
     async def models(self) -> list[ModelInfo]:
@@ -155,14 +155,14 @@ class Backend(ArtProtocol):
 
     async def model_info(self, model: Model) -> ModelInfo:
         await self.ensure_started()
-        info = await self.server_client.model(model.name)
-        self._at_step[model.name] = info.step
+        info = await self.server_client.model(served(model))
+        self._at_step[served(model)] = info.step
         return info
 
     async def log(self, model: Model, split: str, metrics: dict[str, float], step: int | None = None) -> None:
         """Add a line to the model's history (at `step`, default the current one)."""
         await self.ensure_started()
-        await self.server_client.log(model.name, LogRequest(split=split, metrics=metrics, step=step))
+        await self.server_client.log(served(model), LogRequest(split=split, metrics=metrics, step=step))
 
     async def history(self, name: str) -> list[dict]:
         """Model `name`'s history.jsonl on the server: a line per step and per `model.log`, ART's flat keys."""
@@ -197,12 +197,12 @@ class Backend(ArtProtocol):
 
     async def list_checkpoints(self, model: Model) -> list[CheckpointInfo]:
         await self.ensure_started()
-        return await self.server_client.checkpoints(model.name)
+        return await self.server_client.checkpoints(served(model))
 
     async def delete_checkpoints(self, model: Model, best_checkpoint_metric: str | None) -> list[CheckpointInfo]:
         await self.ensure_started()
         request = DeleteCheckpointsRequest(best_checkpoint_metric=best_checkpoint_metric)
-        return await self.server_client.delete_checkpoints(model.name, request)
+        return await self.server_client.delete_checkpoints(served(model), request)
 
     async def flush_checkpoints(self) -> SyncStatus:
         """Wait until every checkpoint so far is on the cluster's disk (each step's is written in the background) and in
@@ -276,13 +276,15 @@ class Backend(ArtProtocol):
             raise ConfigError("train() got no trajectory groups with trajectories: every rollout failed or none ran")
         versions = group_versions(trajectory_groups, groups)
         step = asyncio.create_task(
-            self._train_in_turn(self._steps.get(model.name), model, groups, versions, bound, config, options, verbose)
+            self._train_in_turn(
+                self._steps.get(served(model)), model, groups, versions, bound, config, options, verbose
+            )
         )
-        self._steps[model.name] = step
+        self._steps[served(model)] = step
 
         def forget(done: asyncio.Task) -> None:
-            if self._steps.get(model.name) is done:
-                del self._steps[model.name]
+            if self._steps.get(served(model)) is done:
+                del self._steps[served(model)]
 
         step.add_done_callback(forget)
         return await step if wait else step
@@ -303,14 +305,14 @@ class Backend(ArtProtocol):
         asked when it does not know), trained."""
         if previous is not None:
             await asyncio.wait([previous])
-        current = self._at_step.get(model.name)
+        current = self._at_step.get(served(model))
         if current is None:
             current = await self._get_step(model)
         kept, staleness = drop_stale(groups, versions, current, bound)
         if staleness["discarded_stale_groups"]:  # never without a bound
             log.warning(
                 "%s: dropped %d group(s) sampled more than %d step(s) before step %d (or behind it without logprobs)",
-                model.name,
+                served(model),
                 int(staleness["discarded_stale_groups"]),
                 bound,
                 current,
@@ -321,10 +323,10 @@ class Backend(ArtProtocol):
         try:
             result = await self.run_step(model, "train", request, verbose)
         except BaseException:
-            self._at_step.pop(model.name, None)  # the step may have committed on the server all the same
+            self._at_step.pop(served(model), None)  # the step may have committed on the server all the same
             raise
         assert result.step is not None
-        self._at_step[model.name] = result.step
+        self._at_step[served(model)] = result.step
         ready = self._checkpoint_ready(model) if result.checkpoint_path else None
         return train_result(result.step, result.metrics | staleness, result.checkpoint_path, result.totals, ready)
 
@@ -346,36 +348,36 @@ class Backend(ArtProtocol):
         again, RESTARTED_STEP_RETRIES times at most. A step whose progress stops for ART_SKY_TRAIN_STALL_TIMEOUT
         seconds raises TrainingStalledError, naming what the server is doing."""
         await self.ensure_started()
-        returned = self._returned.get(model.name)
+        returned = self._returned.get(served(model))
         clock = StepClock(
             gather_s=time.monotonic() - returned if returned is not None else None, hourly_cost=await self.hourly_cost()
         )
         request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex, "clock": clock})
         deadline = time.monotonic() + self.settings.train_retry_timeout
-        bar = tqdm(desc=f"{route} {model.name}", unit="batch", disable=not verbose)
-        stall = StallWatch(model.name, self.settings.train_stall_timeout)
+        bar = tqdm(desc=f"{route} {served(model)}", unit="batch", disable=not verbose)
+        stall = StallWatch(served(model), self.settings.train_stall_timeout)
         lost: Exception | None = None  # why the previous attempt did not finish
 
         def show(event: TrainProgress) -> None:
             bar.total, bar.n = event.total, event.done
             if event.activity is not None:
-                bar.set_description(f"{route} {model.name}: {event.activity.phase}", refresh=False)
+                bar.set_description(f"{route} {served(model)}: {event.activity.phase}", refresh=False)
             bar.refresh()
 
         restarts = 0  # attempts answered 503 (retried a few times, not for ever: a step may fail that way each time)
         try:
             for attempt in itertools.count():
                 try:
-                    result = await self.server_client.follow_step(model.name, route, request, stall, show)
+                    result = await self.server_client.follow_step(served(model), route, request, stall, show)
                     if result.replayed:
                         log.info(
                             "%s: the server had trained this request already (step %d): its result",
-                            model.name,
+                            served(model),
                             result.step,
                         )
                     for skipped in result.skipped:  # the step trained without them; say which and why
-                        log.warning("%s: skipped %s", model.name, skipped)
-                    self._returned[model.name] = time.monotonic()
+                        log.warning("%s: skipped %s", served(model), skipped)
+                    self._returned[served(model)] = time.monotonic()
                     return result
                 except StreamLost as exc:
                     cause = exc.__cause__  # the transport's error, or None where the stream just ended
@@ -385,7 +387,9 @@ class Backend(ArtProtocol):
                 except NotFoundError as exc:
                     if lost is None or exc.code != ErrorCode.NOT_REGISTERED:
                         raise
-                    log.warning("%s: the cluster server restarted without the model: registering it again", model.name)
+                    log.warning(
+                        "%s: the cluster server restarted without the model: registering it again", served(model)
+                    )
                     await self.register(model)  # restored from its newest checkpoint; then the step is retried
                     wait = 0.0
                 except ServerError as exc:
@@ -398,7 +402,7 @@ class Backend(ArtProtocol):
                 if wait:
                     log.warning(
                         "%s: %s during %s (%s); retrying request %s in %.1fs",
-                        model.name,
+                        served(model),
                         "the step was rolled back"
                         if isinstance(lost, ServerError)
                         else "connection to the cluster server lost",
@@ -411,7 +415,7 @@ class Backend(ArtProtocol):
         finally:
             bar.close()
         raise BackendUnavailableError(
-            f"{route} of {model.name} did not finish: the cluster server could not be reached for "
+            f"{route} of {served(model)} did not finish: the cluster server could not be reached for "
             f"{self.settings.train_retry_timeout:.0f}s (ART_SKY_TRAIN_RETRY_TIMEOUT; last: {lost!r}). The step was "
             "not lost: call train() again with the same groups once the server is back (`art-sky status`), and "
             "check `await model.get_step()`"

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from art_sky import capacity, clusters
+from art_sky.art_compat.models import served
 from art_sky.errors import ArtSkyError, BackendUnavailableError
 from art_sky.provisioners import sky as provisioner
 from art_sky.remote import lifecycle
@@ -153,7 +154,7 @@ class Recovery:
             await asyncio.wait([self._task])
 
     def registered(self, model: TrainableModel) -> None:
-        self.models[model.name] = model
+        self.models[served(model)] = model
 
     def sent(self, request_id: str) -> None:
         self.in_flight[request_id] = time.monotonic()
@@ -178,13 +179,13 @@ class Recovery:
         self._steps_since += 1
         if self.backend.recover == "from-scratch" or result.step is None:
             return  # no store to resume from: nothing to train again on top of
-        kept = self.kept.setdefault(model.name, [])
+        kept = self.kept.setdefault(served(model), [])
         kept.append(Kept(model, route, request, result.step, wall_s))
         if len(kept) > MAX_KEPT:
             log.warning(
                 "%s: the object store has not confirmed %d steps: a lost cluster resumes from the store's "
                 "newest (`art-sky status` shows its sync)",
-                model.name,
+                served(model),
                 len(kept),
             )
             del kept[0]
@@ -430,7 +431,7 @@ class Recovery:
                 info = await helper.register(model)
                 assert info is not None  # recovery keeps trainable models only, which register returns
                 step = info.step
-                for kept in self.kept.get(model.name, []):
+                for kept in self.kept.get(served(model), []):
                     if kept.step <= step:
                         continue
                     result = await helper.run_step(kept.model, kept.route, kept.request, False)
@@ -439,21 +440,21 @@ class Recovery:
                     if not result.replayed:
                         self.steps_replayed += 1
                         redone += kept.wall_s
-                known = backend.known_step(model.name)
+                known = backend.known_step(served(model))
                 known = step if known is None else known
                 if step < known:
                     log.error(
                         "%s: steps %d to %d were lost with the cluster (the store did not have them and "
                         "their requests were not kept): it goes on from step %d",
-                        model.name,
+                        served(model),
                         step + 1,
                         known,
                         step,
                     )
-                backend.saw_step(model.name, step)
+                backend.saw_step(served(model), step)
                 log.info(
                     "%s: restored at step %d%s",
-                    model.name,
+                    served(model),
                     step,
                     f" from {info.restored_from}" if info.restored_from else "",
                 )

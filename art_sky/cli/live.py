@@ -17,7 +17,7 @@ def row(cluster: str, model: ModelInfo, now: float | None = None) -> list[str]:
     last = model.last_step
     serving = model.serving
     return [
-        f"{cluster}/{model.name}",
+        f"{cluster}/{model.served or model.name}",  # each run of a name on its own line
         str(model.step),
         f"{serving.adapter} ({serving.in_flight} in flight)" if serving else "-",
         doing(model, now or time.time()),

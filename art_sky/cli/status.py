@@ -136,7 +136,9 @@ def row(status: ClusterStatus) -> list[str]:
     if machine.note:
         where += f": {machine.note}"
     health = f"ok, {server.detail}" if server.state == "ok" else server.detail
-    models = ", ".join(f"{m.name} ({m.step})" for m in status.models) or ("none" if server.state == "ok" else "-")
+    models = ", ".join(f"{m.served or m.name} ({m.step})" for m in status.models) or (
+        "none" if server.state == "ok" else "-"
+    )
     return [status.name, status.kind, where, machine.accelerators or "-", uptime_and_cost(machine), health, models]
 
 

@@ -24,9 +24,10 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import TypeAdapter, ValidationError
 
-from art_sky.errors import ArtSkyError, problems
+from art_sky.errors import ArtSkyError, ConflictError, problems
 from art_sky.wire import ChatMessage
 
+from .. import runs
 from ..model_state import ModelState
 from .chat_parameters import honoured_only, refused
 from .gate import DeviceGate
@@ -130,7 +131,10 @@ def resolve(states: dict[str, ModelState], model_id: Any) -> Served:
     if not isinstance(model_id, str) or not model_id:
         raise OpenAIError(400, "the request has no `model`: name a registered model, or `name@step`", param="model")
     name, at, step = model_id.partition("@")
-    state = states.get(name)
+    try:
+        state = runs.find(states, name)
+    except ConflictError as exc:  # a bare name with several runs: which one is not guessed
+        raise OpenAIError(409, str(exc), param="model") from None
     if state is None:
         raise OpenAIError(
             404,

@@ -4,7 +4,8 @@ only line that differs from ART's own is the one marked BACKEND. Python >= 3.12,
 It samples through ART's own client and litellm_completion_params() (which send ART's extra_body: return_token_ids,
 return_tokens_as_token_ids, chat_template_kwargs, nvext), trains with backend.train and ART's newer keywords, logs
 with model.log, records a group the capture way (art.trajectory), samples an older step under exact_adapter_lease,
-prunes checkpoints, runs train_sft, trains a step without a checkpoint, starts a second run_name at step 0, and runs
+prunes checkpoints, runs train_sft, trains a step without a checkpoint, trains a second run_name of the name beside
+the first (from step 0, served apart), and runs
 ART's PipelineTrainer with its eval. It prints what it saw as JSON (the last line) for tests/test_openpipe_art.py.
 """
 
@@ -171,6 +172,15 @@ async def main() -> None:
     result = await backend.train(model, groups, learning_rate=1e-4, save_checkpoint=False)
     seen["unsaved"] = [result.step, result.checkpoint_path]
     seen["get_step"] = await model.get_step()
+
+    second = art.TrainableModel(name="multiply", run_name="run-b", project=PROJECT, base_model="art-sky/tiny")
+    await second.register(backend)  # a second run of the name, beside run-a on the same backend
+    seen["second_run"] = [second.get_inference_name(), await second.get_step()]
+    result = await backend.train(second, await groups_of(second), learning_rate=1e-4)
+    completion = await second.openai_client().chat.completions.create(
+        model=second.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    seen["runs_apart"] = [result.step, await model.get_step(), model.get_inference_name(), completion.model]
     await backend.close()
 
     backend = art_sky.LocalBackend()  # BACKEND
