@@ -1,4 +1,4 @@
-"""`art-sky dashboard`: a run's charts in the browser, live while it trains, from its files alone (art_sky/dashboard)."""
+"""`art-sky dashboard`: a run's charts in the browser, live while it trains, from its files (art_sky/dashboard)."""
 
 from __future__ import annotations
 

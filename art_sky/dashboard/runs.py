@@ -29,8 +29,13 @@ class Run:
     problems: list[str] = field(default_factory=list)
 
     def wire(self) -> dict:
-        return {"id": self.id, "project": self.project, "name": self.name, "entries": self.entries,
-                "problems": self.problems}
+        return {
+            "id": self.id,
+            "project": self.project,
+            "name": self.name,
+            "entries": self.entries,
+            "problems": self.problems,
+        }
 
 
 def history_files(root: Path) -> list[Path]:
@@ -74,7 +79,9 @@ def _entry(line: str) -> dict | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("step"), int):
         return None
-    kept = {k: v for k, v in value.items() if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+    kept = {
+        k: v for k, v in value.items() if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
     if isinstance(value.get("recorded_at"), str):
         kept["recorded_at"] = value["recorded_at"]
     return kept

@@ -71,15 +71,18 @@ def _handler(dashboard: Dashboard) -> Callable[..., BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "art-sky-dashboard"
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        def log_message(self, format: str, *args: object) -> None:
             log.debug("%s %s", self.address_string(), format % args)
 
-        def do_GET(self) -> None:  # noqa: N802 (the base class's name)
+        def do_GET(self) -> None:
             url = urlsplit(self.path)
             token = parse_qs(url.query).get("token", [""])[0]
             if not hmac.compare_digest(token.encode(), dashboard.token.encode()):
-                self._send(HTTPStatus.FORBIDDEN, "text/plain", b"403: this dashboard needs the token its URL has "
-                           b"(art-sky dashboard prints the URL)\n")
+                self._send(
+                    HTTPStatus.FORBIDDEN,
+                    "text/plain",
+                    b"403: this dashboard needs the token its URL has (art-sky dashboard prints the URL)\n",
+                )
             elif url.path == "/":
                 self._send(HTTPStatus.OK, "text/html", _page(dashboard.token))
             elif url.path == "/api/runs":

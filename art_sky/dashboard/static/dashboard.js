@@ -8,6 +8,7 @@ const CHARTS = [
   { id: "loss", key: "train/loss" },
   { id: "wall", key: "time/step_wall_s" },
 ];
+const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];  // steps are whole
 const runs = new Map();  // id -> {id, project, name, entries, problems}
 const plots = {};  // chart id -> {plot, layout}
 let rootError = null;
@@ -72,6 +73,8 @@ function renderPicker(shown) {
 
 function esc(text) { return String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`); }
 
+function short(v) { return v === 0 ? "0" : String(Number(v.toPrecision(3))); }  // 1e-8, not "-0"
+
 function fmt(v, digits = 3) { return v === undefined ? "–" : Number(v).toFixed(digits); }
 
 function renderLatest(shown) {
@@ -101,8 +104,8 @@ function renderChart(chart, shown) {
       const sd = steps.map((e) => e[chart.spread]);
       tables.push([xs, mean, mean.map((m, i) => m + sd[i]), mean.map((m, i) => m - sd[i])]);
       const at = series.length;
-      series.push({ label: `${id} +std`, stroke: "transparent", show: true, legend: false },
-                  { label: `${id} −std`, stroke: "transparent", show: true, legend: false });
+      series.push({ label: `${id} +std`, stroke: "transparent", class: "spread" },
+                  { label: `${id} −std`, stroke: "transparent", class: "spread" });
       bands.push({ series: [at, at + 1], fill: color(id) + "33" });
     } else {
       tables.push([xs, mean]);
@@ -110,6 +113,7 @@ function renderChart(chart, shown) {
   }
   const el = document.getElementById(`chart-${chart.id}`);
   el.dataset.points = points;
+  el.querySelector("h3").dataset.empty = points ? "" : ` (none yet: no step has ${chart.key})`;
   const data = tables.length ? uPlot.join(tables) : [[]];
   const layout = series.map((s) => s.label).join("|");
   const old = plots[chart.id];
@@ -118,7 +122,7 @@ function renderChart(chart, shown) {
   const opts = {
     width: Math.max(300, el.clientWidth - 20), height: 220, series, bands,
     scales: { x: { time: false } }, legend: { show: true },
-    axes: [{ label: "training step" }, {}],
+    axes: [{ label: "training step", incrs: STEP_INCRS }, { values: (u, ticks) => ticks.map(short), size: 60 }],
   };
   plots[chart.id] = { plot: new uPlot(opts, data, el), layout };
 }
