@@ -9,6 +9,7 @@ shows them); otherwise to the test's temporary folder."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -23,6 +24,7 @@ import pytest
 from conftest import API_KEY, app_client, train_lines
 from loop import trajectory
 
+from art_sky.cluster import rollouts
 from art_sky.dashboard import Dashboard, open_dashboard
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
@@ -62,9 +64,11 @@ class Training:
             choices = response.json()["choices"]
             rewards = [0.1 * self.steps + 0.2 * seed + 0.3 * (i % 2) for i in range(len(choices))]  # a climb
             groups.append({"trajectories": [trajectory(c, r) for c, r in zip(choices, rewards, strict=True)]})
+        groups.append({"trajectories": [trajectory(c, 0.5) for c in choices[:2]]})  # equal rewards: left out
         status, lines = await train_lines(self.client, "tiny", {"groups": groups})
         assert status == 200 and lines[-1]["type"] == "result", lines
         self.steps += 1
+        rollouts.flush()  # its rollouts line, written after the step by the server's background writer
 
     async def stop(self) -> None:
         await self.stack.aclose()
@@ -132,6 +136,37 @@ async def test_the_reward_chart_gains_each_steps_point_as_the_step_ends(training
     assert await page.locator("#chart-reward canvas").count() == 1  # uPlot drew it
     assert await page.is_hidden("#error") and await page.is_hidden("#problems")
     await page.screenshot(path=str(screenshots / "overview.png"), full_page=True)
+    await page.close()
+
+
+@pytest.mark.slow
+async def test_a_steps_rollouts_show_its_groups_and_a_trajectorys_conversation(
+    training, dashboard, browser, screenshots
+):
+    lines = [json.loads(line) for line in (training.root / "watch/models/tiny/rollouts.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    first, _, equal = lines[1]["groups"]
+    assert equal["skipped"] == "its rewards are all equal: nothing to learn"
+    assert [t["advantage"] for t in equal["trajectories"]] == [None, None]
+    assert [t["advantage"] > 0 for t in first["trajectories"]] == [t["reward"] > 0.41 for t in first["trajectories"]]
+    assert first["trajectories"][0]["messages"][0] == {"role": "user", "content": "hi"}
+    assert first["trajectories"][0]["messages"][1]["role"] == "assistant"
+    page = await browser.new_page(viewport={"width": 1100, "height": 900})
+    await page.goto(dashboard.url)
+    await page.click("#steps a[data-step='2']")
+    await page.wait_for_selector("#step-view .group")
+    assert await page.locator("#step-view .group").count() == 3
+    assert "left out: its rewards are all equal" in await page.inner_text("#step-view .group[data-group='2'] h3")
+    best = page.locator("#step-view .group[data-group='0'] details").first  # sorted by reward, best first
+    assert "advantage 1.000" in await best.inner_text()  # (r - mean) / std: +1 for the better half
+    await best.locator("summary").click()
+    turns = best.locator(".turn")
+    assert await turns.count() == 2 and (await turns.nth(0).inner_text()).split() == ["user", "hi"]
+    assert "step=2" in page.url  # the view is a link
+    await page.screenshot(path=str(screenshots / "step.png"), full_page=True)
+    await page.goto(dashboard.url + "#run=watch/tiny&step=99")
+    await page.wait_for_selector("#step-error")
+    assert "has no line for step 99" in await page.inner_text("#step-error")
     await page.close()
 
 

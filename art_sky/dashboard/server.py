@@ -87,6 +87,8 @@ def _handler(dashboard: Dashboard) -> Callable[..., BaseHTTPRequestHandler]:
                 self._send(HTTPStatus.OK, "text/html", _page(dashboard.token))
             elif url.path == "/api/runs":
                 self._send(HTTPStatus.OK, "application/json", json.dumps(runs.read_root(dashboard.root)).encode())
+            elif url.path == "/api/rollouts":
+                self._rollouts(parse_qs(url.query))
             elif url.path == "/api/events":
                 self._events()
             elif url.path.startswith("/static/") and url.path.removeprefix("/static/") in STATIC:
@@ -103,6 +105,14 @@ def _handler(dashboard: Dashboard) -> Callable[..., BaseHTTPRequestHandler]:
             self.send_header("Referrer-Policy", "no-referrer")  # the token stays out of other sites' logs
             self.end_headers()
             self.wfile.write(body)
+
+        def _rollouts(self, query: dict[str, list[str]]) -> None:
+            run, step = query.get("run", [""])[0], query.get("step", [""])[0]
+            if not step.isdigit():
+                body = {"groups": [], "error": f"step must be a whole number, not {step!r}"}
+            else:
+                body = runs.read_rollouts(dashboard.root, run, int(step), full="full" in query)
+            self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
 
         def _events(self) -> None:
             """Each change of the runs' files as one `runs` event: per run, the lines from `start` on (the

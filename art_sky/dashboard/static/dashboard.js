@@ -15,8 +15,10 @@ let rootError = null;
 
 function api(path) { return `${path}?token=${encodeURIComponent(TOKEN)}`; }
 
+function view() { return new URLSearchParams(location.hash.slice(1)); }
+
 function selected() {
-  const hash = new URLSearchParams(location.hash.slice(1)).get("runs");
+  const hash = view().get("runs");
   const ids = hash ? hash.split(",").filter((id) => runs.has(id)) : [];
   return ids.length ? ids : [...runs.keys()];
 }
@@ -50,7 +52,64 @@ function render() {
   const shown = selected();
   renderPicker(shown);
   renderLatest(shown);
-  for (const chart of CHARTS) renderChart(chart, shown);
+  renderSteps(shown);
+  const stepShown = view().has("step");
+  document.getElementById("overview").hidden = stepShown;
+  document.getElementById("step-view").hidden = !stepShown;
+  if (!stepShown) for (const chart of CHARTS) renderChart(chart, shown);
+}
+
+function link(params) {
+  const next = view();
+  for (const [key, value] of Object.entries(params)) value === null ? next.delete(key) : next.set(key, value);
+  return `#${next.toString()}`;
+}
+
+function renderSteps(shown) {  // each run's steps, newest first, each a link to its rollouts
+  document.getElementById("steps").innerHTML = shown.map((id) => {
+    const steps = trainingSteps(runs.get(id).entries).reverse();
+    return `<p>steps of ${esc(id)}: ` + steps.map((e) =>
+      `<a href="${esc(link({ run: id, step: e.step }))}" data-step="${e.step}">${e.step}</a>`).join("") + "</p>";
+  }).join("");
+}
+
+async function showStep() {
+  const params = view(), box = document.getElementById("step-view");
+  if (!params.has("step")) return;
+  const run = params.get("run"), step = params.get("step");
+  const back = `<p><a href="${esc(link({ run: null, step: null, full: null }))}">← all steps</a></p>`;
+  box.innerHTML = back + `<h2>step ${esc(step)} of ${esc(run)}</h2><p>loading…</p>`;
+  let data;
+  try {
+    const full = params.has("full") ? "&full=1" : "";
+    const response = await fetch(`${api("/api/rollouts")}&run=${encodeURIComponent(run)}&step=${encodeURIComponent(step)}${full}`);
+    data = await response.json();
+  } catch (e) {
+    data = { groups: [], error: `the dashboard is not answering (${e.message})` };
+  }
+  const problems = (data.problems || []).map((p) => `<div class="message warn">${esc(p)}</div>`).join("");
+  const error = data.error ? `<div class="message" id="step-error">${esc(data.error)}</div>` : "";
+  box.innerHTML = back + `<h2>step ${esc(step)} of ${esc(run)}</h2>` + error + problems +
+    data.groups.map(renderGroup).join("");
+}
+
+function renderGroup(group, g) {
+  const order = group.trajectories.map((t, i) => [t, i]).sort((a, b) => b[0].reward - a[0].reward);
+  return `<div class="group" data-group="${g}"><h3>group ${g}` +
+    (group.skipped ? ` <span class="skip">left out: ${esc(group.skipped)}</span>` : "") + "</h3>" +
+    order.map(([t, i]) => `<details class="trajectory" data-trajectory="${i}"><summary>trajectory ${i}: ` +
+      `reward ${fmt(t.reward)}, advantage ${t.advantage === null ? "–" : fmt(t.advantage)}` +
+      (t.skipped ? ` <span class="skip">left out: ${esc(t.skipped)}</span>` : "") + "</summary>" +
+      t.messages.map(renderTurn).join("") + "</details>").join("") + "</div>";
+}
+
+function renderTurn(m) {
+  const text = typeof m.content === "string" ? m.content : m.content ? JSON.stringify(m.content) : "";
+  const cut = m.cut ? ` <a href="${esc(link({ full: 1 }))}">… ${m.cut} characters: show all</a>` : "";
+  return `<div class="turn" data-role="${esc(m.role)}"><span class="role">${esc(m.role)}</span>\n` +
+    (m.reasoning_content ? `<span class="reasoning">reasoning: ${esc(m.reasoning_content)}</span>\n` : "") +
+    esc(text) + cut + (m.tool_calls ? `\n<span class="role">tool calls</span> ${esc(JSON.stringify(m.tool_calls))}` : "") +
+    "</div>";
 }
 
 function renderPicker(shown) {
@@ -151,6 +210,10 @@ async function start() {
   events.onerror = () => status("lost", "the dashboard is not answering: showing what it last sent");
 }
 
-window.addEventListener("hashchange", () => { for (const id in plots) { plots[id].plot.destroy(); delete plots[id]; } render(); });
+window.addEventListener("hashchange", () => {
+  for (const id in plots) { plots[id].plot.destroy(); delete plots[id]; }
+  render();
+  showStep();
+});
 window.addEventListener("resize", () => { for (const id in plots) plots[id].plot.setSize({ width: Math.max(300, document.getElementById(`chart-${id}`).clientWidth - 20), height: 220 }); });
-start();
+start().then(showStep);
