@@ -29,9 +29,6 @@ from art_sky.dashboard import Dashboard, open_dashboard
 from art_sky.errors import ConfigError
 from art_sky.settings import Settings
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("chromium") is None, reason="Debian's chromium is not installed (tests/setup/60-chromium.sh)"
-)
 MODEL = {"name": "tiny", "project": "watch", "base_model": "art-sky/tiny"}
 SHOWN_S = 5.0  # a step's point is on the page this soon after its line is written (the page's watch is 0.5 s)
 
@@ -91,6 +88,8 @@ def dashboard(training):
 
 @pytest.fixture(scope="module")
 async def browser():
+    if shutil.which("chromium") is None:
+        pytest.skip("Debian's chromium is not installed (tests/setup/60-chromium.sh installs it)")
     from playwright.async_api import async_playwright
 
     async with async_playwright() as playwright:
@@ -259,3 +258,40 @@ def test_the_cli_prints_its_url_and_serves_it(tmp_path):
 def test_a_port_taken_is_said_with_what_to_do(dashboard, tmp_path):
     with pytest.raises(ConfigError, match=f"could not listen on 127.0.0.1:{dashboard.port} .*--port"):
         open_dashboard(tmp_path, port=dashboard.port)
+
+
+def test_a_steps_rollouts_cut_by_a_crash_and_a_huge_message_are_said_and_cut(tmp_path):
+    from art_sky.dashboard.rollouts import SHOWN_CHARS, read_rollouts
+
+    folder = tmp_path / "p" / "models" / "m"
+    folder.mkdir(parents=True)
+    huge = "x" * (SHOWN_CHARS + 10)
+    line = {
+        "step": 1,
+        "groups": [
+            {
+                "skipped": None,
+                "trajectories": [
+                    {"reward": 1.0, "advantage": 1.0, "messages": [{"role": "assistant", "content": huge}]},
+                    "not a trajectory",
+                ],
+            }
+        ],
+    }
+    (folder / "rollouts.jsonl").write_text(json.dumps(line) + '\n{"step": 2, "groups": [{"traj')
+    shown = read_rollouts(tmp_path, "p/m", 1)
+    [message] = shown["groups"][0]["trajectories"][0]["messages"]
+    assert len(message["content"]) == SHOWN_CHARS and message["cut"] == SHOWN_CHARS + 10
+    assert len(shown["groups"][0]["trajectories"]) == 1  # the malformed one left out, not a crash
+    assert (
+        read_rollouts(tmp_path, "p/m", 1, full=True)["groups"][0]["trajectories"][0]["messages"][0]["content"] == huge
+    )
+    cut = read_rollouts(tmp_path, "p/m", 2)
+    assert cut["groups"] == [] and "the last line of" in cut["error"] and "is cut" in cut["error"]
+    assert "no run" in read_rollouts(tmp_path, "../etc", 1)["error"]
+
+
+def test_a_rollouts_line_that_cannot_be_written_is_a_warning_not_a_failed_step(tmp_path, caplog):
+    rollouts.append_later(tmp_path / "gone", 7, {"groups": []})
+    rollouts.flush()
+    assert "rollouts of step 7 not written" in caplog.text

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from art_sky.layout import HISTORY, ROLLOUTS
+from art_sky.layout import HISTORY
 
 RUN_GLOB = f"*/models/*/{HISTORY}"  # a checkpoint root's models: <root>/<project>/models/<name>/history.jsonl
 
@@ -115,60 +115,3 @@ def signature(root: Path) -> tuple:
             continue
         marks.append((str(path), stat.st_size, stat.st_mtime_ns))
     return tuple(marks)
-
-
-SHOWN_CHARS = 4000  # of a message's text on the page; the rest on demand (`full`)
-
-
-def read_rollouts(root: Path, run_id: str, step: int, full: bool = False) -> dict:
-    """Step `step`'s groups from run `run_id`'s rollouts.jsonl (its last line for the step), each message's text
-    cut to SHOWN_CHARS unless `full`; `error` says why there are none."""
-    project, _, name = run_id.partition("/")
-    path = root / project / "models" / name / ROLLOUTS
-    if not name or "/" in name or ".." in (project, name) or not (root / project / "models" / name).is_dir():
-        return {"step": step, "groups": [], "error": f"no run {run_id!r} under {root}"}
-    try:
-        lines = path.read_text(errors="replace").split("\n")
-    except FileNotFoundError:
-        return {
-            "step": step,
-            "groups": [],
-            "error": f"{path} does not exist: the server that trained this run kept "
-            "no rollouts (an older art-sky, or SFT steps only)",
-        }
-    except OSError as exc:
-        return {"step": step, "groups": [], "error": f"{path} could not be read ({exc.strerror or exc})"}
-    found, problems = None, []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except ValueError:
-            last = number == len(lines)
-            problems.append(
-                f"the last line of {path} is cut (the run stopped while writing it)"
-                if last
-                else f"line {number} of {path} is not JSON: left out"
-            )
-            continue
-        if isinstance(value, dict) and value.get("step") == step:
-            found = value
-    if found is None:
-        return {
-            "step": step,
-            "groups": [],
-            "problems": problems,
-            "error": f"{path} has no line for step {step}" + (": " + "; ".join(problems) if problems else ""),
-        }
-    groups = found.get("groups")
-    if not isinstance(groups, list):
-        groups = []
-    if not full:
-        for group in groups:
-            for trajectory in group.get("trajectories", []):
-                for message in trajectory.get("messages", []):
-                    text = message.get("content")
-                    if isinstance(text, str) and len(text) > SHOWN_CHARS:
-                        message["content"], message["cut"] = text[:SHOWN_CHARS], len(text)
-    return {"step": step, "groups": groups, "problems": problems, "error": None}

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from . import runs
+from . import rollouts, runs
 
 log = logging.getLogger("art_sky.dashboard")
 
@@ -72,9 +72,19 @@ def _handler(dashboard: Dashboard) -> Callable[..., BaseHTTPRequestHandler]:
         server_version = "art-sky-dashboard"
 
         def log_message(self, format: str, *args: object) -> None:
-            log.debug("%s %s", self.address_string(), format % args)
+            log.debug("%s %s", self.command, self.path.split("?")[0])  # never the token
 
         def do_GET(self) -> None:
+            try:
+                self._get()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the page went away
+            except Exception as exc:  # a bug: the page says so in one line, the traceback goes to the log
+                log.exception("the dashboard failed answering %s", self.path.split("?")[0])
+                message = f"500: the dashboard failed ({type(exc).__name__}: {exc}); art-sky --verbose shows why\n"
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "text/plain", message.encode())
+
+        def _get(self) -> None:
             url = urlsplit(self.path)
             token = parse_qs(url.query).get("token", [""])[0]
             if not hmac.compare_digest(token.encode(), dashboard.token.encode()):
@@ -111,7 +121,7 @@ def _handler(dashboard: Dashboard) -> Callable[..., BaseHTTPRequestHandler]:
             if not step.isdigit():
                 body = {"groups": [], "error": f"step must be a whole number, not {step!r}"}
             else:
-                body = runs.read_rollouts(dashboard.root, run, int(step), full="full" in query)
+                body = rollouts.read_rollouts(dashboard.root, run, int(step), full="full" in query)
             self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
 
         def _events(self) -> None:
