@@ -1,15 +1,17 @@
 """Each step's rollouts beside its history (`rollouts.jsonl`, a line per committed GRPO step): its groups'
 conversations, rewards, advantages and why a group or trajectory was left out, for the dashboard's step view.
 
-The line is built while the step is prepared (a worker thread, from the request the server parsed anyway) and
-appended by one background writer thread after the step commits: never on the step's path, in step order, and a
-failed write is a warning, never a failed step. A crash mid-write cuts the last line only (the dashboard says so).
+Preparing the step notes each trajectory's advantage or skip reason (`Outcomes`); after the step commits one
+background writer thread builds the line from the parsed request and those notes and appends it: never on the
+step's path, in step order, and a failed write is a warning, never a failed step. A crash mid-write cuts the last
+line only (the dashboard says so).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,17 +62,20 @@ def step_line(body: TrainRequest, outcomes: Outcomes) -> dict:
     return {"groups": groups}
 
 
-def append_later(model_dir: Path, step: int, line: dict) -> None:
-    """Append step `step`'s line to the model's rollouts.jsonl in the background."""
-    _writer.submit(_append, model_dir / ROLLOUTS, {"step": step} | line)
+def append_later(model_dir: Path, step: int, line: Callable[[], dict]) -> None:
+    """Build step `step`'s line (`line()`) and append it to the model's rollouts.jsonl, in the background."""
+    _writer.submit(_append, model_dir / ROLLOUTS, step, line)
 
 
-def _append(path: Path, line: dict) -> None:
+def _append(path: Path, step: int, line: Callable[[], dict]) -> None:
     try:
+        text = json.dumps({"step": step} | line()) + "\n"
         with open(path, "a") as handle:
-            handle.write(json.dumps(line) + "\n")
+            handle.write(text)
     except OSError as exc:  # the dashboard's data, not the run's: training goes on
-        log.warning("rollouts of step %d not written to %s (%s)", line["step"], path, exc.strerror or exc)
+        log.warning("rollouts of step %d not written to %s (%s)", step, path, exc.strerror or exc)
+    except Exception:  # a bug here must not reach the step either; the log has the traceback
+        log.exception("rollouts of step %d not written to %s", step, path)
 
 
 def flush() -> None:

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -471,7 +472,7 @@ def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer |
     named = prepared.skipped[:_LOGGED_SKIPS]
     if len(prepared.skipped) > _LOGGED_SKIPS:
         named.append(f"... and {len(prepared.skipped) - _LOGGED_SKIPS} more")
-    line = rollouts.step_line(body, outcomes)
+    line = partial(rollouts.step_line, body, outcomes)  # built by the rollouts writer, after the step
     return StepPlan("train", train, named, saved=body.save_checkpoint, rollouts=line)
 
 

@@ -63,7 +63,8 @@ class StepPlan:
     train: Callable[[Progress], tuple[dict[str, float], list[dict[str, float]]]]
     skipped: list[str] = field(default_factory=list)
     saved: bool = True  # False (ART's save_checkpoint=False): served, not a resume point
-    rollouts: dict | None = None  # the step's rollouts.jsonl line (cluster/rollouts.py), written after its commit
+    rollouts: Callable[[], dict] | None = None  # the step's rollouts.jsonl line (cluster/rollouts.py), built and
+    # written by a background thread after the commit
 
 
 def step_seed(step: int) -> int:

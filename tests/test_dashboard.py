@@ -251,6 +251,7 @@ def test_the_cli_prints_its_url_and_serves_it(tmp_path):
             url = line.split(": ", 1)[1].strip()
             assert url.startswith("http://127.0.0.1:") and "?token=" in url, line
             assert get(url)[0] == 200
+            assert "is not a run folder" in cli.stdout.readline()  # an empty folder: said here and on the page
         finally:
             cli.terminate()
 
@@ -292,6 +293,6 @@ def test_a_steps_rollouts_cut_by_a_crash_and_a_huge_message_are_said_and_cut(tmp
 
 
 def test_a_rollouts_line_that_cannot_be_written_is_a_warning_not_a_failed_step(tmp_path, caplog):
-    rollouts.append_later(tmp_path / "gone", 7, {"groups": []})
+    rollouts.append_later(tmp_path / "gone", 7, lambda: {"groups": []})
     rollouts.flush()
     assert "rollouts of step 7 not written" in caplog.text

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from art_sky.dashboard import Dashboard, open_dashboard
+from art_sky.dashboard.runs import read_root
 
 from .errors import console
 
@@ -22,6 +23,9 @@ def dashboard(
     its URL. It reads the run's files, so a finished or crashed run shows as it was left. Ctrl-C stops it."""
     served: Dashboard = open_dashboard(path, port=port)
     console.print(f"dashboard of {path.resolve()}: {served.url}", markup=False, highlight=False, soft_wrap=True)
+    problem = read_root(path)["error"]  # the page says it too, and updates once a run's first step ends
+    if problem:
+        console.print(f"note: {problem}", markup=False, highlight=False, soft_wrap=True)
     if browser and not webbrowser.open(served.url):
         console.print("(no browser found here: open the URL above)", markup=False, highlight=False)
     try:
