@@ -296,3 +296,27 @@ def test_a_rollouts_line_that_cannot_be_written_is_a_warning_not_a_failed_step(t
     rollouts.append_later(tmp_path / "gone", 7, lambda: {"groups": []})
     rollouts.flush()
     assert "rollouts of step 7 not written" in caplog.text
+
+
+def test_the_events_send_what_was_appended_all_of_a_rewritten_run_and_which_runs_are_gone():
+    from art_sky.dashboard.server import _changes
+
+    def root(*runs: tuple[str, list[int]]) -> dict:
+        entries = {name: [{"step": s, "train/reward": s / 10} for s in steps] for name, steps in runs}
+        return {
+            "root": "r",
+            "error": None,
+            "runs": [{"id": n, "entries": e, "problems": []} for n, e in entries.items()],
+        }
+
+    seen: dict = {}
+    first = _changes(root(("p/a", [1, 2]), ("p/b", [1])), seen)
+    assert [(r["id"], r["start"], len(r["entries"])) for r in first["runs"]] == [("p/a", 0, 2), ("p/b", 0, 1)]
+    appended = _changes(root(("p/a", [1, 2, 3]), ("p/b", [1])), seen)
+    assert [(r["id"], r["start"], [e["step"] for e in r["entries"]]) for r in appended["runs"]] == [("p/a", 2, [3])]
+    rewritten = _changes(root(("p/a", [1]), ("p/b", [1])), seen)  # steps set aside by a resume
+    assert [(r["id"], r["start"], len(r["entries"])) for r in rewritten["runs"]] == [("p/a", 0, 1)]
+    gone = _changes(root(("p/a", [1])), seen)
+    assert gone["runs"] == [] and gone["ids"] == ["p/a"]
+    back = _changes(root(("p/a", [1]), ("p/b", [1])), seen)
+    assert [(r["id"], r["start"]) for r in back["runs"]] == [("p/b", 0)]

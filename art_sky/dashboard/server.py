@@ -158,7 +158,8 @@ def _handler(dashboard: Dashboard) -> Callable[..., BaseHTTPRequestHandler]:
 
 def _changes(root: dict, seen: dict[str, dict]) -> dict:
     """What a page that has `seen` (updated here) lacks of `root`: each changed run with its new lines from
-    `start` (0: all of them, for a run new to the page or whose file was rewritten)."""
+    `start` (0: all of them, for a run new to the page or whose file was rewritten), and every run's id (a run
+    not among them is gone)."""
     changed = []
     for run in root["runs"]:
         before = seen.get(run["id"])
@@ -167,7 +168,10 @@ def _changes(root: dict, seen: dict[str, dict]) -> dict:
         if before != run:
             changed.append(run | {"entries": entries[start:], "start": start})
         seen[run["id"]] = run
-    return {"root": root["root"], "error": root["error"], "runs": changed}
+    ids = [run["id"] for run in root["runs"]]
+    for gone in set(seen) - set(ids):  # its folder removed (a fresh demo run)
+        del seen[gone]
+    return {"root": root["root"], "error": root["error"], "runs": changed, "ids": ids}
 
 
 def _static(name: str) -> bytes:

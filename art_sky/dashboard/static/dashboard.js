@@ -33,6 +33,7 @@ function apply(data, replace) {
   rootError = data.error;
   document.getElementById("root").textContent = data.root;
   if (replace) runs.clear();
+  if (data.ids) for (const id of [...runs.keys()]) if (!data.ids.includes(id)) runs.delete(id);  // removed
   for (const run of data.runs) {
     const old = runs.get(run.id);
     const entries = old && run.start ? old.entries.slice(0, run.start).concat(run.entries) : run.entries;
