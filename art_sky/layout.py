@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 MANIFEST = "manifest.json"
 HISTORY = "history.jsonl"
+ROLLOUTS = "rollouts.jsonl"  # beside it: each GRPO step's groups, rewards, advantages, skip reasons (the dashboard's)
 TRAINING_STATE = "training_state"  # in a step: what an exact resume needs beyond the LoRA (vLLM loads the LoRA alone)
 OPTIMIZER_STATE = f"{TRAINING_STATE}/optimizer.safetensors"
 OPTIMIZER_STATE_PICKLED = f"{TRAINING_STATE}/optimizer.pt"  # torch.save's, in checkpoints written before

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -51,7 +52,7 @@ from art_sky.wire import (
     TrainRequest,
 )
 
-from . import bodies, runs
+from . import bodies, rollouts, runs
 from .activity import ModelActivity, StepTimer
 from .auth import api_key_auth
 from .http_status import error_response
@@ -425,7 +426,8 @@ def _checkpoint_infos(checkpoints: CheckpointDir) -> list[CheckpointInfo]:
 
 def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer | ShardedTrainer) -> StepPlan:
     """A GRPO step's plan: the request's sequences (built here, in a worker thread), trained in one optimizer step."""
-    prepared = _prepare(state, body)
+    outcomes = rollouts.Outcomes()
+    prepared = _prepare(state, body, outcomes)
 
     def train(progress: Progress) -> tuple[dict[str, float], list[dict[str, float]]]:
         if not prepared.sequences:  # nothing to learn
@@ -441,7 +443,8 @@ def _prepare_train(state: ModelState, body: TrainRequest, trainer: PeftTrainer |
     named = prepared.skipped[:_LOGGED_SKIPS]
     if len(prepared.skipped) > _LOGGED_SKIPS:
         named.append(f"... and {len(prepared.skipped) - _LOGGED_SKIPS} more")
-    return StepPlan("train", train, named, saved=body.save_checkpoint)
+    line = partial(rollouts.step_line, body, outcomes)  # built by the rollouts writer, after the step
+    return StepPlan("train", train, named, saved=body.save_checkpoint, rollouts=line)
 
 
 def _optimizer_steps(sequences: list[Sequence], per_step: int | None) -> list[list[Sequence]]:
@@ -515,8 +518,9 @@ class Prepared:
     skipped: list[str]  # "group G, trajectory T: reason", one per trajectory that could not be built
 
 
-def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
+def _prepare(state: ModelState, body: TrainRequest, outcomes: rollouts.Outcomes) -> Prepared:
     """Build every trajectory's sequences; one that cannot be built is skipped and reported, never fails the batch.
+    `outcomes` gets each trajectory's advantage or skip reason (the step's rollouts line).
 
     Advantages are computed among the trajectories of a group that were built, so the trained ones are centred and a
     skipped rollout's reward (often a broken one's) does not shift its group's baseline.
@@ -530,7 +534,7 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
     metric_values: dict[str, list[float]] = {}
     groups_skipped = exact = rerendered = 0
     for g, group in enumerate(body.groups):
-        built: list[tuple[float, Built]] = []
+        built: list[tuple[int, float, Built]] = []
         group_stds.append(statistics.pstdev(t.reward for t in group.trajectories))
         for t, trajectory in enumerate(group.trajectories):
             rewards.append(trajectory.reward)
@@ -539,6 +543,7 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
             try:
                 built.append(
                     (
+                        t,
                         trajectory.reward,
                         build_sequences(
                             tokenizer,
@@ -552,16 +557,22 @@ def _prepare(state: ModelState, body: TrainRequest) -> Prepared:
                 )
             except TokenizationError as exc:
                 skipped.append(f"group {g}, trajectory {t}: {exc}")
+                outcomes.skipped[g, t] = str(exc)
             except Exception as exc:  # a bug here must not cost the batch either; the log has the traceback
                 log.exception("building group %d trajectory %d failed", g, t)
                 skipped.append(f"group {g}, trajectory {t}: could not be built ({exc!r}); see the server log")
+                outcomes.skipped[g, t] = f"could not be built ({exc!r}); see the server log"
         advantages = (
-            group_advantages([reward for reward, _ in built], body.config.scale_rewards) if len(built) >= 2 else None
+            group_advantages([reward for _, reward, _ in built], body.config.scale_rewards) if len(built) >= 2 else None
         )
         if advantages is None:
             groups_skipped += 1
+            outcomes.groups_skipped[g] = (
+                "its rewards are all equal: nothing to learn" if len(built) >= 2 else "fewer than 2 trajectories built"
+            )
             continue
-        for (_, result), advantage in zip(built, advantages, strict=False):
+        for (t, _, result), advantage in zip(built, advantages, strict=False):
+            outcomes.advantages[g, t] = advantage
             if advantage == 0.0:
                 continue
             for sequence in result.sequences:

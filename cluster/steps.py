@@ -34,6 +34,7 @@ from art_sky.checkpoints import StepRecord, history_entry
 from art_sky.errors import ArtSkyError, EngineError
 from art_sky.wire import StepClock, TrainProgress
 
+from . import rollouts
 from .activity import StepTimer, reset_peak_memory, step_metrics
 from .http_status import classify
 from .inference.engine import Engine
@@ -62,6 +63,8 @@ class StepPlan:
     train: Callable[[Progress], tuple[dict[str, float], list[dict[str, float]]]]
     skipped: list[str] = field(default_factory=list)
     saved: bool = True  # False (ART's save_checkpoint=False): served, not a resume point
+    rollouts: Callable[[], dict] | None = None  # the step's rollouts.jsonl line (cluster/rollouts.py), built and
+    # written by a background thread after the commit
 
 
 def step_seed(step: int) -> int:
@@ -349,6 +352,8 @@ class Steps:
                     return
             log.info("committed step %d of %s", result.step, state.name)
             self.on_commit(state)
+            if plan.rollouts is not None and result.step is not None:
+                rollouts.append_later(state.checkpoints.model_dir, result.step, plan.rollouts)
             try:
                 await asyncio.to_thread(state.writer.durable, state.step)  # answered once on disk
             except Exception as exc:  # trained and served, not on disk: the answer says why; a retry writes again

@@ -24,6 +24,7 @@ LAPTOP = (
     "art_sky.clusters",
     "art_sky.provisioners",
     "art_sky.demo",
+    "art_sky.dashboard",
     "paramiko",
     "sky",
 )
@@ -55,6 +56,8 @@ RULES = [
         ("art_sky.backends", "art_sky.cli", "art_sky.ci", "art_sky.client", "art_sky.cluster", "art_sky.clusters"),
     ),
     ("art_sky.backends", ("art_sky.cli", "art_sky.ci", "art_sky.cluster")),
+    # the dashboard reads a run's files: it never asks a server or a backend (it cannot slow training)
+    ("art_sky.dashboard", ("art_sky.backends", "art_sky.cluster", "art_sky.client", "art_sky.remote", "art_sky.cli")),
     # ART's extra names: the judge and the internal config know nothing of backends or the server
     *((extra, LAPTOP + ("art_sky.cluster",)) for extra in ("art_sky.rewards", "art_sky.dev")),
     # the engines' helpers: grammars and tool-call parsing, each its own job, used by the engines, never the reverse

@@ -1,5 +1,5 @@
 """`art-sky`: the command line. Each command wraps the async Python API: clusters (up, down, status, logs, tunnel,
-ssh), checkpoints in the object store, CI jobs, and the demo.
+ssh), checkpoints in the object store, CI jobs, the dashboard and the demo.
 
 Conventions: a cluster command's first argument is the cluster's NAME (`--name` is an alias; default `art`); a
 checkpoints command's are PROJECT [MODEL], since it acts on the object store, which outlives clusters. Errors are
@@ -15,7 +15,7 @@ import typer
 
 import art_sky
 
-from . import checkpoints, ci, clusters, down, plot
+from . import checkpoints, ci, clusters, dashboard, down, plot
 from .conventions import HELP_OPTIONS, Command
 from .errors import ErrorBoundary, console
 
@@ -98,5 +98,6 @@ for command in (clusters.up, down.down, clusters.status, clusters.logs, clusters
     app.command(cls=Command)(command)
 app.command(cls=clusters.CommandAfterDashes)(clusters.ssh)
 app.command(cls=Command)(plot.plot)
+app.command(cls=Command)(dashboard.dashboard)
 app.add_typer(checkpoints.app, name="checkpoints", help="List, pull, push and delete checkpoints in the object store.")
 app.add_typer(ci.app, name="ci")
