@@ -135,7 +135,7 @@ def test_durations():
         parse_duration("0m")
 
 
-def test_the_ci_template_marks_start_and_exit_as_the_runner_reads_them():
+def test_the_ci_template_marks_start_and_exit_as_the_runner_reads_them(tmp_path):
     from art_sky.provisioners.sky_task import CIJobSpec, render_ci_task, validate_task
 
     text = (TEMPLATES / "ci-job.yaml").read_text()
@@ -150,17 +150,23 @@ def test_the_ci_template_marks_start_and_exit_as_the_runner_reads_them():
         autodown_minutes=5,
         secrets={"HF_TOKEN": "hf-secret"},
     )
-    config = validate_task(render_ci_task(spec))
+    config = validate_task(render_ci_task(spec, tmp_path / "secrets.env"))
     task = provisioner.validate(config)  # what SkyPilot made of it
     assert [list(r["accelerators"]) for r in task["resources"]] == [["H100"], ["A100-80GB"]]
     assert all(
         r["use_spot"] and r["autostop"] == {"enabled": True, "idle_minutes": 5, "down": True} for r in task["resources"]
     )
     assert task["envs"]["ART_SKY_CI_COMMAND"] == "pytest -x" and task["envs"]["ART_SKY_CI_TIMEOUT"] == "600"
-    assert config["workdir"] == str(TEMPLATES) and "hf-secret" not in str(task["envs"])
+    assert config["workdir"] == str(TEMPLATES) and "hf-secret" not in str(config) + task["stored"]
+    # --env-file's variables: a 0600 file outside the synced workdir, sourced by setup and run, not task secrets
+    assert task["secrets"] == [] and task["file_mounts"] == {"~/.art-sky-ci/secrets.env": str(tmp_path / "secrets.env")}
+    assert (tmp_path / "secrets.env").read_text() == "HF_TOKEN=hf-secret\n"
+    assert (tmp_path / "secrets.env").stat().st_mode & 0o777 == 0o600
+    sourced = "set -a; . ~/.art-sky-ci/secrets.env; set +a"
+    assert sourced in config["setup"] and sourced in config["run"]
 
 
-def test_gpu_none_runs_on_cpus(project):
+def test_gpu_none_runs_on_cpus(project, tmp_path):
     """`--gpu none` is no accelerator (as for `art-sky up`), not an accelerator named "none"."""
     from art_sky.provisioners.sky_task import render_ci_task
 
@@ -170,7 +176,7 @@ def test_gpu_none_runs_on_cpus(project):
     for gpu in ("none", "None", None):
         spec = ci_spec("true", gpu=gpu, **options)
         assert spec.gpu is None
-        resources = render_ci_task(spec)["resources"]
+        resources = render_ci_task(spec, tmp_path / "secrets.env")["resources"]
         assert "accelerators" not in resources and "ordered" not in resources and resources["cpus"] == "2"
     assert ci_spec("true", gpu="H100,A100-80GB", **options).gpu == ["H100", "A100-80GB"]
     with pytest.raises(ConfigError, match="`none` alone"):
