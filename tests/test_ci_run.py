@@ -367,15 +367,27 @@ def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix
 
 
 @pytest.mark.slow
-def test_sky_sigterm_tears_the_cluster_down(clusters_prefix, project):
+def test_sky_sigterm_tears_the_cluster_down(clusters_prefix, project, tmp_path):
     name = f"{clusters_prefix}-term"
+    token = f"tok-{secrets.token_hex(8)}"
+    (tmp_path / "ci.env").write_text(f"CI_TOKEN={token}\n")
     wait_for_idle_cpus(1)
-    job = Job([*sky_args(name), "--timeout", "6m", "--", "echo go; sleep 600"], project)
+    command = 'echo "go ${#CI_TOKEN}"; sleep 600'  # the command sees the token (its length: the log shows no value)
+    job = Job([*sky_args(name), "--env-file", str(tmp_path / "ci.env"), "--timeout", "6m", "--", command], project)
     try:
-        job.wait_for("command started")
+        job.wait_for(f"go {len(token)}")
         import slurm_harness
 
         assert slurm_harness.slurm_jobs(name)  # the cluster is up now
+        # on the node (this machine): the token only in the 0600 secrets file, in no command line, history or job file
+        (home,) = Path.home().glob(f".sky_clusters/{name}*")
+        secrets_file = home / ".art-sky-ci" / "secrets.env"
+        assert secrets_file.stat().st_mode & 0o777 == 0o600 and token in secrets_file.read_text()
+        for path in [*Path("/proc").glob("[0-9]*/cmdline"), home / ".bash_history", *home.glob(".sky/sky_app/*")]:
+            try:
+                assert token.encode() not in path.read_bytes(), path
+            except OSError:  # a process that ended meanwhile, or no history
+                pass
         job.process.send_signal(signal.SIGTERM)
         assert job.finish() == 143, job.text
     finally:
