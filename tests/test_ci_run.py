@@ -135,7 +135,7 @@ def test_durations():
         parse_duration("0m")
 
 
-def test_the_ci_template_marks_start_and_exit_as_the_runner_reads_them():
+def test_the_ci_template_marks_start_and_exit_as_the_runner_reads_them(tmp_path):
     from art_sky.provisioners.sky_task import CIJobSpec, render_ci_task, validate_task
 
     text = (TEMPLATES / "ci-job.yaml").read_text()
@@ -150,17 +150,23 @@ def test_the_ci_template_marks_start_and_exit_as_the_runner_reads_them():
         autodown_minutes=5,
         secrets={"HF_TOKEN": "hf-secret"},
     )
-    config = validate_task(render_ci_task(spec))
+    config = validate_task(render_ci_task(spec, tmp_path / "secrets.env"))
     task = provisioner.validate(config)  # what SkyPilot made of it
     assert [list(r["accelerators"]) for r in task["resources"]] == [["H100"], ["A100-80GB"]]
     assert all(
         r["use_spot"] and r["autostop"] == {"enabled": True, "idle_minutes": 5, "down": True} for r in task["resources"]
     )
     assert task["envs"]["ART_SKY_CI_COMMAND"] == "pytest -x" and task["envs"]["ART_SKY_CI_TIMEOUT"] == "600"
-    assert config["workdir"] == str(TEMPLATES) and "hf-secret" not in str(task["envs"])
+    assert config["workdir"] == str(TEMPLATES) and "hf-secret" not in str(config) + task["stored"]
+    # --env-file's variables: a 0600 file outside the synced workdir, sourced by setup and run, not task secrets
+    assert task["secrets"] == [] and task["file_mounts"] == {"~/.art-sky-ci/secrets.env": str(tmp_path / "secrets.env")}
+    assert (tmp_path / "secrets.env").read_text() == "HF_TOKEN=hf-secret\n"
+    assert (tmp_path / "secrets.env").stat().st_mode & 0o777 == 0o600
+    sourced = "set -a; . ~/.art-sky-ci/secrets.env; set +a"
+    assert sourced in config["setup"] and sourced in config["run"]
 
 
-def test_gpu_none_runs_on_cpus(project):
+def test_gpu_none_runs_on_cpus(project, tmp_path):
     """`--gpu none` is no accelerator (as for `art-sky up`), not an accelerator named "none"."""
     from art_sky.provisioners.sky_task import render_ci_task
 
@@ -170,7 +176,7 @@ def test_gpu_none_runs_on_cpus(project):
     for gpu in ("none", "None", None):
         spec = ci_spec("true", gpu=gpu, **options)
         assert spec.gpu is None
-        resources = render_ci_task(spec)["resources"]
+        resources = render_ci_task(spec, tmp_path / "secrets.env")["resources"]
         assert "accelerators" not in resources and "ordered" not in resources and resources["cpus"] == "2"
     assert ci_spec("true", gpu="H100,A100-80GB", **options).gpu == ["H100", "A100-80GB"]
     with pytest.raises(ConfigError, match="`none` alone"):
@@ -361,15 +367,27 @@ def test_sky_parallel_jobs_get_their_own_clusters_and_exit_codes(clusters_prefix
 
 
 @pytest.mark.slow
-def test_sky_sigterm_tears_the_cluster_down(clusters_prefix, project):
+def test_sky_sigterm_tears_the_cluster_down(clusters_prefix, project, tmp_path):
     name = f"{clusters_prefix}-term"
+    token = f"tok-{secrets.token_hex(8)}"
+    (tmp_path / "ci.env").write_text(f"CI_TOKEN={token}\n")
     wait_for_idle_cpus(1)
-    job = Job([*sky_args(name), "--timeout", "6m", "--", "echo go; sleep 600"], project)
+    command = 'echo "go ${#CI_TOKEN}"; sleep 600'  # the command sees the token (its length: the log shows no value)
+    job = Job([*sky_args(name), "--env-file", str(tmp_path / "ci.env"), "--timeout", "6m", "--", command], project)
     try:
-        job.wait_for("command started")
+        job.wait_for(f"go {len(token)}")
         import slurm_harness
 
         assert slurm_harness.slurm_jobs(name)  # the cluster is up now
+        # on the node (this machine): the token only in the 0600 secrets file, in no command line, history or job file
+        (home,) = Path.home().glob(f".sky_clusters/{name}*")
+        secrets_file = home / ".art-sky-ci" / "secrets.env"
+        assert secrets_file.stat().st_mode & 0o777 == 0o600 and token in secrets_file.read_text()
+        for path in [*Path("/proc").glob("[0-9]*/cmdline"), home / ".bash_history", *home.glob(".sky/sky_app/*")]:
+            try:
+                assert token.encode() not in path.read_bytes(), path
+            except OSError:  # a process that ended meanwhile, or no history
+                pass
         job.process.send_signal(signal.SIGTERM)
         assert job.finish() == 143, job.text
     finally:

@@ -46,7 +46,7 @@ def test_a_store_configured_only_in_dotenv_is_forwarded(project, monkeypatch):
         "AWS_ACCESS_KEY_ID": "from-environment",
         "AWS_SECRET_ACCESS_KEY": "s",
     }
-    # every backend forwards that same environment (the SkyPilot one as secrets)
+    # every backend forwards that same environment (the SkyPilot one in its 0600 secrets file)
     assert art.SSHBackend("me@127.0.0.1").options.env == env
     assert art.LocalBackend().env == env
     assert "AWS_SECRET_ACCESS_KEY=s" not in repr(Settings())

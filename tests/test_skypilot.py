@@ -14,6 +14,7 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import paramiko
 import pytest
@@ -35,6 +36,8 @@ PREFIX = f"art-sky-test-{secrets.token_hex(3)}"  # every cluster this run launch
 CLUSTER = f"{PREFIX}-api"
 CLI_CLUSTER = f"{PREFIX}-cli"
 API_KEY = secrets.token_urlsafe(24)
+STORE_SECRET = f"store-{secrets.token_hex(12)}"  # a store key from env_path=, as the server's secrets carry it
+CANARY = f"canary-{secrets.token_hex(12)}"  # a plain task env: SkyPilot shows it where task secrets used to show
 LIMIT = 600  # seconds any one step may take before the test fails instead of hanging
 
 
@@ -73,6 +76,27 @@ async def initialize(**kwargs) -> SkyPilotBackend:
         | kwargs
     )
     return await asyncio.wait_for(SkyPilotBackend.initialize_cluster(**arguments), LIMIT)
+
+
+def assert_secrets_only_in_their_file(home: Path, hidden: list[str]) -> None:
+    """On the node (the local Slurm's host0 is this machine): the secrets in no process's command line, no shell
+    history and no SkyPilot job file, only in the server's 0600 secrets file. CANARY, a plain task env, shows in the
+    job file and the history as task secrets did: the search looks where they would be."""
+    commands = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            commands.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # a process that ended meanwhile
+            pass
+    files = [home / ".bash_history", Path.home() / ".bash_history", *(home / ".sky" / "sky_app").glob("sky_job_*")]
+    texts = {str(f): f.read_text(errors="replace") for f in files if f.is_file()}
+    assert any(CANARY in texts.get(str(f), "") for f in files[2:]) and CANARY in texts[str(files[0])], sorted(texts)
+    for secret in hidden:
+        assert not [c for c in commands if secret in c], "a secret in a command line"
+        assert not [f for f, text in texts.items() if secret in text], "a secret in a history or job file"
+    secrets_file = home / "art-sky" / "secrets.env"
+    assert secrets_file.stat().st_mode & 0o777 == 0o600
+    assert all(secret in secrets_file.read_text() for secret in hidden)
 
 
 async def server_jobs() -> list[dict]:
@@ -122,9 +146,12 @@ async def test_an_infra_that_is_not_enabled_says_what_to_run(sky_slurm, prepared
 
 
 @pytest.mark.slow
-async def test_launch_serve_train_reuse_restart_and_down(cluster):
-    backend = await initialize()
+async def test_launch_serve_train_reuse_restart_and_down(cluster, tmp_path):
+    (tmp_path / "store.env").write_text(f"TEST_STORE_SECRET={STORE_SECRET}\n")
+    backend = await initialize(env_path=tmp_path / "store.env", overrides={"envs": {"TEST_CANARY": CANARY}})
+    home = Path(backend.server.layout.run_dir).parent.parent  # the job's HOME (~/.sky_clusters/<name>)
     try:
+        assert_secrets_only_in_their_file(home, [API_KEY, STORE_SECRET])
         # Reached the SkyPilot way: through its ProxyCommand into the Slurm job, the job's HOME set by SetEnv.
         assert backend.target.proxy_command and "slurm-job-ssh-proxy" in backend.target.proxy_command
         assert "/.sky_clusters/" in backend.server.layout.run_dir
@@ -161,6 +188,7 @@ async def test_launch_serve_train_reuse_restart_and_down(cluster):
     restarted = await initialize(force_restart=True)  # a new server job on the same cluster
     try:
         assert restarted.server.pid != first_pid
+        assert_secrets_only_in_their_file(home, [API_KEY])  # `exec` ships no file mounts: sent over SSH's stdin
         (job,) = await server_jobs()
         assert job["job_id"] > first_job["job_id"] and job["status"] == "RUNNING"
         assert slurm_harness.slurm_jobs(CLUSTER) == [slurm_job]

@@ -25,7 +25,7 @@ from art_sky.layout import ServerLayout
 from art_sky.provisioners import sky as provisioner
 from art_sky.provisioners.sky_env import sky_cli
 from art_sky.provisioners.sky_plan import LaunchPlan, chosen_row
-from art_sky.provisioners.sky_task import SERVER_DIR, ClusterSpec, render_task, validate_task
+from art_sky.provisioners.sky_task import SECRETS_FILE, SERVER_DIR, ClusterSpec, render_task, validate_task
 from art_sky.remote.runner import first_line
 from art_sky.remote.wheel import build_wheel
 from art_sky.server_client import ServerClient
@@ -177,7 +177,7 @@ class SkyPilotBackend(SSHBackend):
             resources: more SkyPilot resource fields (`{"disk_size": 512, "cpus": "8+"}`).
             spot: spot instances.
             autostop_minutes: torn down after this many idle minutes; None keeps it up.
-            env_path: a .env file whose variables reach the server as SkyPilot secrets.
+            env_path: a .env file whose variables reach the server in its secrets file (0600 on the node).
             art_sky_version: install that release from PyPI, or build the wheel from that source checkout;
                 default: this client's own build.
             force_restart: replace the server job (a new job on the same cluster).
@@ -186,7 +186,7 @@ class SkyPilotBackend(SSHBackend):
             template: the task YAML to start from (default templates/cluster.yaml).
             overrides: deep-merged into the task last (None deletes a key).
             checkpoint_uri: the object store the server mirrors checkpoints to (default ART_SKY_CHECKPOINT_URI);
-                it and the store credentials set here travel as SkyPilot secrets, and a new cluster resumes from it.
+                it and the store credentials set here travel in the secrets file, and a new cluster resumes from it.
             settings: this process's settings (default: read from the environment and .env).
             num_nodes: nodes of `gpu` each (SkyPilot's multi-node launch): the server on the head, an engine
                 replica on every node, the trainer's ranks over every node's trainer GPUs (ART_SKY_TRAINER_GPUS per
@@ -297,23 +297,39 @@ class SkyPilotBackend(SSHBackend):
         `on_request` gets SkyPilot's launch request id (to cancel it)."""
         if self.spec is None:
             raise ConfigError(f"no task for {self.cluster_name}: use SkyPilotBackend.initialize_cluster(...)")
-        with tempfile.TemporaryDirectory(prefix="art-sky-wheel-") as tmp:
+        # A private folder (0700) for the wheel and the secrets file, which the launch ships and then needs no more
+        with tempfile.TemporaryDirectory(prefix="art-sky-launch-") as tmp:
             spec = self.spec
             if spec.python is None and spec.version is None:
                 wheel = await asyncio.to_thread(build_wheel, Path(tmp), self.source)
                 spec = spec.model_copy(update={"wheel": wheel})
-            task = validate_task(render_task(spec, SecretStr(api_key)))
+            secrets = Path(tmp) / "secrets.env"
+            task = validate_task(render_task(spec, SecretStr(api_key), secrets))
             self.server_job = await provisioner.ensure_server(
                 self.cluster_name,
                 task,
                 force_restart=self.force_restart,
                 timeout=self.settings.server_start_timeout,
+                send_secrets=lambda: self._send_secrets(secrets.read_bytes()),
                 on_request=on_request,
             )
         self.target = await provisioner.ssh_target(self.cluster_name)
 
         home = await asyncio.to_thread(self.machine_runner().run, f'echo "$HOME/{SERVER_DIR}"', timeout=30)
         return ServerLayout.under(home.stdout.strip())
+
+    async def _send_secrets(self, text: bytes) -> None:
+        """The secrets file onto the UP cluster, as a launch's file mount would put it: through SSH's stdin into a
+        file made 0600 (umask 077), never on a command line."""
+        self.target = await provisioner.ssh_target(self.cluster_name)
+        new = f"{SECRETS_FILE}.new"
+        script = f"umask 077 && mkdir -p ~/{SERVER_DIR} && cat > {new} && mv -f {new} {SECRETS_FILE}"
+
+        def send() -> None:
+            with self.runner() as runner:
+                runner.run(script, stdin=text, timeout=60)
+
+        await asyncio.to_thread(send)
 
     async def launch_plan(self) -> LaunchPlan | None:
         """What starting this backend would rent (the ask, SkyPilot's choice and its price), or None where nothing
@@ -322,8 +338,9 @@ class SkyPilotBackend(SSHBackend):
             return None
         # The optimizer reads the resources only: no wheel built, no secret sent, a placeholder install.
         spec = self.spec.model_copy(update={"secrets": {}, "python": self.spec.python or "python3"})
-        task = await asyncio.to_thread(validate_task, render_task(spec, SecretStr("unused")))
-        table = await provisioner.plan(self.cluster_name, task)
+        with tempfile.TemporaryDirectory(prefix="art-sky-plan-") as tmp:
+            task = await asyncio.to_thread(validate_task, render_task(spec, SecretStr("unused"), Path(tmp) / "s.env"))
+            table = await provisioner.plan(self.cluster_name, task)
         gpus = [spec.gpu] if isinstance(spec.gpu, str) else spec.gpu
         return LaunchPlan(
             cluster=self.cluster_name,

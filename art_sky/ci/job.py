@@ -225,7 +225,8 @@ class SkyPilotRunner:
         self.spec = spec
         self.where = f"SkyPilot cluster {name}" + (f" ({spec.infra})" if spec.infra else "")
         self.accelerator = "-"
-        self._task = validate_task(render_ci_task(spec))  # refuse a bad spec before anything is launched
+        with tempfile.TemporaryDirectory(prefix="art-sky-ci-") as tmp:  # refuse a bad spec before launching
+            validate_task(render_ci_task(spec, Path(tmp) / "secrets.env"))
         self._request_id: str | None = None
         self._launched = threading.Event()
         self._launched_job: provisioner.Launched | None = None
@@ -234,7 +235,9 @@ class SkyPilotRunner:
         def requested(request_id: str) -> None:
             self._request_id = request_id
 
-        launched = self._launched_job = asyncio.run(provisioner.launch_job(self.name, self._task, out, requested))
+        with tempfile.TemporaryDirectory(prefix="art-sky-ci-") as tmp:  # private: the secrets file, until shipped
+            task = render_ci_task(self.spec, Path(tmp) / "secrets.env")
+            launched = self._launched_job = asyncio.run(provisioner.launch_job(self.name, task, out, requested))
         self._launched.set()
         self.accelerator = launched.accelerator
         out.note(f"launched; accelerator {self.accelerator}, job {launched.job_id}")

@@ -154,7 +154,7 @@ def up(
     memory: str | None = typer.Option(None, help="memory in GB, e.g. 16 or 32+", rich_help_panel=SKY),
     env_file: Path | None = typer.Option(
         None,
-        help="a .env file whose variables reach the server as SkyPilot secrets (object store keys)",
+        help="a .env file whose variables reach the server in a 0600 file (object store keys)",
         rich_help_panel=SKY,
     ),
     key: Path | None = typer.Option(

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -205,11 +205,13 @@ async def ensure_server(
     *,
     force_restart: bool,
     timeout: float,
+    send_secrets: Callable[[], Awaitable[None]],
     on_request: Callable[[str], None] | None = None,
 ) -> int:
     """Launch the cluster with the server task, or on an UP cluster make sure the server job runs (a new one on
-    `force_restart`); return the job's id once it runs. `on_request` gets the launch request's id (to cancel
-    it)."""
+    `force_restart`); return the job's id once it runs. `send_secrets` puts the task's secrets file on the UP
+    cluster before a new job starts there (`exec` ships no file mounts). `on_request` gets the launch request's id
+    (to cancel it)."""
     await check_infra(task)
     if await cluster_status(cluster_name) != "UP":
         if task.get("num_nodes", 1) > 1:  # a node lost on the way leaves the others billing: tear them all down
@@ -239,6 +241,7 @@ async def ensure_server(
                     cluster=cluster_name,
                     job_ids=[j["job_id"] for j in jobs],
                 )
+            await send_secrets()  # a restart may bring a new key
             job_id = (await _call(f"start the server on {cluster_name}", "exec", config=task, cluster=cluster_name))[
                 "job_id"
             ]

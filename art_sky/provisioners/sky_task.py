@@ -6,6 +6,9 @@ SkyPilot task YAML that `sky launch` accepts as it is; rendering only sets field
 from __future__ import annotations
 
 import copy
+import os
+import re
+import shlex
 from importlib import resources as package_files
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,11 @@ from art_sky.errors import ConfigError
 
 SERVER_DIR = "art-sky"  # the server's directory under the job's HOME (run/, art/, venv/): templates/cluster.yaml
 WHEEL_DIR = f"~/{SERVER_DIR}/dist"  # where the shipped wheel lands on the cluster (the template's setup reads it)
+# Where the server's secrets land on the cluster (templates/cluster.yaml's scripts source it): a file, not SkyPilot
+# task secrets, which show in the node's process command lines, its shell history and SkyPilot's job file.
+SECRETS_FILE = f"~/{SERVER_DIR}/secrets.env"
+CI_SECRETS_FILE = "~/.art-sky-ci/secrets.env"  # a CI job's --env-file (templates/ci-job.yaml), outside its workdir
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ClusterSpec(BaseModel):
@@ -41,7 +49,9 @@ class ClusterSpec(BaseModel):
         60, description="tear the cluster down after this many idle minutes; None keeps it up"
     )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the server (ART_SKY_*)")
-    secrets: dict[str, str] = Field(default_factory=dict, description="environment SkyPilot redacts (store keys)")
+    secrets: dict[str, str] = Field(
+        default_factory=dict, description="environment for the server (store keys), sent in a 0600 file"
+    )
     python: str | None = Field(None, description="a Python on the cluster with art-sky installed: skip the install")
     version: str | None = Field(None, description="install art-sky==version from PyPI instead of a shipped wheel")
     wheel: Path | None = Field(None, description="the art-sky wheel to ship and install")
@@ -72,7 +82,9 @@ class CIJobSpec(BaseModel):
     autodown_minutes: int | None = Field(
         description="the cluster tears itself down after this many idle minutes (the safety net); None: no net"
     )
-    secrets: dict[str, str] = Field(default_factory=dict, description="environment SkyPilot redacts (--env-file)")
+    secrets: dict[str, str] = Field(
+        default_factory=dict, description="environment for the command (--env-file), sent in a 0600 file"
+    )
 
 
 def parse_gpus(values: list[str]) -> str | list[str] | None:
@@ -99,8 +111,22 @@ def load_template(path: Path | None = None, shipped: str = "cluster.yaml") -> di
     return config
 
 
-def render_task(spec: ClusterSpec, api_key: SecretStr) -> dict[str, Any]:
-    """The task config dict for `sky.Task.from_yaml_config`. The API key is a secret: never print the result."""
+def write_secrets(path: Path, values: dict[str, str]) -> Path:
+    """`values` as a shell file (KEY='value' lines, for `set -a; . file`) that only its owner can read: 0600 from
+    its first byte. Put it in a private folder outside any synced workdir (a `tempfile.mkdtemp`)."""
+    bad = sorted(k for k in values if not _NAME.fullmatch(k))
+    if bad:
+        raise ConfigError(f"secret names must be environment variable names (A-Z, 0-9, _): fix {', '.join(bad)}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file that was there keeps its old mode under O_CREAT
+    with os.fdopen(fd, "w") as file:
+        file.writelines(f"{k}={shlex.quote(v)}\n" for k, v in sorted(values.items()))
+    return path
+
+
+def render_task(spec: ClusterSpec, api_key: SecretStr, secrets_file: Path) -> dict[str, Any]:
+    """The task config dict for `sky.Task.from_yaml_config`. The API key and `spec.secrets` are written to
+    `secrets_file` (0600), which the task mounts at SECRETS_FILE: keep it until the launch returns."""
     config = load_template(spec.template)
     resources = _set_resources(config, spec.gpu, spec.infra, spec.spot, spec.autostop_minutes, spec.resources)
     if spec.gpu is None:
@@ -123,12 +149,14 @@ def render_task(spec: ClusterSpec, api_key: SecretStr) -> dict[str, Any]:
     envs.update(spec.env)
     if spec.num_nodes > 1:
         config["num_nodes"] = spec.num_nodes
-    config["secrets"] = (config.get("secrets") or {}) | spec.secrets | {"ART_SKY_API_KEY": api_key.get_secret_value()}
+    values = spec.secrets | {"ART_SKY_API_KEY": api_key.get_secret_value()}
+    _mount_secrets(config, secrets_file, values, SECRETS_FILE)
     return _merge(config, spec.overrides)
 
 
-def render_ci_task(spec: CIJobSpec) -> dict[str, Any]:
-    """The task config dict of a CI job (templates/ci-job.yaml). Secrets from --env-file: never print the result."""
+def render_ci_task(spec: CIJobSpec, secrets_file: Path) -> dict[str, Any]:
+    """The task config dict of a CI job (templates/ci-job.yaml). Secrets from --env-file go to `secrets_file`
+    (0600), mounted at CI_SECRETS_FILE: keep it until the launch returns."""
     config = load_template(shipped="ci-job.yaml")
     _set_resources(config, spec.gpu, spec.infra, spec.spot, spec.autodown_minutes, spec.resources)
     config["workdir"] = str(spec.workdir)
@@ -137,9 +165,19 @@ def render_ci_task(spec: CIJobSpec) -> dict[str, Any]:
         "ART_SKY_CI_SETUP": spec.setup,
         "ART_SKY_CI_TIMEOUT": str(spec.timeout_s),
     }
-    if spec.secrets:
-        config["secrets"] = (config.get("secrets") or {}) | spec.secrets
+    _mount_secrets(config, secrets_file, spec.secrets, CI_SECRETS_FILE)
     return config
+
+
+def _mount_secrets(config: dict[str, Any], local: Path, values: dict[str, str], remote: str) -> None:
+    """Write the secrets file and ship it by file_mounts; a template's task secrets of the same names (an older
+    template's `ART_SKY_API_KEY: null`) are dropped, so that no value travels as a SkyPilot secret as well."""
+    config.setdefault("file_mounts", {})[remote] = str(write_secrets(local, values))
+    left = {k: v for k, v in (config.get("secrets") or {}).items() if k not in values}
+    if left:
+        config["secrets"] = left
+    else:
+        config.pop("secrets", None)
 
 
 def _set_resources(
