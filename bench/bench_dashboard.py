@@ -29,23 +29,11 @@ import httpx
 
 from art_sky.settings import Settings
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_steps import group  # beside this file
+
 KEY = "bench-key"
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def group(step: int, size: int = 4, words: int = 8) -> dict:
-    return {
-        "trajectories": [
-            {
-                "items": [
-                    {"role": "user", "content": f"Say something {step}."},
-                    {"kind": "choice", "content": " ".join(f"w{step}-{i}-{w}" for w in range(words))},
-                ],
-                "reward": float(i % 2),
-            }
-            for i in range(size)
-        ]
-    }
 
 
 def cpu_s(pid: int) -> float:
@@ -117,7 +105,7 @@ async def main() -> None:
                     started = time.perf_counter()
                     response = await client.post(
                         "/art/models/bench/train",
-                        json={"groups": [group(step)] * args.groups, "config": {"learning_rate": 1e-4}},
+                        json={"groups": [group(step, 4, 8)] * args.groups, "config": {"learning_rate": 1e-4}},
                     )
                     assert json.loads(response.text.splitlines()[-1])["type"] == "result", response.text
                     return started, time.perf_counter()
