@@ -5,6 +5,7 @@ server is downed at once, `status` never folds names and has `--json`, Ctrl-C en
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -24,10 +25,11 @@ from processes import Lines, art_sky_cli, python_command
 from sshd import art_sky_home, sshd  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
-from art_sky import clusters
+from art_sky import TrainableModel, attach, clusters
 from art_sky.checkpoints import CheckpointDir
 from art_sky.cli import app
 from art_sky.cli.table import lines
+from art_sky.errors import ServerError
 from art_sky.layout import ServerLayout
 from art_sky.remote.ssh import SSHTarget
 
@@ -351,6 +353,24 @@ def test_two_clusters_on_one_host_up_status_and_down_independently(sshd, tmp_pat
     (line,) = [line for line in shown.splitlines() if LONG in line]
     assert line.startswith(f"{LONG}  ssh"), shown
     assert_quiet(piped.stdout + piped.stderr + shown)
+
+    # One lineage, one writer: a model trained on both clusters would share the host's checkpoint folder, so the
+    # second cluster's server refuses it (409), naming the first's; the first keeps it.
+    async def one_model_on_both() -> None:
+        first, second = attach("a"), attach(LONG)
+        try:
+            model = TrainableModel(name="shared", project="two-clusters", base_model="art-sky/tiny")
+            await model.register(first)
+            with pytest.raises(ServerError) as refused:
+                await TrainableModel(name="shared", project="two-clusters", base_model="art-sky/tiny").register(second)
+            said = str(refused.value)
+            assert refused.value.status_code == 409 and f"pid {a.pid}" in said, said
+            assert (await first.model_info(model)).step == 0
+        finally:
+            await first.close()
+            await second.close()
+
+    asyncio.run(one_model_on_both())
 
     result = cli("down", "a")
     assert result.exit_code == 0 and "server stopped" in result.output, result.output
