@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from art_sky.layout import ROLLOUTS
+from art_sky.layout import ROLLOUTS, model_key
 
 SHOWN_CHARS = 4000  # of a message's text on the page; the rest on demand (`full`)
 
@@ -17,8 +17,9 @@ def read_rollouts(root: Path, run_id: str, step: int, full: bool = False) -> dic
     """Step `step`'s groups from run `run_id`'s rollouts.jsonl (its last line for the step), each message's text
     cut to SHOWN_CHARS unless `full`; `error` says why there are none."""
     project, _, name = run_id.partition("/")
-    path = root / project / "models" / name / ROLLOUTS
-    if not name or "/" in name or ".." in (project, name) or not (root / project / "models" / name).is_dir():
+    folder = root / model_key(project, name)
+    path = folder / ROLLOUTS
+    if not name or "/" in name or ".." in (project, name) or not folder.is_dir():
         return {"step": step, "groups": [], "error": f"no run {run_id!r} under {root}"}
     try:
         lines = path.read_text(errors="replace").split("\n")

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from art_sky.layout import HISTORY
+from art_sky.layout import HISTORY, model_key
 
-RUN_GLOB = f"*/models/*/{HISTORY}"  # a checkpoint root's models: <root>/<project>/models/<name>/history.jsonl
+RUN_GLOB = f"{model_key('*', '*')}/{HISTORY}"  # every model's history under a checkpoint root
 
 
 @dataclass
@@ -94,7 +94,7 @@ def read_root(root: Path) -> dict:
     if not root.is_dir():
         error = f"{root} is not a folder: give the checkpoint root a run trains in (--path, e.g. .art)"
     elif not files:
-        models = list(root.glob("*/models/*"))
+        models = list(root.glob(model_key("*", "*")))
         error = (
             f"no run has finished a step in {root} yet: {len(models)} model folder(s), no {HISTORY}. The page "
             "updates when the first step ends"
